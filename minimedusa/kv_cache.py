@@ -1,0 +1,54 @@
+"""A static KV cache: one preallocated key tensor and one value tensor for the whole model.
+
+Every decoding step writes its new tokens' keys/values in place at explicit slots and attends to
+slots [0, S); nothing is concatenated or reallocated, so every step has the same memory layout
+(gpt-fast's design). Medusa needs two more verbs: write N tree tokens at once (slots prefix + node
+index) and copy the accepted nodes' slots into place (KV compaction, paper section 3).
+Left out: paging, sliding windows, quantized caches.
+
+Shapes: L layers, B batch, G key/value heads, M capacity (slots), D head dim, N tokens written.
+"""
+import torch
+
+
+class CacheOverflowError(RuntimeError):
+    """A write past the cache's capacity (the prompt plus new tokens do not fit)."""
+
+
+class KVCache:
+    def __init__(self, num_layers, batch_size, num_kv_heads, capacity, head_dim, device, dtype):
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)  # (L, B, G, M, D)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+        # note: the length lives on the host (a Python int) so that building the next step's
+        # slots and mask never waits for the device.
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model, capacity, batch_size=1) -> "KVCache":
+        cfg, weight = model.config, model.embed.weight
+        return cls(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, capacity,
+                   cfg.head_dim, weight.device, weight.dtype)
+
+    def slots(self, start: int, n: int) -> torch.Tensor:
+        """Slots [start, start + n) as a (N,) tensor on the cache's device; checked on the host."""
+        if start < 0 or start + n > self.capacity:
+            raise CacheOverflowError(f"KV cache overflow: writing slots [{start}, {start + n}) "
+                                     f"but the cache holds {self.capacity}")
+        return torch.arange(start, start + n, device=self.k.device)
+
+    def update(self, layer: int, slots, k, v, n_read: int):
+        """Store k, v (B, G, N, D) at `slots` (N,) of one layer; return slots [0, n_read) of it.
+
+        The returned tensors are views of the cache, (B, G, n_read, D) each: no copy.
+        """
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer, :, :, :n_read], self.v[layer, :, :, :n_read]
+
+    def copy_slots(self, src, dst) -> None:
+        """Copy every layer's entries at slots `src` (N,) to slots `dst` (N,), e.g. the accepted
+        tree nodes to the end of the prefix. Reading first makes overlapping src/dst safe."""
+        self.k.index_copy_(3, dst, self.k.index_select(3, src))
+        self.v.index_copy_(3, dst, self.v.index_select(3, src))

@@ -1,0 +1,214 @@
+"""A Llama, written from scratch: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+This is the backbone Medusa accelerates. Two things make it ready for tree decoding: position ids
+are explicit (tree tokens at the same depth share a position, paper section 2), and the attention
+mask is an argument of forward (the tree mask is passed exactly like the causal one). forward
+returns the logits AND the last hidden state (after the final norm), which the Medusa heads read.
+Left out: RoPE scaling variants, attention biases, sliding windows (SmolLM2 and Llama 2 use none).
+
+Shapes: B batch, T new tokens, S attended cache slots, C model dim, H query heads,
+G key/value heads (grouped-query attention), D head dim, V vocab, L layers.
+"""
+from dataclasses import MISSING, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ConfigError(ValueError):
+    """A config.json that does not describe a Llama this code can run."""
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int  # C
+    intermediate_size: int  # the SwiGLU inner dim
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # G; H % G == 0
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    head_dim: int = 0  # D; 0 means hidden_size // num_attention_heads
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaConfig":
+        """Read an HF-style config.json dict; unknown keys are ignored, missing ones are an error."""
+        architectures = hf.get("architectures") or ["LlamaForCausalLM"]
+        model_type = hf.get("model_type", "llama")
+        if model_type != "llama" or "LlamaForCausalLM" not in architectures:
+            raise ConfigError(f"config.json describes model_type={model_type!r} "
+                              f"architectures={architectures}, but minimedusa only runs Llama")
+        if hf.get("rope_scaling"):
+            raise ConfigError(f"config.json sets rope_scaling={hf['rope_scaling']}, "
+                              "which minimedusa does not implement")
+        known = {f.name for f in fields(cls)}
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        missing = [name for name in required if name not in hf]
+        if missing:
+            raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
+        return cls(**{k: v for k, v in hf.items() if k in known and v is not None})
+
+    def to_hf(self) -> dict:
+        """The config.json that HF tools (and from_hf) read back."""
+        hf = {f.name: getattr(self, f.name) for f in fields(self)}
+        hf.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu")
+        return hf
+
+    @classmethod
+    def tiny(cls, **overrides) -> "LlamaConfig":
+        """A few-thousand-parameter Llama for tests: every code path, none of the cost."""
+        base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    eos_token_id=1)
+        return cls(**{**base, **overrides})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # (..., C) -> (..., C)
+        # note: the mean of squares is taken in float32 even for bf16 activations (style rule 12),
+        # then cast back before the weight, exactly as the reference Llama does.
+        xf = at_least_float32(x)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """float32 for bf16/fp16/fp32 activations, float64 stays float64 (the exactness tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos and sin of each (position, frequency) pair: (B, 1, T, D // 2) each, float32.
+
+    Computed per forward from the explicit positions (a few tiny ops) rather than kept in a
+    buffer, so that casting the model to bf16 can never round the angles of far positions.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                            dtype=torch.float32) / head_dim)  # (D/2,)
+    angles = positions.unsqueeze(-1).float() * inv_freq  # (B, T, D/2)
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + D/2]) by each position's angle (HF's "rotate_half" layout).
+
+    x: (B, heads, T, D); cos, sin: (B, 1, T, D // 2).
+    """
+    x1, x2 = at_least_float32(x).chunk(2, dim=-1)  # (B, heads, T, D/2) each
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index  # which of the KV cache's L layers this one owns
+        self.n_head, self.n_kv_head, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.wq = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache, slots):
+        """x: (B, T, C); mask: (B, 1, T, S) bool, True = may attend.
+
+        Without a cache the T tokens attend to each other (S == T). With one, their keys/values
+        are stored at cache slots `slots` (T,) and the tokens attend to cache slots [0, S).
+        """
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_index, slots, k, v, n_read=mask.shape[-1])  # (B,G,S,D)
+        # enable_gqa: each group of H // G query heads reads one key/value head, no repeat copy
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B,H,T,D)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):  # (B, T, C) -> (B, T, C)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_index: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_index)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, slots):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, slots)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def hidden_states(self, tokens, positions, mask, cache=None, slots=None):
+        """The last hidden state after the final norm: (B, T, C).
+
+        tokens, positions: (B, T) int64. Position ids are explicit because in a Medusa tree the
+        siblings share one (prefix length + depth) although they sit in different cache slots.
+        mask: (B, T, S) bool, True where token t may attend to slot s (or to token s, no cache).
+        cache, slots: a KVCache and the (T,) slots where these tokens' keys/values are written.
+        """
+        cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+        mask = mask.unsqueeze(1)  # (B, 1, T, S): the same mask for every head
+        x = self.embed(tokens)  # (B, T, C)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, slots)
+        return self.norm(x)
+
+    def forward(self, tokens, positions, mask, cache=None, slots=None):
+        """(logits (B, T, V), hidden (B, T, C)): the backbone's next-token scores and what the
+        Medusa heads read."""
+        hidden = self.hidden_states(tokens, positions, mask, cache, slots)
+        return self.lm_head(hidden), hidden
+
+
+def causal_mask(prefix_len: int, n_new: int, device=None) -> torch.Tensor:
+    """(1, T, prefix + T) bool: new token t sees the whole cached prefix and new tokens <= t."""
+    rows = torch.arange(n_new, device=device).unsqueeze(1)  # (T, 1)
+    cols = torch.arange(prefix_len + n_new, device=device).unsqueeze(0)  # (1, S)
+    return (cols <= rows + prefix_len).unsqueeze(0)

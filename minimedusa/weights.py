@@ -1,0 +1,128 @@
+"""Load and save a Llama in the HF folder layout: config.json + safetensors (single or sharded).
+
+The HF tensor names are mapped to this project's module names by an explicit table, and loading
+is strict: a missing tensor, an unexpected one or a wrong shape is an error that names it.
+Any stored dtype is cast to the requested one. No pickle anywhere: safetensors only.
+"""
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from minimedusa.model import ConfigError, Llama, LlamaConfig
+
+
+class WeightsError(ValueError):
+    """A model folder or weights file that cannot be loaded as the config describes."""
+
+
+# HF name inside model.layers.{i}  ->  name inside this project's layers.{i}
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn.wq.weight",
+    "self_attn.k_proj.weight": "attn.wk.weight",
+    "self_attn.v_proj.weight": "attn.wv.weight",
+    "self_attn.o_proj.weight": "attn.wo.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+    "mlp.gate_proj.weight": "mlp.gate.weight",
+    "mlp.up_proj.weight": "mlp.up.weight",
+    "mlp.down_proj.weight": "mlp.down.weight",
+}
+
+
+def hf_name_map(cfg: LlamaConfig) -> dict[str, str]:
+    """Every tensor an HF Llama checkpoint of this config holds -> our parameter name."""
+    names = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    for i in range(cfg.num_hidden_layers):
+        for hf, ours in LAYER_NAMES.items():
+            names[f"model.layers.{i}.{hf}"] = f"layers.{i}.{ours}"
+    return names
+
+
+def read_config(folder: Path) -> LlamaConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise WeightsError(f"no config.json in {folder}")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    return LlamaConfig.from_hf(hf)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """model.safetensors, or the shards listed by model.safetensors.index.json."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / shard for shard in shards]
+    else:
+        files = [folder / "model.safetensors"]
+    for f in files:
+        if not f.is_file():
+            raise WeightsError(f"missing weights file {f}")
+    return files
+
+
+def read_tensors(files: list[Path], device, dtype) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    tensors[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+        except Exception as e:  # safetensors reports truncation/corruption with varied types
+            raise WeightsError(f"cannot read {f} (truncated or corrupt?): {e}") from None
+    return tensors
+
+
+def match_names(cfg: LlamaConfig, hf_tensors: dict) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to ours, strictly. Returns our state dict."""
+    names = hf_name_map(cfg)
+    if cfg.tie_word_embeddings:
+        # note: some tied checkpoints store the LM head anyway; it is the embedding, so drop it.
+        hf_tensors.pop("lm_head.weight", None)
+    missing = [n for n in names if n not in hf_tensors]
+    unexpected = [n for n in hf_tensors if n not in names]
+    if missing:
+        raise WeightsError(f"weights lack tensor {missing[0]}" +
+                           (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        raise WeightsError(f"unexpected tensor {unexpected[0]} in the weights" +
+                           (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    return {names[n]: t for n, t in hf_tensors.items()}
+
+
+def load_model(folder, device="cpu", dtype=torch.float32) -> Llama:
+    """Build the Llama of folder/config.json and fill it from folder's safetensors."""
+    cfg = read_config(folder)
+    state = match_names(cfg, read_tensors(safetensors_files(folder), device, dtype))
+    with torch.device("meta"):  # no memory for random init: every tensor is replaced below
+        model = Llama(cfg)
+    expected = {n: p.shape for n, p in model.state_dict().items()}
+    for name, tensor in state.items():
+        if tensor.shape != expected[name]:
+            raise WeightsError(f"tensor {name} has shape {tuple(tensor.shape)}, "
+                               f"the config needs {tuple(expected[name])}")
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight  # assign=True untied them: one Parameter again
+    return model.eval().requires_grad_(False)
+
+
+def save_model(model: Llama, folder) -> None:
+    """Write config.json + model.safetensors in the HF layout (what load_model reads)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ours_to_hf = {ours: hf for hf, ours in hf_name_map(model.config).items()}
+    state = {ours_to_hf[n]: t.contiguous() for n, t in model.state_dict().items() if n in ours_to_hf}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+
