@@ -1,0 +1,58 @@
+"""Turning next-token logits into a token: greedy, or sampling with temperature and top-p.
+
+`probabilities` is the target distribution p that every sampler here draws from; Medusa's
+rejection sampling (paper section 3) will verify its drafts against the very same p.
+Left out: top-k, repetition penalties, min-p.
+
+Shapes: V vocab; "..." any leading dims.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device) -> torch.Generator:
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-p nucleus and renormalised: (..., V) float32."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (..., V)
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (..., V) each
+    # a token stays if the tokens ranked above it have not yet reached top_p (so >= 1 stays)
+    drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
+    """One token id per row of logits (..., V) -> (...,), greedy or sampled."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    probs = probabilities(logits, sampling.temperature, sampling.top_p)
+    flat = probs.reshape(-1, probs.shape[-1])  # (rows, V): multinomial wants 2-D
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
