@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     p.add_argument("--model", type=Path, default=None,
                    help="an HF Llama folder with config.json, *.safetensors and tokenizer.json "
-                   f"(default: {DEFAULT_MODEL_DIR.relative_to(Path.cwd()) if DEFAULT_MODEL_DIR.is_relative_to(Path.cwd()) else DEFAULT_MODEL_DIR})")
+                   "(default: weights/SmolLM2-135M-Instruct, fetched and converted on first use)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto",
                    help="auto (default: float32 on CPU, bfloat16 on CUDA), float32, bfloat16, "
