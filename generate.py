@@ -118,6 +118,8 @@ def run(args) -> dict:
         if not args.json:
             print(stream.push(new), end="", flush=True)
     seconds = time.perf_counter() - start
+    if not args.json:
+        print(stream.flush(), end="", flush=True)
     return {"prompt_ids": ids, "output_ids": output,
             "text": tokenizer.decode(output, skip_special=True), "new_tokens": len(output),
             "steps": steps, "seconds": round(seconds, 4),

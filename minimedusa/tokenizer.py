@@ -95,9 +95,22 @@ class StreamDecoder:
 
     def push(self, ids: list[int]) -> str:
         self.ids += ids
-        emitted = self.tokenizer.decode(self.ids[self.start:self.done], skip_special=True)
-        window = self.tokenizer.decode(self.ids[self.start:], skip_special=True)
-        if window.endswith("\ufffd"):
+        text = self.unemitted()
+        if text.endswith("\ufffd"):
             return ""
         self.start, self.done = self.done, len(self.ids)
+        return text
+
+    def flush(self) -> str:
+        """Whatever is still held back when the output ends (bytes that never became valid
+        UTF-8 are shown as U+FFFD, as the full decode shows them)."""
+        text = self.unemitted()
+        self.start = self.done = len(self.ids)
+        return text
+
+    def unemitted(self) -> str:
+        """The text of the tokens after `done`, decoded with a few tokens of left context
+        (byte-level BPE pieces only decode correctly next to their neighbours)."""
+        emitted = self.tokenizer.decode(self.ids[self.start:self.done], skip_special=True)
+        window = self.tokenizer.decode(self.ids[self.start:], skip_special=True)
         return window[len(emitted):]

@@ -81,10 +81,10 @@ def read_tensors(files: list[Path], device, dtype) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def match_names(cfg: LlamaConfig, hf_tensors: dict) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to ours, strictly. Returns our state dict."""
-    names = hf_name_map(cfg)
-    if cfg.tie_word_embeddings:
+def match_names(model: Llama, hf_tensors: dict) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to ours, strictly: every error names the tensor as the file does."""
+    names = hf_name_map(model.config)
+    if model.config.tie_word_embeddings:
         # note: some tied checkpoints store the LM head anyway; it is the embedding, so drop it.
         hf_tensors.pop("lm_head.weight", None)
     missing = [n for n in names if n not in hf_tensors]
@@ -95,20 +95,20 @@ def match_names(cfg: LlamaConfig, hf_tensors: dict) -> dict[str, torch.Tensor]:
     if unexpected:
         raise WeightsError(f"unexpected tensor {unexpected[0]} in the weights" +
                            (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    shapes = {n: p.shape for n, p in model.state_dict().items()}
+    for hf, ours in names.items():
+        if hf_tensors[hf].shape != shapes[ours]:
+            raise WeightsError(f"tensor {hf} has shape {tuple(hf_tensors[hf].shape)}, "
+                               f"the config needs {tuple(shapes[ours])}")
     return {names[n]: t for n, t in hf_tensors.items()}
 
 
 def load_model(folder, device="cpu", dtype=torch.float32) -> Llama:
     """Build the Llama of folder/config.json and fill it from folder's safetensors."""
     cfg = read_config(folder)
-    state = match_names(cfg, read_tensors(safetensors_files(folder), device, dtype))
     with torch.device("meta"):  # no memory for random init: every tensor is replaced below
         model = Llama(cfg)
-    expected = {n: p.shape for n, p in model.state_dict().items()}
-    for name, tensor in state.items():
-        if tensor.shape != expected[name]:
-            raise WeightsError(f"tensor {name} has shape {tuple(tensor.shape)}, "
-                               f"the config needs {tuple(expected[name])}")
+    state = match_names(model, read_tensors(safetensors_files(folder), device, dtype))
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     model.load_state_dict(state, strict=True, assign=True)

@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny random Llama, the real default model, the reference fixture file.
+
+Tests that touch a model run on every available device (the CPU always, CUDA where present), so
+the same suite proves the CUDA path on a GPU machine.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from minimedusa.default_model import ensure_default_model
+from minimedusa.model import Llama, LlamaConfig
+from minimedusa.weights import load_model
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def tiny_model(seed: int = 0, dtype=torch.float64, device="cpu", **overrides) -> Llama:
+    """A random tiny Llama; float64 by default so that exactness tests compare exactly."""
+    torch.manual_seed(seed)
+    return Llama(LlamaConfig.tiny(**overrides)).to(device=device, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    path = SHARED / "fixtures" / "smollm2_reference.json"
+    if not path.is_file():
+        pytest.skip(f"reference fixture {path} not found (../shared beside the repo)")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model, fetched and converted on first use (as generate.py does)."""
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def smollm2(request, default_model_dir):
+    """SmolLM2-135M-Instruct in float32 on each available device, loaded once per device."""
+    return load_model(default_model_dir, request.param, torch.float32)

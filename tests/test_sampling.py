@@ -1,0 +1,65 @@
+"""Greedy and sampled plain decoding: top-p keeps exactly the nucleus, sampling is reproducible
+per seed, and the sampled frequencies follow softmax(logits / T)."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import tiny_model
+from minimedusa.plain_decoding import PromptTooLongError, plain_decode
+from minimedusa.sampling import Sampling, next_token, probabilities
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000), top_p=st.floats(0.05, 1.0))
+def test_top_p_keeps_the_smallest_set_reaching_p(seed, top_p):
+    logits = torch.randn(20, generator=torch.Generator().manual_seed(seed)) * 3
+    full = torch.softmax(logits, -1)
+    kept = probabilities(logits, 1.0, top_p) > 0
+    n = int(kept.sum())
+    ranked = full.sort(descending=True).values
+    assert kept.tolist() == (full >= ranked[n - 1]).tolist()  # the n most likely tokens
+    assert ranked[:n].sum() >= top_p - 1e-6 or n == 20  # they reach top_p ...
+    assert n == 1 or ranked[:n - 1].sum() < top_p  # ... and n - 1 would not
+    torch.testing.assert_close(probabilities(logits, 1.0, top_p).sum(), torch.tensor(1.0))
+
+
+def test_greedy_picks_the_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    assert next_token(logits, Sampling(), None).tolist() == [1, 0]
+
+
+def test_sampled_frequencies_follow_the_temperature_softmax():
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    sampling = Sampling(temperature=0.7, seed=0)
+    g = sampling.generator("cpu")
+    draws = next_token(logits.expand(40_000, 4), sampling, g)
+    freq = torch.bincount(draws, minlength=4).float() / 40_000
+    torch.testing.assert_close(freq, torch.softmax(logits / 0.7, -1), atol=0.01, rtol=0)
+
+
+def test_sampled_decoding_is_reproducible_per_seed():
+    model = tiny_model()
+    run = lambda seed: [t for s in plain_decode(model, [3, 4, 5], 20,  # noqa: E731
+                                                 Sampling(1.0, 0.9, seed), set()) for t in s]
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_decoding_stops_at_eos_and_yields_it():
+    model = tiny_model()
+    free = [t for s in plain_decode(model, [3, 4, 5], 10, Sampling(), set()) for t in s]
+    stop = free[4]
+    out = [t for s in plain_decode(model, [3, 4, 5], 10, Sampling(), {stop}) for t in s]
+    assert out == free[:free.index(stop) + 1]
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error():
+    model = tiny_model(max_position_embeddings=16)
+    with pytest.raises(PromptTooLongError, match="the model's context is 16 tokens"):
+        next(plain_decode(model, list(range(10)), 8, Sampling(), set()))
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5)])
+def test_bad_sampling_settings_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        Sampling(**kwargs)

@@ -1,0 +1,116 @@
+"""Loading HF-layout weights: an exact round trip, strict errors that name the tensor or field,
+dtype casting, sharded checkpoints, and the GGUF Q/K row order undone."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_model
+from minimedusa.default_model import unpermute_qk
+from minimedusa.model import ConfigError
+from minimedusa.weights import WeightsError, load_model, save_model
+
+
+def same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_then_load_round_trips_exactly(tmp_path, tied):
+    model = tiny_model(dtype=torch.float32, tie_word_embeddings=tied)
+    save_model(model, tmp_path)
+    loaded = load_model(tmp_path)
+    assert same_weights(model, loaded)
+    assert (loaded.lm_head.weight is loaded.embed.weight) == tied
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    model = tiny_model(dtype=torch.float32)
+    save_model(model, tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: state[k] for k in keys}, tmp_path / shard)
+    (tmp_path / "model.safetensors").unlink()
+    index = {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert same_weights(model, load_model(tmp_path))
+
+
+def test_any_stored_dtype_loads_as_the_requested_dtype(tmp_path):
+    save_model(tiny_model(dtype=torch.bfloat16), tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def edit_tensors(folder, edit):
+    state = load_file(folder / "model.safetensors")
+    edit(state)
+    save_file(state, folder / "model.safetensors")
+
+
+def test_missing_tensor_is_an_error_naming_it(tmp_path):
+    save_model(tiny_model(), tmp_path)
+    edit_tensors(tmp_path, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(WeightsError, match=r"lack tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(tmp_path)
+
+
+def test_unexpected_tensor_is_an_error_naming_it(tmp_path):
+    save_model(tiny_model(), tmp_path)
+    edit_tensors(tmp_path, lambda s: s.update({"model.extra.weight": torch.zeros(2)}))
+    with pytest.raises(WeightsError, match=r"unexpected tensor model\.extra\.weight"):
+        load_model(tmp_path)
+
+
+def test_wrong_shape_is_an_error_naming_the_tensor(tmp_path):
+    save_model(tiny_model(), tmp_path)
+    edit_tensors(tmp_path, lambda s: s.update({"model.norm.weight": torch.ones(7)}))
+    with pytest.raises(WeightsError, match=r"tensor model\.norm\.weight has shape \(7,\)"):
+        load_model(tmp_path)
+
+
+def test_truncated_weights_file_is_a_clear_error(tmp_path):
+    save_model(tiny_model(), tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(WeightsError, match="truncated or corrupt"):
+        load_model(tmp_path)
+
+
+def test_missing_weights_file_is_a_clear_error(tmp_path):
+    save_model(tiny_model(), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(WeightsError, match="missing weights file"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("hidden_size"), "missing required field.*hidden_size"),
+    (lambda c: c.update(model_type="mistral", architectures=["MistralForCausalLM"]),
+     "only runs Llama"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, edit, message):
+    save_model(tiny_model(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        load_model(tmp_path)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's HF -> GGUF converter does to the Q and K rows (the direction we undo)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, w.shape[1]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+@pytest.mark.parametrize("n_head", [1, 3, 9])
+def test_unpermute_qk_inverts_llama_cpp_permutation(n_head):
+    w = np.random.default_rng(0).standard_normal((n_head * 64, 40)).astype(np.float32)
+    assert np.array_equal(unpermute_qk(llama_cpp_permute(w, n_head), n_head), w)
