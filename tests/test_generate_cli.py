@@ -1,0 +1,111 @@
+"""generate.py as a user runs it: the real model end to end, and one clear line (no traceback,
+non-zero exit) for each kind of bad input."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_model
+from minimedusa.weights import save_model
+
+
+def generate(*args, timeout=300):
+    return subprocess.run([sys.executable, str(REPO / "generate.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture
+def tiny_folder(tmp_path, default_model_dir):
+    """A tiny random Llama (context 64) with the real tokenizer, as an HF folder."""
+    folder = tmp_path / "tiny"
+    save_model(tiny_model(dtype=torch.float32, max_position_embeddings=64,
+                          vocab_size=49152), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, folder / name)
+    return folder
+
+
+def test_json_output_matches_the_reference_greedy_continuation(reference):
+    case = reference["greedy"]["cases"][0]
+    done = generate("--prompt", case["messages"][0]["content"], "--max-new-tokens", "16",
+                    "--json", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["prompt_ids"] == case["prompt_ids"]
+    assert result["output_ids"] == case["output_ids"][:16]
+    assert result["new_tokens"] == result["steps"] == 16
+    assert result["text"] and result["tokens_per_s"] > 0 and result["seconds"] > 0
+    assert "tokens/s" in done.stderr
+
+
+def test_generate_streams_text_on_the_tiny_model(tiny_folder):
+    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "5",
+                    "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert "5 tokens" in done.stderr
+
+
+def assert_one_line_error(done, *needles):
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--dtype", "int3"], "unknown dtype 'int3'"),
+    (["--top-p", "0"], "top_p"),
+    (["--model", "/no/such/folder"], "/no/such/folder"),
+])
+def test_bad_flags_give_one_clear_line(tiny_folder, flags, needle):
+    model = [] if "--model" in flags else ["--model", str(tiny_folder)]
+    assert_one_line_error(generate("--prompt", "Hi", *model, *flags), needle)
+
+
+def test_prompt_longer_than_the_context_gives_one_clear_line(tiny_folder):
+    done = generate("--model", str(tiny_folder), "--raw", "--prompt", "word " * 100)
+    assert_one_line_error(done, "context is 64 tokens")
+
+
+def test_missing_weights_file_gives_one_clear_line(tiny_folder):
+    (tiny_folder / "model.safetensors").unlink()
+    assert_one_line_error(generate("--model", str(tiny_folder), "--prompt", "Hi"),
+                          "missing weights file")
+
+
+def test_truncated_weights_file_gives_one_clear_line(tiny_folder):
+    path = tiny_folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert_one_line_error(generate("--model", str(tiny_folder), "--prompt", "Hi"), "truncated")
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c.pop("num_hidden_layers"), "num_hidden_layers"),
+    (lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "only runs Llama"),
+])
+def test_bad_config_gives_one_clear_line(tiny_folder, edit, needle):
+    config = json.loads((tiny_folder / "config.json").read_text())
+    edit(config)
+    (tiny_folder / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(generate("--model", str(tiny_folder), "--prompt", "Hi"), needle)
+
+
+def test_generate_peak_memory_stays_below_1_5_gb(default_model_dir):
+    """Peak resident memory of a whole generate.py run on the default model (CPU, fp32)."""
+    probe = ("import resource, runpy, sys; sys.argv = ['generate.py', '--prompt', 'Hi', "
+             "'--max-new-tokens', '16', '--device', 'cpu']; "
+             "runpy.run_path('generate.py', run_name='__main__'); "
+             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    peak_kb = int(done.stderr.strip().splitlines()[-1])  # Linux reports ru_maxrss in KiB
+    assert peak_kb < 1.5 * 1024 * 1024, f"peak RSS {peak_kb / 1024:.0f} MiB"
