@@ -85,11 +85,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):  # (..., C) -> (..., C)
-        # note: the mean of squares is taken in float32 even for bf16 activations (style rule 12),
-        # then cast back before the weight, exactly as the reference Llama does.
-        xf = at_least_float32(x)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # note: normalised in float32 even for bf16 activations (style rule 12), then cast back
+        # before the weight, exactly as the reference Llama does.
+        normed = F.rms_norm(at_least_float32(x), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +97,7 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos and sin of each (position, frequency) pair: (B, 1, T, D // 2) each, float32.
+    """cos and sin of each position's rotation angles: (B, 1, T, D) each, float32.
 
     Computed per forward from the explicit positions (a few tiny ops) rather than kept in a
     buffer, so that casting the model to bf16 can never round the angles of far positions.
@@ -106,17 +105,19 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float):
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                             dtype=torch.float32) / head_dim)  # (D/2,)
     angles = positions.unsqueeze(-1).float() * inv_freq  # (B, T, D/2)
-    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, D): both halves
+    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + D/2]) by each position's angle (HF's "rotate_half" layout).
+    """Rotate each pair (x[i], x[i + D/2]) by its angle (HF Llama's "rotate_half" layout).
 
-    x: (B, heads, T, D); cos, sin: (B, 1, T, D // 2).
+    x: (B, heads, T, D); cos, sin: (B, 1, T, D).
     """
-    x1, x2 = at_least_float32(x).chunk(2, dim=-1)  # (B, heads, T, D/2) each
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return rotated.to(x.dtype)
+    xf = at_least_float32(x)
+    x1, x2 = xf.chunk(2, dim=-1)  # (B, heads, T, D/2) each
+    rotated_half = torch.cat([-x2, x1], dim=-1)  # (B, heads, T, D)
+    return (xf * cos + rotated_half * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
