@@ -1,0 +1,111 @@
+"""Acceptance (paper section 3): which tree candidates the backbone verifies, and the next token.
+
+Every verify function takes the backbone's logits at each tree node, (N, V) (node i's logits
+predict the token of node i's children), the tree and its tokens (N,), and returns three 0-d
+tensors: the chosen root-to-leaf path, how many candidates along it were accepted (0..D), and
+the next token, drawn from the backbone's distribution at the last accepted node; it becomes the
+next step's root. Nothing here syncs with the host: the decoding step does, once.
+
+- greedy: a candidate is accepted iff it is the argmax. Lossless: output == plain greedy.
+- rejection sampling: draw y ~ p at every node; a child is accepted iff its token is y. With
+  deterministic top-k drafts (q a point mass) this IS speculative sampling's multi-draft rule:
+  accepting child x with probability min(1, r(x)/q(x)) = r(x) and updating the residual r to
+  norm(max(0, r - q)) after each rejected child is the same as drawing once from p and taking
+  the child that matches; a draw that matches no child is the residual sample. Lossless.
+- typical: a candidate x is accepted iff p(x) > min(eps, delta * exp(-H(p))), p at temperature
+  T; the next token is greedy, so each step yields >= 1 token. Not lossless; eps is the knob.
+
+Shapes: N tree nodes, V vocab, P root-to-leaf paths, D max depth.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from minimedusa.sampling import probabilities
+from minimedusa.tree import MedusaTree
+
+
+def accept_along_paths(matches: torch.Tensor) -> torch.Tensor:
+    """Accepted length of each path: its longest all-True prefix. matches (P, D) -> (P,)."""
+    return matches.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def child_tokens(tree: MedusaTree, tokens: torch.Tensor) -> torch.Tensor:
+    """The candidate at depth d + 1 of each path, (P, D); -1 on the padding (never matches)."""
+    return tokens[tree.paths[:, 1:]].masked_fill(~tree.path_valid[:, 1:], -1)
+
+
+def pick_by_draws(draws: torch.Tensor, tree: MedusaTree, tokens: torch.Tensor):
+    """Accept each child whose token equals its parent's draw (N,). Children of a node are
+    distinct tokens (distinct top-k ranks), so at most one matches and the accepted path is
+    unique; any path of the longest length holds it."""
+    parents = tree.paths[:, :-1]  # (P, D): the node whose logits judge depth d + 1
+    lengths = accept_along_paths(draws[parents] == child_tokens(tree, tokens))  # (P,)
+    best = lengths.argmax()
+    last = tree.paths[best, lengths[best]]  # the last accepted node
+    return best, lengths[best], draws[last]
+
+
+def greedy_acceptance(logits, tree: MedusaTree, tokens, generator=None):
+    return pick_by_draws(logits.argmax(dim=-1), tree, tokens)
+
+
+def rejection_acceptance(logits, tree: MedusaTree, tokens, generator, temperature, top_p):
+    probs = probabilities(logits, temperature, top_p)  # (N, V) float32
+    draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (N,): y ~ p per node
+    return pick_by_draws(draws, tree, tokens)
+
+
+def typical_acceptance(logits, tree: MedusaTree, tokens, generator, temperature, eps, delta):
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (N, V) p_original at T
+    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # (N,) H(p); 0 log 0 = 0
+    threshold = torch.minimum(torch.full_like(entropy, eps), delta * torch.exp(-entropy))  # (N,)
+    parents = tree.paths[:, :-1]  # (P, D)
+    children = child_tokens(tree, tokens)  # (P, D)
+    p_child = probs[parents, children.clamp(min=0)]  # (P, D): p(candidate | its context)
+    matches = (p_child > threshold[parents]) & (children >= 0)
+    lengths = accept_along_paths(matches)  # (P,)
+    # among the longest paths, the most likely: sum of log p over the accepted candidates
+    accepted = torch.arange(matches.shape[1], device=logits.device) < lengths[:, None]  # (P, D)
+    log_lik = torch.where(accepted, p_child.log(), 0.0).sum(dim=-1)  # (P,)
+    best = torch.where(lengths == lengths.max(), log_lik, -torch.inf).argmax()
+    last = tree.paths[best, lengths[best]]
+    return best, lengths[best], logits[last].argmax()  # the next token is greedy
+
+
+@dataclass
+class Acceptance:
+    """A verify rule and the rule for the very first token (from the prompt's logits), which
+    must draw from the same distribution as the verify rule's next token."""
+    name: str
+    verify: Callable  # (logits (N, V), tree, tokens (N,), generator) -> (path, length, next)
+    first: Callable  # (logits (V,), generator) -> token ()
+
+
+def greedy() -> Acceptance:
+    return Acceptance("greedy", greedy_acceptance, lambda logits, g: logits.argmax())
+
+
+def rejection(temperature: float, top_p: float = 1.0) -> Acceptance:
+    if temperature == 0:
+        return greedy()  # the T -> 0 limit of sampling
+
+    def verify(logits, tree, tokens, g):
+        return rejection_acceptance(logits, tree, tokens, g, temperature, top_p)
+
+    def first(logits, g):
+        return torch.multinomial(probabilities(logits, temperature, top_p), 1, generator=g)[0]
+
+    return Acceptance(f"rejection(T={temperature}, top_p={top_p})", verify, first)
+
+
+def typical(temperature: float, eps: float = 0.09, delta: float = 0.3) -> Acceptance:
+    if temperature == 0:
+        return greedy()  # p at T = 0 is one-hot on the argmax: only the argmax passes
+
+    def verify(logits, tree, tokens, g):
+        return typical_acceptance(logits, tree, tokens, g, temperature, eps, delta)
+
+    return Acceptance(f"typical(T={temperature}, eps={eps}, delta={delta})", verify,
+                      lambda logits, g: logits.argmax())

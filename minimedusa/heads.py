@@ -1,0 +1,151 @@
+"""Medusa heads (paper section 1): K extra heads on the backbone's last hidden state.
+
+Head k (k = 1..K) reads h_t, the hidden state at position t after the final norm, and predicts
+token t+k+1 (the backbone's own LM head predicts t+1):
+
+    p_t^(k) = softmax( W2^(k) · ( SiLU(W1^(k) · h_t + b1^(k)) + h_t ) )
+
+with L residual blocks stacked before W2. Two parametrisations of W2: each head's own V×d
+projection, initialised as a copy of the LM head (the paper's form, the reference's "V1"
+checkpoints), or the backbone's LM head shared by every head (the reference's "V2").
+Files: config.json + medusa_lm_head.safetensors with the reference's keys ({i}.{j}.linear.weight,
+{i}.{j}.linear.bias, {i}.{L}.weight), so heads move between this project and others.
+
+Shapes: B batch, T tokens, C model dim, V vocab, K heads.
+"""
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+HEADS_FILE = "medusa_lm_head.safetensors"
+
+
+class HeadsError(ValueError):
+    """Heads that cannot be loaded, or that do not fit the model."""
+
+
+@dataclass
+class MedusaConfig:
+    medusa_num_heads: int  # K
+    medusa_num_layers: int  # L residual blocks per head
+    hidden_size: int  # C: must equal the backbone's
+    vocab_size: int  # V: must equal the backbone's
+    shared_lm_head: bool = False  # True: heads reuse the backbone's LM head (no own W2)
+
+    def check_fits(self, model_config) -> None:
+        for field in ("hidden_size", "vocab_size"):
+            ours, theirs = getattr(self, field), getattr(model_config, field)
+            if ours != theirs:
+                raise HeadsError(f"the heads' {field} is {ours} but the model's is {theirs}: "
+                                 "these heads were trained for another model")
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W1 x + b1); W1 = 0 and b1 = 0 at init, so the block starts as the identity."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x):  # (..., C) -> (..., C)
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, cfg: MedusaConfig):
+        super().__init__()
+        self.config = cfg
+
+        def head():  # L blocks, then (own form only) W2: its index L gives the key {i}.{L}.weight
+            blocks = [ResBlock(cfg.hidden_size) for _ in range(cfg.medusa_num_layers)]
+            if not cfg.shared_lm_head:
+                blocks.append(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+            return nn.Sequential(*blocks)
+
+        # note: a comprehension, not [head()] * K, which would repeat ONE head K times.
+        self.heads = nn.ModuleList([head() for _ in range(cfg.medusa_num_heads)])
+
+    @classmethod
+    def for_model(cls, model, num_heads: int, num_layers: int = 1,
+                  shared_lm_head: bool = False) -> "MedusaHeads":
+        """Fresh heads in the paper's initialisation: every head predicts exactly what the LM
+        head predicts at step 0 (identity blocks, W2 = a copy of the LM head)."""
+        cfg = MedusaConfig(num_heads, num_layers, model.config.hidden_size,
+                           model.config.vocab_size, shared_lm_head)
+        heads = cls(cfg).to(device=model.lm_head.weight.device, dtype=model.lm_head.weight.dtype)
+        if not shared_lm_head:
+            with torch.no_grad():
+                for head in heads.heads:
+                    head[-1].weight.copy_(model.lm_head.weight)
+        return heads
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        """Logits of every head: hidden (..., C) -> (K, ..., V).
+
+        lm_head is the backbone's, passed explicitly: the shared form projects with it, the own
+        form ignores it (its W2 is the last module of each head).
+        """
+        if self.config.shared_lm_head:
+            # one (K, ..., C) @ (C, V) product: the V x C weight is read from memory once, not K
+            # times, which is what makes this form cheap on bandwidth-bound hardware
+            return lm_head(torch.stack([head(hidden) for head in self.heads]))
+        return torch.stack([head(hidden) for head in self.heads])
+
+
+def save_heads(heads: MedusaHeads, folder, extra_config: dict | None = None) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name.removeprefix("heads."): t.contiguous() for name, t in heads.state_dict().items()}
+    save_file(state, folder / HEADS_FILE, metadata={"format": "pt"})
+    config = {**asdict(heads.config), **(extra_config or {})}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_heads_config(folder: Path) -> MedusaConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise HeadsError(f"no config.json in the heads folder {folder}")
+    raw = json.loads(path.read_text())
+    missing = [k for k in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size")
+               if k not in raw]
+    if missing:
+        raise HeadsError(f"{path} lacks {', '.join(missing)}")
+    return MedusaConfig(raw["medusa_num_heads"], raw["medusa_num_layers"], raw["hidden_size"],
+                        raw["vocab_size"], bool(raw.get("shared_lm_head", False)))
+
+
+def load_heads(folder, model) -> MedusaHeads:
+    """Heads from folder (config.json + medusa_lm_head.safetensors), checked against model."""
+    folder = Path(folder)
+    cfg = read_heads_config(folder)
+    cfg.check_fits(model.config)
+    path = folder / HEADS_FILE
+    if not path.is_file():
+        raise HeadsError(f"missing heads file {path}")
+    try:
+        with safe_open(path, framework="pt", device="cpu") as st:
+            state = {f"heads.{k}": st.get_tensor(k) for k in st.keys()}
+    except Exception as e:  # safetensors reports truncation/corruption with varied types
+        raise HeadsError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+    heads = MedusaHeads(cfg)
+    expected = heads.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise HeadsError(f"{path} lacks tensor {missing[0].removeprefix('heads.')}")
+    for name, t in state.items():
+        if name not in expected:
+            raise HeadsError(f"unexpected tensor {name.removeprefix('heads.')} in {path}")
+        if t.shape != expected[name].shape:
+            raise HeadsError(f"tensor {name.removeprefix('heads.')} has shape {tuple(t.shape)}, "
+                             f"the config needs {tuple(expected[name].shape)}")
+    heads.load_state_dict(state)
+    weight = model.lm_head.weight
+    return heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)

@@ -1,0 +1,115 @@
+"""Medusa decoding (paper sections 2-3): one forward of the whole candidate tree per step.
+
+A step: the heads' top-k at the last accepted position give the candidates; all N tree tokens
+run through the model in ONE forward after the cached prefix, with the tree mask; acceptance
+verifies the candidates along the root-to-leaf paths; the accepted tokens' keys/values are
+copied into place in the static KV cache (compaction); the heads' outputs at the last accepted
+node give the next step's candidates, with no extra forward.
+Left out: batching, and a device-resident loop without per-step Python (issue of speed).
+
+Shapes: N tree nodes, K heads, V vocab, C model dim, n cached tokens (the prefix).
+"""
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from minimedusa.acceptance import Acceptance
+from minimedusa.heads import MedusaHeads
+from minimedusa.kv_cache import KVCache
+from minimedusa.model import Llama
+from minimedusa.plain_decoding import new_cache, prefill
+from minimedusa.tree import MedusaTree, candidates
+
+
+@dataclass
+class MedusaStats:
+    steps: int = 0
+    accepted: Counter = field(default_factory=Counter)  # tokens yielded per step -> how often
+
+    @property
+    def acceleration_rate(self) -> float:
+        """Tokens per step (paper, appendix B); 1.0 for plain decoding."""
+        return sum(n * c for n, c in self.accepted.items()) / max(self.steps, 1)
+
+
+def tree_mask(tree: MedusaTree, n: int) -> torch.Tensor:
+    """(1, N, n + N) bool: every tree token sees the whole cached prefix, then the tree mask."""
+    prefix = torch.ones(tree.size, n, dtype=torch.bool, device=tree.mask.device)
+    return torch.cat([prefix, tree.mask], dim=1).unsqueeze(0)
+
+
+@torch.inference_mode()
+def tree_forward(model: Llama, cache: KVCache, tree: MedusaTree, tokens: torch.Tensor):
+    """Run the tree's tokens (N,) after the n cached ones; (logits (N, V), hidden (N, C)).
+
+    subtle: a node's RoPE position is n + depth (siblings are alternative tokens for the SAME
+    position) while its cache slot is n + node index (each node needs its own keys/values);
+    compaction later moves the accepted nodes' entries to slots n, n + 1, ...
+    """
+    n = cache.length
+    positions = (n + tree.depth).unsqueeze(0)  # (1, N)
+    logits, hidden = model(tokens.unsqueeze(0), positions, tree_mask(tree, n), cache,
+                           cache.slots(n, tree.size))  # (1, N, V), (1, N, C)
+    return logits[0], hidden[0]
+
+
+def medusa_step(model: Llama, heads: MedusaHeads, tree: MedusaTree, cache: KVCache,
+                root: torch.Tensor, head_logits: torch.Tensor, acceptance: Acceptance,
+                generator) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """One step from the root token () and the heads' logits (K, V) at the previous position.
+
+    Returns (the accepted tokens: root + accepted candidates, the next root (), the heads'
+    logits (K, V) at the last accepted node).
+    """
+    n = cache.length
+    tokens = candidates(root, head_logits, tree)  # (N,)
+    logits, hidden = tree_forward(model, cache, tree, tokens)
+    path, length, next_root = acceptance.verify(logits, tree, tokens, generator)
+    # the one host sync per step: the accepted length decides what to copy and emit
+    path_tokens = tokens[tree.paths[path]]  # (D + 1,)
+    host = torch.cat([path_tokens, torch.stack([path, length])]).tolist()
+    path_i, length_i = host[-2], host[-1]
+    nodes = tree.paths_host[path_i][:length_i + 1]  # the accepted nodes, root first
+    accepted = host[:length_i + 1]
+    src = torch.tensor(nodes, device=tokens.device) + n
+    cache.copy_slots(src, cache.slots(n, len(nodes)))  # KV compaction; rejected nodes dropped
+    cache.length = n + len(nodes)
+    with torch.inference_mode():
+        next_head_logits = heads(hidden[nodes[-1]], model.lm_head)  # (K, V)
+    return accepted, next_root, next_head_logits
+
+
+def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids: list[int],
+                  max_new_tokens: int, acceptance: Acceptance, stop_ids: set[int],
+                  seed: int | None = None, stats: MedusaStats | None = None
+                  ) -> Iterator[list[int]]:
+    """Yield the accepted tokens step by step, until a stop id (yielded) or max_new_tokens.
+
+    stats, if given, is filled in as the steps go (steps, histogram of tokens per step).
+    """
+    device = model.embed.weight.device
+    stats = stats if stats is not None else MedusaStats()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed) if seed is not None else generator.seed()
+    # the margin: a step writes all N tree tokens before compaction drops the rejected ones
+    cache = new_cache(model, len(prompt_ids), max_new_tokens, margin=tree.size)
+    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
+    with torch.inference_mode():
+        head_logits = heads(hidden[0], model.lm_head)  # (K, V)
+    root = acceptance.first(logits[0], generator)
+    produced = 0
+    while produced < max_new_tokens:
+        accepted, root, head_logits = medusa_step(model, heads, tree, cache, root, head_logits,
+                                                  acceptance, generator)
+        accepted = accepted[:max_new_tokens - produced]
+        stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
+        if stop is not None:
+            accepted = accepted[:stop + 1]
+        stats.steps += 1
+        stats.accepted[len(accepted)] += 1
+        produced += len(accepted)
+        yield accepted
+        if stop is not None:
+            return
