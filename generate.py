@@ -2,11 +2,12 @@
 
     python generate.py --prompt "What is the capital of France?"
     python generate.py --prompt "Once upon a time" --raw --temperature 0.8 --seed 1
-    python generate.py --prompt "Hi" --json
+    python generate.py --prompt "Hi" --heads DIR --tree cpu_8 --acceptance typical --json
 
-The answer streams to stdout as it is produced; a one-line summary (tokens, seconds, tokens/s)
-follows on stderr. Plain decoding (one token per forward) is the only mode until Medusa heads
-exist; --baseline names it explicitly.
+With Medusa heads (--heads) it decodes with Medusa: one forward of a candidate tree per step;
+without them, or with --baseline, plainly: one forward per token. The answer streams to stdout
+as tokens are accepted; a summary (tokens, seconds, tokens/s, steps, acceleration rate and the
+histogram of tokens per step) follows on stderr.
 """
 import argparse
 import json
@@ -16,18 +17,22 @@ from pathlib import Path
 
 import torch
 
+from minimedusa import acceptance
 from minimedusa.default_model import DefaultModelError, ensure_default_model
 from minimedusa.device import pick_device, pick_dtype
+from minimedusa.heads import HeadsError, MedusaHeads, load_heads
 from minimedusa.kv_cache import CacheOverflowError
+from minimedusa.medusa_decoding import StepStats, medusa_decode
 from minimedusa.model import ConfigError
 from minimedusa.plain_decoding import PromptTooLongError, plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import StreamDecoder, Tokenizer
+from minimedusa.tree import NAMED_TREES, TreeError, build_tree, default_tree, tree_choices
 from minimedusa.weights import WeightsError, load_model
 
 # Errors that come from what the user asked for (bad flag value, file, prompt): one line each.
-USER_ERRORS = (ConfigError, WeightsError, PromptTooLongError, CacheOverflowError,
-               DefaultModelError, FileNotFoundError, ValueError)
+USER_ERRORS = (ConfigError, WeightsError, HeadsError, TreeError, PromptTooLongError,
+               CacheOverflowError, DefaultModelError, FileNotFoundError, ValueError)
 
 
 class Parser(argparse.ArgumentParser):
@@ -67,9 +72,24 @@ def parse_args(argv=None):
                    "float16")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice, one per core)")
+    p.add_argument("--heads", default=None,
+                   help="Medusa heads folder (config.json + medusa_lm_head.safetensors); "
+                   "'untrained:K' makes K heads in the paper's initialisation (they only "
+                   "guess repeats: for trying the machinery, not for speed)")
+    p.add_argument("--tree", default=None,
+                   help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
+                   "of head k), or a JSON file of node paths (default: mc_sim_7b_63 on CUDA, "
+                   "cpu_8 on the CPU)")
+    p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection"],
+                   default="auto", help="how candidates are verified (default: auto = greedy "
+                   "at temperature 0, lossless rejection sampling above)")
+    p.add_argument("--eps", type=float, default=0.09,
+                   help="typical acceptance: hard threshold epsilon (default: %(default)s)")
+    p.add_argument("--delta", type=float, default=0.3,
+                   help="typical acceptance: entropy-scaled threshold delta "
+                   "(default: %(default)s)")
     p.add_argument("--baseline", action="store_true",
-                   help="plain decoding, one token per forward (the only mode until Medusa "
-                   "heads exist)")
+                   help="plain decoding, one token per forward, even if heads are given")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (ids, text, timing) instead of streaming text")
     return p.parse_args(argv)
@@ -105,16 +125,56 @@ def stop_ids(model) -> set[int]:
     return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
 
 
+def pick_acceptance(args) -> acceptance.Acceptance:
+    kind = args.acceptance
+    if kind == "auto":
+        kind = "greedy" if args.temperature == 0 else "rejection"
+    if kind == "greedy":
+        if args.temperature != 0:
+            raise ValueError("--acceptance greedy decodes at temperature 0: drop --temperature "
+                             "or use --acceptance typical or rejection")
+        return acceptance.greedy()
+    if kind == "typical":
+        return acceptance.typical(args.temperature, args.eps, args.delta)
+    return acceptance.rejection(args.temperature, args.top_p)
+
+
+def pick_heads(spec: str, model) -> MedusaHeads:
+    if spec.startswith("untrained:"):
+        count = spec.removeprefix("untrained:")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"bad --heads {spec!r}: use untrained:K with K >= 1")
+        return MedusaHeads.for_model(model, int(count)).eval().requires_grad_(False)
+    if not Path(spec).is_dir():
+        raise FileNotFoundError(f"heads folder {spec} does not exist")
+    return load_heads(spec, model)
+
+
+def decoding(args, model, device, ids):
+    """(description, iterator of the tokens each step yields) for the mode the flags ask."""
+    stops = stop_ids(model)
+    if args.baseline or args.heads is None:
+        sampling = Sampling(args.temperature, args.top_p, args.seed)
+        return "plain", plain_decode(model, ids, args.max_new_tokens, sampling, stops)
+    heads = pick_heads(args.heads, model)
+    tree_name = args.tree or default_tree(device)
+    tree = build_tree(tree_choices(tree_name), heads.config.medusa_num_heads,
+                      model.config.vocab_size, device)
+    accept = pick_acceptance(args)
+    steps = medusa_decode(model, heads, tree, ids, args.max_new_tokens, accept, stops, args.seed)
+    return f"medusa, {tree_name} ({tree.size} tokens), {accept.name}", steps
+
+
 def run(args) -> dict:
     model, tokenizer, device = load(args)
     ids = prompt_ids(args, tokenizer)
-    sampling = Sampling(args.temperature, args.top_p, args.seed)
-    stream = StreamDecoder(tokenizer)
-    output, steps = [], 0
+    Sampling(args.temperature, args.top_p, args.seed)  # check the sampling flags in every mode
+    mode, steps = decoding(args, model, device, ids)
+    stream, stats, output = StreamDecoder(tokenizer), StepStats(), []
     start = time.perf_counter()
-    for new in plain_decode(model, ids, args.max_new_tokens, sampling, stop_ids(model)):
+    for new in steps:
         output += new
-        steps += 1
+        stats.record(len(new))
         if not args.json:
             print(stream.push(new), end="", flush=True)
     seconds = time.perf_counter() - start
@@ -122,9 +182,11 @@ def run(args) -> dict:
         print(stream.flush(), end="", flush=True)
     return {"prompt_ids": ids, "output_ids": output,
             "text": tokenizer.decode(output, skip_special=True), "new_tokens": len(output),
-            "steps": steps, "seconds": round(seconds, 4),
-            "tokens_per_s": round(len(output) / seconds, 2), "mode": "plain",
-            "device": str(device), "dtype": str(model.embed.weight.dtype).removeprefix("torch.")}
+            "steps": stats.steps, "acceleration_rate": round(stats.acceleration_rate, 3),
+            "accepted_histogram": dict(sorted(stats.histogram.items())),
+            "seconds": round(seconds, 4), "tokens_per_s": round(len(output) / seconds, 2),
+            "mode": mode, "device": str(device),
+            "dtype": str(model.embed.weight.dtype).removeprefix("torch.")}
 
 
 def main(argv=None):
@@ -139,8 +201,10 @@ def main(argv=None):
         print(json.dumps(result))
     else:
         print()
+    histogram = " ".join(f"{n}:{c}" for n, c in result["accepted_histogram"].items())
     print(f"[{result['mode']}] {result['new_tokens']} tokens in {result['seconds']:.2f} s: "
-          f"{result['tokens_per_s']:.1f} tokens/s, {result['steps']} steps "
+          f"{result['tokens_per_s']:.1f} tokens/s, {result['steps']} steps, "
+          f"{result['acceleration_rate']:.2f} tokens/step (tokens per step: {histogram}) "
           f"({result['device']}, {result['dtype']})", file=sys.stderr)
 
 

@@ -24,14 +24,21 @@ from minimedusa.tree import MedusaTree, candidates
 
 
 @dataclass
-class MedusaStats:
+class StepStats:
+    """What a decoding run's steps yielded: the numbers that show whether Medusa pays off."""
     steps: int = 0
-    accepted: Counter = field(default_factory=Counter)  # tokens yielded per step -> how often
+    tokens: int = 0
+    histogram: Counter = field(default_factory=Counter)  # tokens yielded by a step -> steps
+
+    def record(self, n_tokens: int) -> None:
+        self.steps += 1
+        self.tokens += n_tokens
+        self.histogram[n_tokens] += 1
 
     @property
     def acceleration_rate(self) -> float:
         """Tokens per step (paper, appendix B); 1.0 for plain decoding."""
-        return sum(n * c for n, c in self.accepted.items()) / max(self.steps, 1)
+        return self.tokens / max(self.steps, 1)
 
 
 def tree_mask(tree: MedusaTree, n: int) -> torch.Tensor:
@@ -83,14 +90,9 @@ def medusa_step(model: Llama, heads: MedusaHeads, tree: MedusaTree, cache: KVCac
 
 def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids: list[int],
                   max_new_tokens: int, acceptance: Acceptance, stop_ids: set[int],
-                  seed: int | None = None, stats: MedusaStats | None = None
-                  ) -> Iterator[list[int]]:
-    """Yield the accepted tokens step by step, until a stop id (yielded) or max_new_tokens.
-
-    stats, if given, is filled in as the steps go (steps, histogram of tokens per step).
-    """
+                  seed: int | None = None) -> Iterator[list[int]]:
+    """Yield the accepted tokens step by step, until a stop id (yielded) or max_new_tokens."""
     device = model.embed.weight.device
-    stats = stats if stats is not None else MedusaStats()
     generator = torch.Generator(device=device)
     generator.manual_seed(seed) if seed is not None else generator.seed()
     # the margin: a step writes all N tree tokens before compaction drops the rejected ones
@@ -107,8 +109,6 @@ def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids
         stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
         if stop is not None:
             accepted = accepted[:stop + 1]
-        stats.steps += 1
-        stats.accepted[len(accepted)] += 1
         produced += len(accepted)
         yield accepted
         if stop is not None:

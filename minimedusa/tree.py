@@ -54,6 +54,11 @@ NAMED_TREES = {
 }
 
 
+def default_tree(device: torch.device) -> str:
+    """The paper's 64-token tree on a GPU (compute to spare); a small one on a CPU."""
+    return "mc_sim_7b_63" if device.type == "cuda" else "cpu_8"
+
+
 @dataclass
 class MedusaTree:
     nodes: list[tuple[int, ...]]  # N node paths in tree order; nodes[0] == () is the root

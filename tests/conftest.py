@@ -21,7 +21,18 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def tiny_model(seed: int = 0, dtype=torch.float64, device="cpu", **overrides) -> Llama:
     """A random tiny Llama; float64 by default so that exactness tests compare exactly."""
     torch.manual_seed(seed)
-    return Llama(LlamaConfig.tiny(**overrides)).to(device=device, dtype=dtype).eval()
+    model = Llama(LlamaConfig.tiny(**overrides)).to(device=device, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def copycat_model(seed: int = 0, embed_scale: float = 10.0, **kwargs) -> Llama:
+    """A tiny Llama that tends to repeat its last token: tied embeddings scaled up, so the
+    residual stream is dominated by the current token's embedding, which the tied LM head
+    scores highest. Heads that guess "the same again" are then right: a model on which Medusa
+    accepts many candidates, so that the lossless tests are not vacuous."""
+    model = tiny_model(seed, tie_word_embeddings=True, **kwargs)
+    model.embed.weight.mul_(embed_scale)
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,161 @@
+"""Medusa decoding: the properties that make it trustworthy, proven on random tiny models.
+
+- tree attention: the logits at every tree node == a plain forward of prefix + that node's path;
+- lossless greedy: Medusa greedy output == plain greedy output, token for token;
+- KV compaction: after any number of steps the cache == that of a plain forward of the sequence.
+"""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import DEVICES, copycat_model, tiny_model
+from minimedusa.acceptance import greedy, typical
+from minimedusa.heads import MedusaHeads
+from minimedusa.kv_cache import KVCache
+from minimedusa.medusa_decoding import StepStats, medusa_decode, medusa_step, tree_forward
+from minimedusa.model import causal_mask
+from minimedusa.plain_decoding import new_cache, plain_decode, prefill
+from minimedusa.sampling import Sampling
+from minimedusa.tree import build_tree
+from test_tree import trees
+
+VOCAB = 64
+
+
+def perturbed_heads(model, num_heads, shared, seed, scale):
+    """Heads in the paper's initialisation (each guesses what the LM head guesses), then
+    randomly perturbed: wrong often enough to exercise rejection, right often enough to accept."""
+    heads = MedusaHeads.for_model(model, num_heads, num_layers=1, shared_lm_head=shared)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
+    return heads.eval().requires_grad_(False)
+
+
+def flat(steps):
+    return [t for step in steps for t in step]
+
+
+def full_logits(model, tokens: list[int], device):
+    T = len(tokens)
+    ids = torch.tensor([tokens], device=device)
+    logits, _ = model(ids, torch.arange(T, device=device)[None], causal_mask(0, T, device))
+    return logits[0]  # (T, V)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=30, deadline=None)
+@given(choices=trees(max_nodes=16, max_depth=4), seed=st.integers(0, 10_000),
+       prefix_len=st.integers(1, 10))
+def test_tree_forward_logits_equal_plain_forward_of_each_path(device, choices, seed, prefix_len):
+    model = tiny_model(seed, device=device)
+    tree = build_tree(choices, device=device)
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, VOCAB, (prefix_len,), generator=g).tolist()
+    tokens = torch.randint(0, VOCAB, (tree.size,), generator=g).to(device)  # a token per node
+    cache = new_cache(model, prefix_len, 1, margin=tree.size)
+    prefill(model, cache, torch.tensor([prefix], device=device))
+    logits, _ = tree_forward(model, cache, tree, tokens)  # (N, V)
+    index = {p: i for i, p in enumerate(tree.nodes)}
+    for i, node in enumerate(tree.nodes):
+        path = [tokens[index[node[:d]]].item() for d in range(len(node) + 1)]
+        expected = full_logits(model, prefix + path, device)[-1]
+        torch.testing.assert_close(logits[i], expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=30, deadline=None)
+@given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
+       shared=st.booleans(), scale=st.sampled_from([0.0, 0.05, 0.5]),
+       repetitive=st.sampled_from([None, 2.0, 4.0, 10.0]),
+       prompt_len=st.integers(1, 8), max_new=st.integers(1, 30))
+def test_medusa_greedy_equals_plain_greedy(device, choices, seed, shared, scale, repetitive,
+                                           prompt_len, max_new):
+    model = (tiny_model(seed, device=device) if repetitive is None
+             else copycat_model(seed, repetitive, device=device))
+    heads = perturbed_heads(model, 4, shared, seed, scale)
+    tree = build_tree(choices, num_heads=4, device=device)
+    prompt = torch.randint(0, VOCAB, (prompt_len,),
+                           generator=torch.Generator().manual_seed(seed)).tolist()
+    stop = {int(seed % VOCAB)}  # a stop token that sometimes appears, sometimes not
+    plain = flat(plain_decode(model, prompt, max_new, Sampling(), stop))
+    medusa = flat(medusa_decode(model, heads, tree, prompt, max_new, greedy(), stop))
+    assert medusa == plain
+
+
+def test_lossless_test_sees_real_acceptance():
+    """Guard against a vacuous lossless test: on a repetitive model steps do accept candidates
+    (here all of the chain's), and the output is still plain greedy's."""
+    model = copycat_model(3)
+    heads = perturbed_heads(model, 4, False, 3, 0.0)
+    tree = build_tree([[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
+    stats = StepStats()
+    for step in medusa_decode(model, heads, tree, [5, 6, 7], 60, greedy(), set()):
+        stats.record(len(step))
+    assert stats.acceleration_rate > 1.5
+    assert flat(medusa_decode(model, heads, tree, [5, 6, 7], 60, greedy(), set())) == \
+        flat(plain_decode(model, [5, 6, 7], 60, Sampling(), set()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=20, deadline=None)
+@given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
+       n_steps=st.integers(1, 8))
+def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(device, choices,
+                                                                              seed, n_steps):
+    model = tiny_model(seed, device=device)
+    heads = perturbed_heads(model, 4, False, seed, 0.05)
+    tree = build_tree(choices, num_heads=4, device=device)
+    prompt = [3, 1, 4, 1, 5]
+    cache = KVCache.for_model(model, capacity=len(prompt) + 5 * n_steps + tree.size)
+    logits, hidden = prefill(model, cache, torch.tensor([prompt], device=device))
+    with torch.inference_mode():
+        head_logits = heads(hidden[0], model.lm_head)
+    root, sequence = logits[0].argmax(), list(prompt)
+    for _ in range(n_steps):
+        accepted, root, head_logits = medusa_step(model, heads, tree, cache, root, head_logits,
+                                                  greedy(), None)
+        sequence += accepted
+        assert cache.length == len(sequence)
+        expected = KVCache.for_model(model, capacity=len(sequence))
+        n = len(sequence)
+        model(torch.tensor([sequence], device=device), torch.arange(n, device=device)[None],
+              causal_mask(0, n, device), expected, expected.slots(0, n))
+        torch.testing.assert_close(cache.k[:, :, :, :n], expected.k, rtol=0, atol=1e-10)
+        torch.testing.assert_close(cache.v[:, :, :, :n], expected.v, rtol=0, atol=1e-10)
+
+
+@settings(max_examples=20, deadline=None)
+@given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000))
+def test_typical_at_temperature_zero_equals_greedy(choices, seed):
+    model = tiny_model(seed)
+    heads = perturbed_heads(model, 4, True, seed, 0.05)
+    tree = build_tree(choices, num_heads=4)
+    run = lambda accept: flat(medusa_decode(model, heads, tree, [1, 2, 3], 20, accept, set()))  # noqa: E731,E501
+    assert run(typical(0.0)) == run(greedy())
+
+
+@settings(max_examples=30, deadline=None)
+@given(choices=trees(max_nodes=16, max_depth=4), seed=st.integers(0, 10_000),
+       temperature=st.sampled_from([0.5, 1.0, 2.0]))
+def test_typical_with_vanishing_thresholds_accepts_every_path_fully(choices, seed, temperature):
+    tree = build_tree(choices)
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(tree.size, VOCAB, generator=g)  # (N, V)
+    tokens = torch.randint(0, VOCAB, (tree.size,), generator=g)
+    accept = typical(temperature, eps=1e-30, delta=1e-30)
+    _, length, _ = accept.verify(logits, tree, tokens, None)
+    assert length.item() == tree.num_heads  # the deepest path, accepted to its leaf
+
+
+@settings(max_examples=20, deadline=None)
+@given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
+       temperature=st.sampled_from([0.3, 0.7, 1.5]), eps=st.sampled_from([0.01, 0.09, 0.5]))
+def test_every_typical_step_yields_at_least_one_token(choices, seed, temperature, eps):
+    model = tiny_model(seed)
+    heads = perturbed_heads(model, 4, False, seed, 0.05)
+    tree = build_tree(choices, num_heads=4)
+    steps = list(medusa_decode(model, heads, tree, [1, 2], 25, typical(temperature, eps, 0.3),
+                               set(), seed=seed))
+    assert all(len(s) >= 1 for s in steps) and sum(map(len, steps)) == 25
