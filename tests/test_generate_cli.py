@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_model
+from minimedusa.heads import MedusaHeads, save_heads
 from minimedusa.weights import save_model
 
 
@@ -109,3 +110,43 @@ def test_generate_peak_memory_stays_below_1_5_gb(default_model_dir):
     assert done.returncode == 0, done.stderr
     peak_kb = int(done.stderr.strip().splitlines()[-1])  # Linux reports ru_maxrss in KiB
     assert peak_kb < 1.5 * 1024 * 1024, f"peak RSS {peak_kb / 1024:.0f} MiB"
+
+
+def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder):
+    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "12",
+                    "--heads", "untrained:3", "--tree", "chain3", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["mode"].startswith("medusa, chain3")
+    assert result["new_tokens"] == 12
+    assert sum(int(n) * c for n, c in result["accepted_histogram"].items()) == 12
+    assert result["acceleration_rate"] == pytest.approx(12 / result["steps"], abs=1e-3)
+
+
+def test_medusa_greedy_cli_output_equals_baseline(tiny_folder):
+    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json"]
+    medusa = json.loads(generate(*args, "--heads", "untrained:4", "--tree", "cpu_8").stdout)
+    plain = json.loads(generate(*args, "--heads", "untrained:4", "--baseline").stdout)
+    assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
+
+
+def test_malformed_tree_file_gives_one_clear_line(tiny_folder, tmp_path):
+    tree = tmp_path / "tree.json"
+    tree.write_text("[[0], [1, 0]]")
+    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads", "untrained:2",
+                    "--tree", str(tree))
+    assert_one_line_error(done, "node path [1, 0] has no parent")
+
+
+def test_tree_deeper_than_the_heads_gives_one_clear_line(tiny_folder):
+    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads", "untrained:2",
+                    "--tree", "chain5")
+    assert_one_line_error(done, "only 2 Medusa heads")
+
+
+def test_heads_for_another_model_give_one_clear_line(tiny_folder, tmp_path):
+    other = tiny_model(dtype=torch.float32, hidden_size=48, vocab_size=49152)
+    save_heads(MedusaHeads.for_model(other, 2), tmp_path / "heads")
+    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads",
+                    str(tmp_path / "heads"))
+    assert_one_line_error(done, "hidden_size is 48 but the model's is 32")
