@@ -20,7 +20,7 @@ import torch
 from minimedusa import acceptance
 from minimedusa.default_model import DefaultModelError, ensure_default_model
 from minimedusa.device import pick_device, pick_dtype
-from minimedusa.heads import HeadsError, MedusaHeads, load_heads
+from minimedusa.heads import HeadsError, heads_from_spec
 from minimedusa.kv_cache import CacheOverflowError
 from minimedusa.medusa_decoding import StepStats, medusa_decode
 from minimedusa.model import ConfigError
@@ -74,8 +74,9 @@ def parse_args(argv=None):
                    help="CPU threads for torch (default: torch's choice, one per core)")
     p.add_argument("--heads", default=None,
                    help="Medusa heads folder (config.json + medusa_lm_head.safetensors); "
-                   "'untrained:K' makes K heads in the paper's initialisation (they only "
-                   "guess repeats: for trying the machinery, not for speed)")
+                   "'untrained:K' / 'untrained-shared:K' make K heads in the paper's "
+                   "initialisation, own / shared projection (they only guess repeats: for "
+                   "trying the machinery, not for speed)")
     p.add_argument("--tree", default=None,
                    help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
                    "of head k), or a JSON file of node paths (default: mc_sim_7b_63 on CUDA, "
@@ -139,24 +140,13 @@ def pick_acceptance(args) -> acceptance.Acceptance:
     return acceptance.rejection(args.temperature, args.top_p)
 
 
-def pick_heads(spec: str, model) -> MedusaHeads:
-    if spec.startswith("untrained:"):
-        count = spec.removeprefix("untrained:")
-        if not count.isdigit() or int(count) < 1:
-            raise ValueError(f"bad --heads {spec!r}: use untrained:K with K >= 1")
-        return MedusaHeads.for_model(model, int(count)).eval().requires_grad_(False)
-    if not Path(spec).is_dir():
-        raise FileNotFoundError(f"heads folder {spec} does not exist")
-    return load_heads(spec, model)
-
-
 def decoding(args, model, device, ids):
     """(description, iterator of the tokens each step yields) for the mode the flags ask."""
     stops = stop_ids(model)
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         return "plain", plain_decode(model, ids, args.max_new_tokens, sampling, stops)
-    heads = pick_heads(args.heads, model)
+    heads = heads_from_spec(args.heads, model)
     tree_name = args.tree or default_tree(device)
     tree = build_tree(tree_choices(tree_name), heads.config.medusa_num_heads,
                       model.config.vocab_size, device)

@@ -149,3 +149,18 @@ def load_heads(folder, model) -> MedusaHeads:
     heads.load_state_dict(state)
     weight = model.lm_head.weight
     return heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+
+
+def heads_from_spec(spec: str, model) -> MedusaHeads:
+    """A heads folder, or 'untrained:K' / 'untrained-shared:K': K fresh heads (own / shared
+    projection) in the paper's initialisation, for trying the machinery without training."""
+    for prefix, shared in (("untrained:", False), ("untrained-shared:", True)):
+        if spec.startswith(prefix):
+            count = spec.removeprefix(prefix)
+            if not count.isdigit() or int(count) < 1:
+                raise HeadsError(f"bad heads {spec!r}: use {prefix}K with K >= 1")
+            return MedusaHeads.for_model(model, int(count), shared_lm_head=shared) \
+                .eval().requires_grad_(False)
+    if not Path(spec).is_dir():
+        raise HeadsError(f"heads folder {spec} does not exist")
+    return load_heads(spec, model)
