@@ -20,6 +20,7 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama
 from minimedusa.plain_decoding import new_cache, prefill
+from minimedusa.sampling import make_generator
 from minimedusa.tree import MedusaTree, candidates
 
 
@@ -63,53 +64,54 @@ def tree_forward(model: Llama, cache: KVCache, tree: MedusaTree, tokens: torch.T
 
 
 def medusa_step(model: Llama, heads: MedusaHeads, tree: MedusaTree, cache: KVCache,
-                root: torch.Tensor, head_logits: torch.Tensor, acceptance: Acceptance,
-                generator) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """One step from the root token () and the heads' logits (K, V) at the previous position.
+                root: int, head_logits: torch.Tensor, acceptance: Acceptance,
+                generator) -> tuple[list[int], torch.Tensor]:
+    """One step from the root token (the last one emitted, not yet in the cache) and the heads'
+    logits (K, V) at the position before it.
 
-    Returns (the accepted tokens: root + accepted candidates, the next root (), the heads'
-    logits (K, V) at the last accepted node).
+    Returns (the accepted candidates followed by the next token drawn at the last accepted
+    node: 1 + the accepted length tokens, and the heads' logits (K, V) at that node, which
+    give the next step's candidates).
     """
     n = cache.length
-    tokens = candidates(root, head_logits, tree)  # (N,)
+    tokens = candidates(torch.tensor(root, device=head_logits.device), head_logits, tree)  # (N,)
     logits, hidden = tree_forward(model, cache, tree, tokens)
-    path, length, next_root = acceptance.verify(logits, tree, tokens, generator)
+    path, length, next_token = acceptance.verify(logits, tree, tokens, generator)
     # the one host sync per step: the accepted length decides what to copy and emit
     path_tokens = tokens[tree.paths[path]]  # (D + 1,)
-    host = torch.cat([path_tokens, torch.stack([path, length])]).tolist()
-    path_i, length_i = host[-2], host[-1]
-    nodes = tree.paths_host[path_i][:length_i + 1]  # the accepted nodes, root first
-    accepted = host[:length_i + 1]
+    host = torch.cat([path_tokens, torch.stack([path, length, next_token])]).tolist()
+    path_i, length_i, next_i = host[-3:]
+    nodes = tree.paths_host[path_i][:length_i + 1]  # the accepted nodes, the root first
     src = torch.tensor(nodes, device=tokens.device) + n
     cache.copy_slots(src, cache.slots(n, len(nodes)))  # KV compaction; rejected nodes dropped
     cache.length = n + len(nodes)
     with torch.inference_mode():
         next_head_logits = heads(hidden[nodes[-1]], model.lm_head)  # (K, V)
-    return accepted, next_root, next_head_logits
+    return host[1:length_i + 1] + [next_i], next_head_logits
 
 
 def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids: list[int],
                   max_new_tokens: int, acceptance: Acceptance, stop_ids: set[int],
                   seed: int | None = None) -> Iterator[list[int]]:
-    """Yield the accepted tokens step by step, until a stop id (yielded) or max_new_tokens."""
+    """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
+    first the prefill's token, then each step's accepted candidates + the next token."""
     device = model.embed.weight.device
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed) if seed is not None else generator.seed()
+    generator = make_generator(device, seed)
     # the margin: a step writes all N tree tokens before compaction drops the rejected ones
     cache = new_cache(model, len(prompt_ids), max_new_tokens, margin=tree.size)
     logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
     with torch.inference_mode():
         head_logits = heads(hidden[0], model.lm_head)  # (K, V)
-    root = acceptance.first(logits[0], generator)
+    new = [acceptance.first(logits[0], generator).item()]
     produced = 0
-    while produced < max_new_tokens:
-        accepted, root, head_logits = medusa_step(model, heads, tree, cache, root, head_logits,
-                                                  acceptance, generator)
-        accepted = accepted[:max_new_tokens - produced]
-        stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
+    while True:
+        new = new[:max_new_tokens - produced]
+        stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
         if stop is not None:
-            accepted = accepted[:stop + 1]
-        produced += len(accepted)
-        yield accepted
-        if stop is not None:
+            new = new[:stop + 1]
+        produced += len(new)
+        yield new
+        if stop is not None or produced == max_new_tokens:
             return
+        new, head_logits = medusa_step(model, heads, tree, cache, new[-1], head_logits,
+                                       acceptance, generator)

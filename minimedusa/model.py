@@ -52,9 +52,13 @@ class LlamaConfig:
         if model_type != "llama" or "LlamaForCausalLM" not in architectures:
             raise ConfigError(f"config.json describes model_type={model_type!r} "
                               f"architectures={architectures}, but minimedusa only runs Llama")
-        if hf.get("rope_scaling"):
-            raise ConfigError(f"config.json sets rope_scaling={hf['rope_scaling']}, "
-                              "which minimedusa does not implement")
+        unsupported = {"rope_scaling": hf.get("rope_scaling"),
+                       "attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias"),
+                       "hidden_act": hf.get("hidden_act", "silu") != "silu" and hf["hidden_act"]}
+        for key, value in unsupported.items():
+            if value:
+                raise ConfigError(f"config.json sets {key}={value!r}, which minimedusa's Llama "
+                                  "does not implement")
         known = {f.name for f in fields(cls)}
         required = [f.name for f in fields(cls) if f.default is MISSING]
         missing = [name for name in required if name not in hf]

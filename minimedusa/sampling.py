@@ -28,12 +28,17 @@ class Sampling:
         return self.temperature == 0
 
     def generator(self, device) -> torch.Generator:
-        g = torch.Generator(device=device)
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed)
-        return g
+        return make_generator(device, self.seed)
+
+
+def make_generator(device, seed: int | None) -> torch.Generator:
+    """A random generator on `device`: seeded (reproducible) or from OS entropy (seed None)."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -112,15 +112,15 @@ def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(devi
     logits, hidden = prefill(model, cache, torch.tensor([prompt], device=device))
     with torch.inference_mode():
         head_logits = heads(hidden[0], model.lm_head)
-    root, sequence = logits[0].argmax(), list(prompt)
+    sequence = prompt + [logits[0].argmax().item()]
     for _ in range(n_steps):
-        accepted, root, head_logits = medusa_step(model, heads, tree, cache, root, head_logits,
-                                                  greedy(), None)
-        sequence += accepted
-        assert cache.length == len(sequence)
-        expected = KVCache.for_model(model, capacity=len(sequence))
-        n = len(sequence)
-        model(torch.tensor([sequence], device=device), torch.arange(n, device=device)[None],
+        new, head_logits = medusa_step(model, heads, tree, cache, sequence[-1], head_logits,
+                                       greedy(), None)
+        sequence += new
+        n = len(sequence) - 1  # the cache holds all but the newest token (the next root)
+        assert cache.length == n
+        expected = KVCache.for_model(model, capacity=n)
+        model(torch.tensor([sequence[:n]], device=device), torch.arange(n, device=device)[None],
               causal_mask(0, n, device), expected, expected.slots(0, n))
         torch.testing.assert_close(cache.k[:, :, :, :n], expected.k, rtol=0, atol=1e-10)
         torch.testing.assert_close(cache.v[:, :, :, :n], expected.v, rtol=0, atol=1e-10)
