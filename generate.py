@@ -47,6 +47,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def parse_args(argv=None):
     p = Parser(description="Generate text with a Llama (default: SmolLM2-135M-Instruct, "
                "fetched and converted into weights/ on first use).")
@@ -57,9 +71,9 @@ def parse_args(argv=None):
                    help="system message (default: the model's own default system prompt)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256,
                    help="stop after this many new tokens (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=non_negative, default=0.0,
                    help="0 = greedy (default); > 0 samples from softmax(logits / T)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--top-p", type=probability, default=1.0,
                    help="nucleus sampling: keep the smallest token set with this much "
                    "probability (default: %(default)s = off)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
@@ -84,9 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection"],
                    default="auto", help="how candidates are verified (default: auto = greedy "
                    "at temperature 0, lossless rejection sampling above)")
-    p.add_argument("--eps", type=float, default=0.09,
+    p.add_argument("--eps", type=non_negative, default=0.09,
                    help="typical acceptance: hard threshold epsilon (default: %(default)s)")
-    p.add_argument("--delta", type=float, default=0.3,
+    p.add_argument("--delta", type=non_negative, default=0.3,
                    help="typical acceptance: entropy-scaled threshold delta "
                    "(default: %(default)s)")
     p.add_argument("--baseline", action="store_true",
@@ -158,7 +172,6 @@ def decoding(args, model, device, ids):
 def run(args) -> dict:
     model, tokenizer, device = load(args)
     ids = prompt_ids(args, tokenizer)
-    Sampling(args.temperature, args.top_p, args.seed)  # check the sampling flags in every mode
     mode, steps = decoding(args, model, device, ids)
     stream, stats, output = StreamDecoder(tokenizer), StepStats(), []
     start = time.perf_counter()

@@ -5,7 +5,7 @@ run through the model in ONE forward after the cached prefix, with the tree mask
 verifies the candidates along the root-to-leaf paths; the accepted tokens' keys/values are
 copied into place in the static KV cache (compaction); the heads' outputs at the last accepted
 node give the next step's candidates, with no extra forward.
-Left out: batching, and a device-resident loop without per-step Python (issue of speed).
+Left out: batching, and a GPU loop without per-step Python (CUDA graphs); both are speed work.
 
 Shapes: N tree nodes, K heads, V vocab, C model dim, n cached tokens (the prefix).
 """

@@ -2,8 +2,8 @@
 
 This is the baseline every Medusa speedup is measured against (paper section 7: acceleration
 rate 1.0) and the reference that Medusa's greedy output must equal token for token, so it is
-kept as simple as the static KV cache allows. Left out: batching (issue of the data generator),
-beam search.
+kept as simple as the static KV cache allows. Left out: batching (the training data generator
+will need it), beam search.
 
 Shapes: B batch (1 here), T tokens, V vocab, C model dim.
 """

@@ -109,8 +109,8 @@ class StreamDecoder:
         return text
 
     def unemitted(self) -> str:
-        """The text of the tokens after `done`, decoded with a few tokens of left context
-        (byte-level BPE pieces only decode correctly next to their neighbours)."""
+        """The text of the tokens after `done`. The window starts at the previous emission,
+        not at `done`, so that a character whose bytes straddle `done` decodes whole."""
         emitted = self.tokenizer.decode(self.ids[self.start:self.done], skip_special=True)
         window = self.tokenizer.decode(self.ids[self.start:], skip_special=True)
         return window[len(emitted):]

@@ -63,7 +63,8 @@ def assert_one_line_error(done, *needles):
     (["--max-new-tokens", "-3"], "--max-new-tokens"),
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--dtype", "int3"], "unknown dtype 'int3'"),
-    (["--top-p", "0"], "top_p"),
+    (["--top-p", "0"], "--top-p"),
+    (["--temperature", "-1"], "--temperature"),
     (["--model", "/no/such/folder"], "/no/such/folder"),
 ])
 def test_bad_flags_give_one_clear_line(tiny_folder, flags, needle):
