@@ -64,6 +64,8 @@ class MedusaTree:
     nodes: list[tuple[int, ...]]  # N node paths in tree order; nodes[0] == () is the root
     depth: torch.Tensor  # (N,) int64: 0 for the root, len(path) otherwise
     mask: torch.Tensor  # (N, N) bool: mask[i, j] iff node j is node i or one of its ancestors
+    head: torch.Tensor  # (N,) int64: the head whose guess node i is (0-based; -1 for the root)
+    rank: torch.Tensor  # (N,) int64: which of that head's guesses (0 = its top-1)
     token_index: torch.Tensor  # (N,) int64 into the step's candidates (see `candidates`)
     paths: torch.Tensor  # (P, D + 1) int64: node indices root -> leaf, padded with 0
     path_valid: torch.Tensor  # (P, D + 1) bool: False on the padding
@@ -78,9 +80,9 @@ class MedusaTree:
 
     def to(self, device) -> "MedusaTree":
         move = lambda t: t.to(device)  # noqa: E731
-        return MedusaTree(self.nodes, move(self.depth), move(self.mask), move(self.token_index),
-                          move(self.paths), move(self.path_valid), self.paths_host, self.top_k,
-                          self.num_heads)
+        return MedusaTree(self.nodes, move(self.depth), move(self.mask), move(self.head),
+                          move(self.rank), move(self.token_index), move(self.paths),
+                          move(self.path_valid), self.paths_host, self.top_k, self.num_heads)
 
 
 def check_choices(choices, num_heads: int | None, vocab_size: int | None) -> list[tuple]:
@@ -123,9 +125,11 @@ def build_tree(choices, num_heads: int | None = None, vocab_size: int | None = N
     for i, p in enumerate(nodes):
         for d in range(len(p) + 1):
             mask[i, index[p[:d]]] = True  # each prefix of p is an ancestor (or p itself)
-    # candidates are [root, head 1's top-k, head 2's top-k, ...]; node p takes rank p[-1] of
-    # head len(p), so its token sits at 1 + (len(p) - 1) * top_k + p[-1].
-    token_index = [0] + [1 + (len(p) - 1) * top_k + p[-1] for p in nodes[1:]]
+    # node p is guess p[-1] of head len(p) (0-based: head len(p) - 1); candidates are laid out
+    # as [root, head 0's top-k, head 1's top-k, ...], so its token sits at 1 + head * top_k + rank
+    head = torch.tensor([len(p) - 1 for p in nodes])  # (N,): -1 for the root
+    rank = torch.tensor([p[-1] if p else 0 for p in nodes])  # (N,)
+    token_index = torch.where(head >= 0, 1 + head * top_k + rank, 0)  # (N,)
     has_child = {p[:-1] for p in paths}
     leaves = [p for p in nodes if p not in has_child]
     rows = [[index[p[:d]] for d in range(len(p) + 1)] for p in leaves]
@@ -134,8 +138,8 @@ def build_tree(choices, num_heads: int | None = None, vocab_size: int | None = N
     for r, row in enumerate(rows):
         paths_t[r, :len(row)] = torch.tensor(row)
         valid[r, :len(row)] = True
-    return MedusaTree(nodes, torch.tensor([len(p) for p in nodes]), mask,
-                      torch.tensor(token_index), paths_t, valid, rows, top_k, depth_max).to(device)
+    return MedusaTree(nodes, torch.tensor([len(p) for p in nodes]), mask, head, rank, token_index,
+                      paths_t, valid, rows, top_k, depth_max).to(device)
 
 
 def dense_tree(top_s: list[int]) -> list[tuple]:

@@ -73,6 +73,7 @@ def test_tokens_land_on_the_right_nodes(choices, seed):
     ranked = head_logits.argsort(dim=-1, descending=True)  # (K, V)
     assert tokens[0] == 7
     for i, p in enumerate(tree.nodes[1:], start=1):
+        assert (tree.head[i].item(), tree.rank[i].item()) == (len(p) - 1, p[-1])
         assert tokens[i] == ranked[len(p) - 1, p[-1]].item()  # head len(p), rank p[-1]
 
 
