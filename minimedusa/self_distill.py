@@ -1,0 +1,168 @@
+"""Self-distillation data (paper section 5): the model answers seed prompts itself, batched.
+
+The heads must predict the model's own output distribution, so the model's own answers are the
+right training data, and they need no dataset. Prompts are batched with LEFT padding in one
+static KV cache: every row's last prompt token sits in the same slot, so each decoding step is
+one (B, 1) forward; a row's positions start at 0 at its first real token, and its mask hides
+its padding slots. Each step's last hidden state is saved with the answer: it is exactly what
+the frozen backbone would recompute for training (paper: "its hidden states can be computed
+once and reused").
+
+Output: a folder of shards (shard-00000.safetensors, ...) plus meta.json; the run resumes by
+skipping finished shards. Each shard holds, for its prompts, the token ids and for every answer
+token the hidden state that predicts it (the state at the token before it).
+
+    python -m minimedusa.self_distill --out data/distill --limit 512
+
+Shapes: B batch, P padded prompt length, T steps, C model dim.
+"""
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from minimedusa.default_model import ensure_default_model
+from minimedusa.device import pick_device, pick_dtype
+from minimedusa.kv_cache import KVCache
+from minimedusa.sampling import Sampling, make_generator, next_token
+from minimedusa.seed_prompts import seed_prompts
+from minimedusa.tokenizer import Tokenizer
+from minimedusa.weights import load_model
+
+
+def left_pad(prompts: list[list[int]], pad_id: int):
+    """(tokens (B, P), positions (B, P), pad (B,)): each row right-aligned at slot P - 1."""
+    P = max(map(len, prompts))
+    pad = torch.tensor([P - len(p) for p in prompts])  # (B,)
+    tokens = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])  # (B, P)
+    positions = (torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)  # (B, P)
+    return tokens, positions, pad
+
+
+def padded_mask(pad: torch.Tensor, n_query: int, n_slots: int) -> torch.Tensor:
+    """(B, T, S) bool for the last n_query of n_slots tokens: causal, blind to each row's padding.
+
+    note: a padding token still sees itself; a row that sees nothing would make attention's
+    softmax NaN, and NaN keys would poison every row through 0 * NaN.
+    """
+    q = torch.arange(n_slots - n_query, n_slots).view(1, -1, 1)  # (1, T, 1) query slots
+    s = torch.arange(n_slots).view(1, 1, -1)  # (1, 1, S)
+    real = s >= pad.view(-1, 1, 1)  # (B, 1, S)
+    return ((s <= q) & real) | (s == q)
+
+
+@torch.inference_mode()
+def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                 stop_ids: set[int], pad_id: int, generator):
+    """Answer B prompts at once. Returns, per row, (answer ids, hidden (n, C)): hidden[i] is the
+    last hidden state at the token before answer[i], the state from which the LM head predicted
+    answer[i] and from which head k must predict answer[i + k]."""
+    device = model.embed.weight.device
+    tokens, positions, pad = (t.to(device) for t in left_pad(prompts, pad_id))
+    B, P = tokens.shape
+    cache = KVCache.for_model(model, capacity=P + max_new_tokens, batch_size=B)
+    hidden = model.hidden_states(tokens, positions, padded_mask(pad, P, P), cache,
+                                 cache.slots(0, P))[:, -1:]  # (B, 1, C)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,) next positions
+    answers, states, done = [[] for _ in prompts], [hidden], [False] * B
+    for t in range(max_new_tokens):
+        token = next_token(model.lm_head(hidden[:, -1]), sampling, generator)  # (B,)
+        ids = token.tolist()  # the host sync of the step: who has stopped
+        for b in range(B):
+            if not done[b]:
+                answers[b].append(ids[b])
+                done[b] = ids[b] in stop_ids
+        if all(done) or t == max_new_tokens - 1:
+            break
+        slot = P + t
+        hidden = model.hidden_states(token.unsqueeze(1), (lengths + t).unsqueeze(1),
+                                     padded_mask(pad, 1, slot + 1), cache,
+                                     cache.slots(slot, 1))  # (B, 1, C)
+        states.append(hidden)
+    states = torch.cat(states, dim=1)  # (B, T, C)
+    return [(a, states[b, :len(a)]) for b, a in enumerate(answers)]
+
+
+def tokenizer_fingerprint(folder: Path) -> str:
+    """Data made with one tokenizer is meaningless for another: training checks this."""
+    return hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def save_shard(path: Path, rows: list[dict]) -> None:
+    """One file per batch: flat int32 token ids with offsets, and the hidden states (bf16).
+    Written beside its final name and renamed, so a killed run leaves no half shard."""
+    prompt_ids = [torch.tensor(r["prompt_ids"], dtype=torch.int32) for r in rows]
+    answer_ids = [torch.tensor(r["answer_ids"], dtype=torch.int32) for r in rows]
+    offsets = lambda xs: torch.tensor([0] + [len(x) for x in xs]).cumsum(0)  # noqa: E731
+    tensors = {"prompt_ids": torch.cat(prompt_ids), "prompt_offsets": offsets(prompt_ids),
+               "answer_ids": torch.cat(answer_ids), "answer_offsets": offsets(answer_ids),
+               "hidden": torch.cat([r["hidden"] for r in rows]).to(torch.bfloat16).contiguous()}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, tmp)
+    tmp.rename(path)
+
+
+def main():
+    p = argparse.ArgumentParser(description="Self-distillation data: the default model (or "
+                                "--model) answers the seed prompts, batched; resumable.")
+    p.add_argument("--out", type=Path, required=True, help="output folder (shards + meta.json)")
+    p.add_argument("--model", type=Path, default=None, help="HF Llama folder (default: the "
+                   "default model)")
+    p.add_argument("--limit", type=int, default=None, help="answer only the first N prompts")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts per batch "
+                   "(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="answer length cap (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy answers (default), as the heads will be used with greedy "
+                   "decoding; > 0 samples")
+    p.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16, float16")
+    args = p.parse_args()
+
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    folder = args.model or ensure_default_model()
+    model, tokenizer = load_model(folder, device, dtype), Tokenizer.from_folder(folder)
+    prompts = seed_prompts(args.seed)[:args.limit]
+    meta = {"model": str(folder), "tokenizer": tokenizer_fingerprint(folder),
+            "prompts": len(prompts), "batch_size": args.batch_size,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "seed": args.seed, "dtype": str(dtype).removeprefix("torch.")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta_path = args.out / "meta.json"
+    if meta_path.is_file() and json.loads(meta_path.read_text()) != meta:
+        sys.exit(f"error: {args.out} holds data made with other settings; use another --out")
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+    eos = model.config.eos_token_id
+    stop_ids = set(eos) if isinstance(eos, list) else {eos}
+    sampling = Sampling(args.temperature, 1.0, args.seed)
+    n_batches = (len(prompts) + args.batch_size - 1) // args.batch_size
+    start, tokens_done = time.time(), 0
+    for i in range(n_batches):
+        path = args.out / f"shard-{i:05d}.safetensors"
+        if path.is_file():
+            continue  # resume: this batch is done
+        batch = prompts[i * args.batch_size:(i + 1) * args.batch_size]
+        ids = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": x["prompt"]}]))
+               for x in batch]
+        generator = make_generator(device, args.seed + i)  # per batch: resuming is exact
+        answers = answer_batch(model, ids, args.max_new_tokens, sampling, stop_ids,
+                               tokenizer.tk.token_to_id("<|endoftext|>") or 0, generator)
+        save_shard(path, [{"prompt_ids": p, "answer_ids": a, "hidden": h}
+                          for p, (a, h) in zip(ids, answers)])
+        tokens_done += sum(len(a) for a, _ in answers)
+        rate = tokens_done / (time.time() - start)
+        print(f"[{i + 1}/{n_batches}] {tokens_done} answer tokens this run, {rate:.0f} tokens/s",
+              file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Self-distillation data: batched answers with left padding equal each prompt decoded alone,
+and the saved hidden states are the ones a plain forward computes; the seed prompts are many,
+diverse and deterministic."""
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import tiny_model
+from minimedusa.model import causal_mask
+from minimedusa.plain_decoding import plain_decode
+from minimedusa.sampling import Sampling
+from minimedusa.seed_prompts import seed_prompts
+from minimedusa.self_distill import answer_batch
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000),
+       lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), max_new=st.integers(1, 12))
+def test_batched_answers_equal_each_prompt_decoded_alone(seed, lengths, max_new):
+    model = tiny_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 64, (n,), generator=g).tolist() for n in lengths]
+    stop = {int(seed % 64)}
+    rows = answer_batch(model, prompts, max_new, Sampling(), stop, pad_id=0, generator=None)
+    for prompt, (answer, hidden) in zip(prompts, rows):
+        assert answer == [t for s in plain_decode(model, prompt, max_new, Sampling(), stop)
+                          for t in s]
+        # hidden[i] is the state at the token before answer[i]
+        seq = prompt + answer[:-1]
+        T = len(seq)
+        expected = model.hidden_states(torch.tensor([seq]), torch.arange(T)[None],
+                                       causal_mask(0, T))[0, len(prompt) - 1:]
+        torch.testing.assert_close(hidden, expected, rtol=0, atol=1e-10)
+
+
+def test_seed_prompts_are_many_diverse_and_deterministic():
+    prompts = seed_prompts(0)
+    assert len(prompts) >= 5000
+    assert len({p["prompt"] for p in prompts}) == len(prompts)
+    assert {p["category"] for p in prompts} == {"writing", "roleplay", "reasoning", "math",
+                                                "coding", "extraction", "stem", "humanities",
+                                                "chitchat"}
+    assert seed_prompts(0) == prompts and seed_prompts(1) != prompts
