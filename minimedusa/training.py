@@ -1,0 +1,113 @@
+"""Training the Medusa heads on a frozen backbone: Medusa-1 (paper section 4).
+
+    L = sum_{k=1..K} lambda_k * CE( p_t^(k), y_{t+k+1} ),   lambda_k = 0.8^k
+
+Because the backbone is frozen, the hidden state h_t at every answer position was computed once,
+while the self-distillation data was generated, and is read back here: training touches only
+the heads (and, in the shared form, the frozen LM head they project with). Every training row is
+one position t: its hidden state and the K tokens its heads must predict. Positions are
+independent for the heads, so rows are shuffled freely. Only answer tokens are rows: the
+prompt and the padding carry no loss by construction.
+Left out: Medusa-2 (joint training with LoRA, a later issue).
+
+Shapes: M rows (answer positions), C model dim, K heads, V vocab, B batch rows.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+IGNORE = -100  # target of a head whose token t+k+1 lies past the end of the answer
+
+
+class DataError(ValueError):
+    """A self-distillation data folder that is empty, corrupt or made for another model."""
+
+
+@dataclass
+class Rows:
+    hidden: torch.Tensor  # (M, C) bf16: h_t, the state that predicts answer token t+1
+    targets: torch.Tensor  # (M, K) int64: targets[:, k-1] = y_{t+k+1} for head k, or IGNORE
+
+
+def head_targets(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(n,) answer ids -> (n, K): row i holds answer[i + k] for head k = 1..K.
+
+    note: row i's hidden state is the one that predicted answer[i] with the LM head (the token
+    after position t is y_{t+1} = answer[i]); head k predicts k tokens further, y_{t+k+1}, which
+    is answer[i + k]. This off-by-k is the whole point of a Medusa head, and a test checks it.
+    """
+    n = answer.shape[0]
+    padded = torch.cat([answer.long(), torch.full((num_heads,), IGNORE)])  # (n + K,)
+    index = torch.arange(n).unsqueeze(1) + torch.arange(1, num_heads + 1)  # (n, K): i + k
+    return padded[index]
+
+
+def read_meta(folder: Path) -> dict:
+    path = folder / "meta.json"
+    if not path.is_file():
+        raise DataError(f"no meta.json in {folder}: not a self-distillation data folder")
+    return json.loads(path.read_text())
+
+
+def read_rows(folder: Path, num_heads: int, tokenizer_fingerprint: str,
+              vocab_size: int) -> tuple[Rows, Rows]:
+    """(train, validation) rows from every shard; the last 1 in 20 answers are held out
+    (whole answers, so no validation position shares an answer with a training one)."""
+    meta = read_meta(folder)
+    if meta.get("tokenizer") != tokenizer_fingerprint:
+        raise DataError(f"{folder} was made with another tokenizer "
+                        f"({meta.get('tokenizer')} != {tokenizer_fingerprint})")
+    shards = sorted(folder.glob("shard-*.safetensors"))
+    if not shards:
+        raise DataError(f"no shards in {folder}: run python -m minimedusa.self_distill first")
+    answers = []  # (hidden (n, C), targets (n, K)) per answer
+    for shard in shards:
+        try:
+            with safe_open(shard, framework="pt") as st:
+                ids, offsets = st.get_tensor("answer_ids"), st.get_tensor("answer_offsets")
+                hidden = st.get_tensor("hidden")
+        except Exception as e:  # safetensors reports truncation/corruption with varied types
+            raise DataError(f"cannot read {shard} (truncated or corrupt?): {e}") from None
+        if ids.numel() and int(ids.max()) >= vocab_size:
+            raise DataError(f"{shard} holds token ids beyond the model's vocabulary")
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            answers.append((hidden[a:b], head_targets(ids[a:b], num_heads)))
+    n_val = max(1, len(answers) // 20)
+    if len(answers) < 2:
+        raise DataError(f"{folder} holds {len(answers)} answer(s): too few to train and validate")
+    stack = lambda part: Rows(torch.cat([h for h, _ in part]),  # noqa: E731
+                              torch.cat([t for _, t in part]))
+    return stack(answers[:-n_val]), stack(answers[-n_val:])
+
+
+def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float = 0.8):
+    """sum_k decay^k CE_k. head_logits (K, B, V), targets (B, K).
+
+    Returns (the weighted loss, per-head CE (K,), per-head count of rows with a target (K,)).
+    """
+    K = head_logits.shape[0]
+    ce = torch.stack([F.cross_entropy(head_logits[k].float(), targets[:, k],
+                                      ignore_index=IGNORE) for k in range(K)])  # (K,)
+    counted = (targets != IGNORE).sum(dim=0)  # (K,)
+    ce = torch.where(counted > 0, ce, 0.0)  # a head with no target in the batch adds nothing
+    weights = decay ** torch.arange(1, K + 1, device=ce.device, dtype=ce.dtype)  # lambda_k
+    return (weights * ce).sum(), ce.detach(), counted
+
+
+def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """Per head, how many rows have their target among the head's top-k: (K,)."""
+    top = head_logits.topk(k, dim=-1).indices  # (K, B, k)
+    hit = (top == targets.T.unsqueeze(-1)).any(dim=-1) & (targets.T != IGNORE)  # (K, B)
+    return hit.sum(dim=1)
+
+
+def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
+    """Linear warm-up to peak, then cosine decay to 0 at `total` (paper: cosine with warmup)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * min(progress, 1.0))).item())

@@ -1,0 +1,161 @@
+"""Medusa-1 training on a tiny model: head k learns token t+k+1, only answer tokens carry loss,
+the backbone gets no gradient, the loss falls, resume == uninterrupted, checkpoints survive a
+kill mid-write, and bad data is a clear error."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from conftest import REPO, tiny_model
+from minimedusa.heads import HEADS_FILE, MedusaHeads
+from minimedusa.model import causal_mask
+from minimedusa.sampling import Sampling
+from minimedusa.self_distill import answer_batch, save_shard, tokenizer_fingerprint
+from minimedusa.training import IGNORE, DataError, head_targets, medusa_loss, read_rows
+from minimedusa.weights import load_model, save_model
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory, default_model_dir):
+    """A tiny Llama folder (with the real tokenizer file, for its fingerprint) and greedy
+    self-distilled data from it: 3 shards of 8 answers."""
+    root = tmp_path_factory.mktemp("train")
+    model_dir, data = root / "model", root / "data"
+    model = tiny_model(7, dtype=torch.float32)
+    save_model(model, model_dir)
+    shutil.copy(default_model_dir / "tokenizer.json", model_dir / "tokenizer.json")
+    data.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for s in range(3):
+        prompts = [torch.randint(2, 64, (int(n),), generator=g).tolist()
+                   for n in torch.randint(2, 8, (8,), generator=g)]
+        rows = answer_batch(model, prompts, 24, Sampling(), {1}, 0, None)
+        save_shard(data / f"shard-{s:05d}.safetensors",
+                   [{"prompt_ids": p, "answer_ids": a, "hidden": h}
+                    for p, (a, h) in zip(prompts, rows)])
+    (data / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(model_dir)}))
+    return model_dir, data
+
+
+def run_train(model_dir, data, out, *extra):
+    train.main(["--frozen", "--model", str(model_dir), "--data", str(data), "--out", str(out),
+                "--batch-size", "32", "--heads", "3", "--warmup", "2", "--eval-every", "5",
+                "--save-every", "3", "--lr", "3e-3", *extra])
+    return json.loads((out / "train_log.json").read_text())
+
+
+def test_head_k_targets_token_t_plus_k_plus_1():
+    assert head_targets(torch.tensor([10, 11, 12, 13]), 2).tolist() == \
+        [[11, 12], [12, 13], [13, IGNORE], [IGNORE, IGNORE]]
+
+
+def test_rows_align_hidden_states_with_the_tokens_they_predict(tiny_setup):
+    """Row i holds the hidden state at the token before answer[i] (recomputed here by a plain
+    forward) and head 1's target answer[i + 1]. Catches an off-by-one on either side."""
+    model_dir, data = tiny_setup
+    model = load_model(model_dir)
+    train_rows, _ = read_rows(data, 3, tokenizer_fingerprint(model_dir), 64)
+    shard = load_file(data / "shard-00000.safetensors")
+    prompt = shard["prompt_ids"][:shard["prompt_offsets"][1]].tolist()
+    answer = shard["answer_ids"][:shard["answer_offsets"][1]].tolist()
+    seq = prompt + answer[:-1]
+    T = len(seq)
+    expected = model.hidden_states(torch.tensor([seq]), torch.arange(T)[None],
+                                   causal_mask(0, T))[0, len(prompt) - 1:]  # (n, C)
+    torch.testing.assert_close(train_rows.hidden[:len(answer)].float(), expected,
+                               atol=0.05, rtol=0.02)  # stored in bf16
+    assert train_rows.targets[:len(answer) - 1, 0].tolist() == answer[1:]
+
+
+def test_only_answer_tokens_are_rows(tiny_setup):
+    model_dir, data = tiny_setup
+    train_rows, val_rows = read_rows(data, 3, tokenizer_fingerprint(model_dir), 64)
+    answers = sum(int(load_file(p)["answer_ids"].numel()) for p in data.glob("shard-*"))
+    assert train_rows.targets.shape[0] + val_rows.targets.shape[0] == answers
+
+
+def test_loss_falls_when_overfitting_one_batch(tiny_setup):
+    model_dir, data = tiny_setup
+    model = load_model(model_dir)
+    rows, _ = read_rows(data, 3, tokenizer_fingerprint(model_dir), 64)
+    hidden, targets = rows.hidden[:32].float(), rows.targets[:32]
+    heads = MedusaHeads.for_model(model, 3).train()
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        optimizer.zero_grad()
+        loss, _, _ = medusa_loss(heads(hidden, model.lm_head), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0]
+
+
+@pytest.mark.parametrize("form", [[], ["--shared"]])
+def test_backbone_receives_no_gradient_and_does_not_change(tiny_setup, tmp_path, monkeypatch,
+                                                            form):
+    model_dir, data = tiny_setup
+    model = load_model(model_dir)  # the very model the trainer will use
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(train, "load_model", lambda *args: model)
+    log = run_train(model_dir, data, tmp_path, "--epochs", "2", *form)
+    assert log[-1]["train_loss"] < log[0]["train_loss"]  # the heads did learn
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_heads_files_hold_only_heads(tiny_setup, tmp_path):
+    model_dir, data = tiny_setup
+    run_train(model_dir, data, tmp_path, "--shared", "--max-steps", "2")
+    assert set(load_file(tmp_path / HEADS_FILE)) == {f"{i}.0.linear.{w}" for i in range(3)
+                                                     for w in ("weight", "bias")}
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tiny_setup, tmp_path):
+    model_dir, data = tiny_setup
+    run_train(model_dir, data, tmp_path / "once", "--epochs", "2")
+    run_train(model_dir, data, tmp_path / "twice", "--epochs", "2", "--max-steps", "4")
+    run_train(model_dir, data, tmp_path / "twice", "--epochs", "2", "--resume")
+    a, b = (load_file(tmp_path / d / HEADS_FILE) for d in ("once", "twice"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_survives_a_kill_mid_write(tiny_setup, tmp_path, monkeypatch):
+    model_dir, data = tiny_setup
+    run_train(model_dir, data, tmp_path, "--max-steps", "3")
+    good = (tmp_path / train.CHECKPOINT).read_bytes()
+
+    def killed(obj, path):  # half a file, then the process "dies"
+        open(path, "wb").write(b"partial")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(model_dir, data, tmp_path, "--resume", "--max-steps", "6")
+    assert (tmp_path / train.CHECKPOINT).read_bytes() == good
+
+
+def test_bad_data_is_a_clear_error(tiny_setup, tmp_path):
+    model_dir, data = tiny_setup
+    fingerprint = tokenizer_fingerprint(model_dir)
+    with pytest.raises(DataError, match="no meta.json"):
+        read_rows(tmp_path, 3, fingerprint, 64)
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": fingerprint}))
+    with pytest.raises(DataError, match="no shards"):
+        read_rows(tmp_path, 3, fingerprint, 64)
+    shutil.copy(data / "shard-00000.safetensors", tmp_path / "shard-00000.safetensors")
+    (tmp_path / "shard-00000.safetensors").write_bytes(b"\x00" * 30)
+    with pytest.raises(DataError, match="truncated or corrupt"):
+        read_rows(tmp_path, 3, fingerprint, 64)
+    with pytest.raises(DataError, match="another tokenizer"):
+        read_rows(data, 3, "0123456789abcdef", 64)
+
+
+def test_without_frozen_train_says_medusa2_is_a_separate_mode(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), "--data", str(tmp_path),
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode != 0 and "Medusa-2" in done.stderr and "Traceback" not in done.stderr
