@@ -109,46 +109,102 @@ def save_heads(heads: MedusaHeads, folder, extra_config: dict | None = None) -> 
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def read_heads_config(folder: Path) -> MedusaConfig:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise HeadsError(f"no config.json in the heads folder {folder}")
-    raw = json.loads(path.read_text())
-    missing = [k for k in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size")
-               if k not in raw]
+def read_heads_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The heads' tensors, reference keys: medusa_lm_head.safetensors, else the reference's
+    medusa_lm_head.pt read with weights_only=True (plain tensors, never arbitrary pickles)."""
+    path, pt = folder / HEADS_FILE, folder / "medusa_lm_head.pt"
+    try:
+        if path.is_file():
+            with safe_open(path, framework="pt", device="cpu") as st:
+                return {k: st.get_tensor(k) for k in st.keys()}
+        if pt.is_file():
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncation/corruption surfaces with varied exception types
+        raise HeadsError(f"cannot read the heads in {folder} (truncated or corrupt?): {e}") \
+            from None
+    raise HeadsError(f"missing heads file {path}")
+
+
+def heads_config(raw: dict, state: dict, model_config) -> MedusaConfig:
+    """The config of heads files. Published reference heads state only medusa_num_heads and
+    medusa_num_layers; the sizes and the form are then read off the tensors: the shared form is
+    the one without a projection {i}.{L}.weight."""
+    missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in raw]
     if missing:
-        raise HeadsError(f"{path} lacks {', '.join(missing)}")
-    return MedusaConfig(raw["medusa_num_heads"], raw["medusa_num_layers"], raw["hidden_size"],
-                        raw["vocab_size"], bool(raw.get("shared_lm_head", False)))
+        raise HeadsError(f"the heads' config.json lacks {', '.join(missing)}")
+    L = raw["medusa_num_layers"]
+    projection = state.get(f"0.{L}.weight")
+    block = state.get("0.0.linear.weight")
+    shared = raw.get("shared_lm_head", projection is None)
+    hidden = raw.get("hidden_size") or (block.shape[1] if block is not None else
+                                        projection.shape[1] if projection is not None else
+                                        model_config.hidden_size)
+    vocab = raw.get("vocab_size") or (projection.shape[0] if projection is not None else
+                                      model_config.vocab_size)
+    return MedusaConfig(raw["medusa_num_heads"], L, hidden, vocab, bool(shared))
 
 
 def load_heads(folder, model) -> MedusaHeads:
-    """Heads from folder (config.json + medusa_lm_head.safetensors), checked against model."""
+    """Heads from a folder (config.json + medusa_lm_head.safetensors or .pt), in this project's
+    or the reference's layout, checked against the model."""
     folder = Path(folder)
-    cfg = read_heads_config(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise HeadsError(f"no config.json in the heads folder {folder}")
+    state = read_heads_state(folder)
+    cfg = heads_config(json.loads(config_path.read_text()), state, model.config)
     cfg.check_fits(model.config)
-    path = folder / HEADS_FILE
-    if not path.is_file():
-        raise HeadsError(f"missing heads file {path}")
-    try:
-        with safe_open(path, framework="pt", device="cpu") as st:
-            state = {f"heads.{k}": st.get_tensor(k) for k in st.keys()}
-    except Exception as e:  # safetensors reports truncation/corruption with varied types
-        raise HeadsError(f"cannot read {path} (truncated or corrupt?): {e}") from None
     heads = MedusaHeads(cfg)
-    expected = heads.state_dict()
+    expected = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}
     missing = sorted(expected.keys() - state.keys())
     if missing:
-        raise HeadsError(f"{path} lacks tensor {missing[0].removeprefix('heads.')}")
+        raise HeadsError(f"the heads in {folder} lack tensor {missing[0]}")
     for name, t in state.items():
         if name not in expected:
-            raise HeadsError(f"unexpected tensor {name.removeprefix('heads.')} in {path}")
+            raise HeadsError(f"unexpected tensor {name} in the heads in {folder}")
         if t.shape != expected[name].shape:
-            raise HeadsError(f"tensor {name.removeprefix('heads.')} has shape {tuple(t.shape)}, "
+            raise HeadsError(f"tensor {name} has shape {tuple(t.shape)}, "
                              f"the config needs {tuple(expected[name].shape)}")
-    heads.load_state_dict(state)
+    heads.heads.load_state_dict(state)
     weight = model.lm_head.weight
     return heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+
+
+def export_v1(heads: MedusaHeads, lm_head: nn.Linear, folder, base_model: str) -> None:
+    """Write heads in the reference's "V1" layout that serving engines load: own projections
+    (the shared form gets a copy of the LM head per head), medusa_lm_head.safetensors, and a
+    config.json with medusa_num_heads, medusa_num_layers and base_model_name_or_path."""
+    cfg = heads.config
+    own = MedusaHeads(MedusaConfig(cfg.medusa_num_heads, cfg.medusa_num_layers, cfg.hidden_size,
+                                   cfg.vocab_size, shared_lm_head=False))
+    state = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}
+    if cfg.shared_lm_head:
+        for i in range(cfg.medusa_num_heads):
+            state[f"{i}.{cfg.medusa_num_layers}.weight"] = lm_head.weight.detach().clone()
+    own.heads.load_state_dict(state)
+    save_heads(own, folder, {"base_model_name_or_path": base_model})
+
+
+def main():
+    import argparse  # only the export command needs it
+
+    p = argparse.ArgumentParser(description="Export heads in the reference's V1 layout "
+                                "(own projections), for serving engines that load Medusa heads.")
+    p.add_argument("heads", type=Path, help="heads folder to export")
+    p.add_argument("out", type=Path, help="folder to write")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the base model folder (default: the default model)")
+    p.add_argument("--base-model-name", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                   help="base_model_name_or_path written in config.json (default: %(default)s)")
+    args = p.parse_args()
+    from minimedusa.default_model import ensure_default_model
+    from minimedusa.weights import load_model
+    model = load_model(args.model or ensure_default_model())
+    try:
+        export_v1(load_heads(args.heads, model), model.lm_head, args.out, args.base_model_name)
+    except HeadsError as e:
+        raise SystemExit(f"error: {e}")
+    print(f"wrote {args.out / HEADS_FILE} and {args.out / 'config.json'}")
 
 
 def heads_from_spec(spec: str, model) -> MedusaHeads:
@@ -164,3 +220,7 @@ def heads_from_spec(spec: str, model) -> MedusaHeads:
     if not Path(spec).is_dir():
         raise HeadsError(f"heads folder {spec} does not exist")
     return load_heads(spec, model)
+
+
+if __name__ == "__main__":
+    main()

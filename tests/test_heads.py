@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
-from minimedusa.heads import HEADS_FILE, HeadsError, MedusaHeads, load_heads, save_heads
+from minimedusa.heads import (HEADS_FILE, HeadsError, MedusaHeads, export_v1, load_heads,
+                              save_heads)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -66,10 +67,56 @@ def test_heads_file_that_disagrees_with_its_config_is_a_clear_error(tmp_path):
     state = load_file(tmp_path / HEADS_FILE)
     del state["1.1.weight"]
     save_file(state, tmp_path / HEADS_FILE)
-    with pytest.raises(HeadsError, match=r"lacks tensor 1\.1\.weight"):
+    with pytest.raises(HeadsError, match=r"lack tensor 1\.1\.weight"):
         load_heads(tmp_path, model)
 
 
 def test_missing_heads_config_is_a_clear_error(tmp_path):
     with pytest.raises(HeadsError, match="no config.json"):
         load_heads(tmp_path, tiny_model())
+
+
+def random_heads(model, shared, seed=0):
+    heads = MedusaHeads.for_model(model, 3, num_layers=1, shared_lm_head=shared)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed),
+                                     dtype=p.dtype))
+    return heads
+
+
+@pytest.mark.parametrize("shared, fmt", [(False, "safetensors"), (True, "safetensors"),
+                                         (False, "pt")])
+def test_heads_published_for_the_reference_load(tmp_path, shared, fmt):
+    """Published heads: reference keys, a config with only the two medusa_* keys, .safetensors
+    or a .pt state dict (read with weights_only=True)."""
+    model = tiny_model()
+    heads = random_heads(model, shared)
+    state = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}
+    if fmt == "pt":
+        torch.save(state, tmp_path / "medusa_lm_head.pt")
+    else:
+        save_file(state, tmp_path / HEADS_FILE)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"medusa_num_heads": 3, "medusa_num_layers": 1, "base_model_name_or_path": "x"}))
+    loaded = load_heads(tmp_path, model)
+    assert loaded.config.shared_lm_head == shared
+    hidden = torch.randn(4, 32, dtype=torch.float64)
+    torch.testing.assert_close(loaded(hidden, model.lm_head), heads(hidden, model.lm_head))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_v1_export_round_trips(tmp_path, shared):
+    model = tiny_model()
+    heads = random_heads(model, shared)
+    export_v1(heads, model.lm_head, tmp_path, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert set(load_file(tmp_path / HEADS_FILE)) == {f"{i}.{k}" for i in range(3) for k in
+                                                     ("0.linear.weight", "0.linear.bias",
+                                                      "1.weight")}
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 1
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    loaded = load_heads(tmp_path, model)
+    assert not loaded.config.shared_lm_head
+    hidden = torch.randn(4, 32, dtype=torch.float64)
+    torch.testing.assert_close(loaded(hidden, model.lm_head), heads(hidden, model.lm_head))
