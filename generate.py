@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from minimedusa import acceptance
-from minimedusa.default_model import DefaultModelError, ensure_default_model
+from minimedusa.default_model import DEFAULT_HEADS_DIR, DefaultModelError, ensure_default_model
 from minimedusa.device import pick_device, pick_dtype
 from minimedusa.heads import HeadsError, heads_from_spec
 from minimedusa.kv_cache import CacheOverflowError
@@ -87,7 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice, one per core)")
     p.add_argument("--heads", default=None,
-                   help="Medusa heads folder (config.json + medusa_lm_head.safetensors); "
+                   help="Medusa heads folder (config.json + medusa_lm_head.safetensors; "
+                   "default: the trained heads in weights/ for the default model, none for "
+                   "--model); "
                    "'untrained:K' / 'untrained-shared:K' make K heads in the paper's "
                    "initialisation, own / shared projection (they only guess repeats: for "
                    "trying the machinery, not for speed)")
@@ -157,6 +159,8 @@ def pick_acceptance(args) -> acceptance.Acceptance:
 def decoding(args, model, device, ids):
     """(description, iterator of the tokens each step yields) for the mode the flags ask."""
     stops = stop_ids(model)
+    if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
+        args.heads = str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         return "plain", plain_decode(model, ids, args.max_new_tokens, sampling, stops)

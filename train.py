@@ -65,6 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint.pt")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bfloat16 autocast for the heads' matrix products (default: on for "
+                   "CUDA, off for the CPU; on a CPU with AMX units --bf16 is several times "
+                   "faster)")
     return p.parse_args(argv)
 
 
@@ -146,8 +150,7 @@ def train(args) -> dict:
     say(f"training {args.heads} heads ({'shared' if args.shared else 'own'} projection) on "
         f"{train_rows.targets.shape[0]} positions ({val_rows.targets.shape[0]} held out), "
         f"{total} steps of {args.batch_size}, {world} process(es) on {device}")
-    amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else \
-        torch.autocast("cpu", enabled=False)
+    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     start, first = time.time(), step
     while step < last:
         lr = cosine_lr(step, total, args.warmup, args.lr)
@@ -158,7 +161,7 @@ def train(args) -> dict:
         for micro in index.chunk(args.grad_accum):
             hidden = train_rows.hidden[micro].to(device, torch.float32)
             targets = train_rows.targets[micro].to(device)
-            with amp:
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 loss, ce, _ = medusa_loss(ddp_heads(hidden, model.lm_head), targets)
             (loss / args.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), args.clip)

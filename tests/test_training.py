@@ -159,3 +159,18 @@ def test_without_frozen_train_says_medusa2_is_a_separate_mode(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "train.py"), "--data", str(tmp_path),
                            "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert done.returncode != 0 and "Medusa-2" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_training_runs_under_torchrun_with_two_processes(tiny_setup, tmp_path):
+    """DistributedDataParallel on the CPU (gloo): each process takes half of every batch."""
+    model_dir, data = tiny_setup
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         str(REPO / "train.py"), "--frozen", "--model", str(model_dir), "--data", str(data),
+         "--out", str(tmp_path), "--batch-size", "32", "--heads", "3", "--epochs", "2",
+         "--warmup", "2", "--lr", "3e-3", "--eval-every", "5", "--device", "cpu"],
+        capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log[-1]["train_loss"] < log[0]["train_loss"]
+    assert "2 process(es)" in done.stderr
