@@ -67,8 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bfloat16 autocast for the heads' matrix products (default: on for "
-                   "CUDA, off for the CPU; on a CPU with AMX units --bf16 is several times "
-                   "faster)")
+                   "CUDA, off for the CPU; on this project's AMX-capable 2-core CPU a step of "
+                   "256 rows x 5 shared heads took 1.1 s with it, 1.6 s without)")
     return p.parse_args(argv)
 
 

@@ -9,10 +9,12 @@ with L residual blocks stacked before W2. Two parametrisations of W2: each head'
 projection, initialised as a copy of the LM head (the paper's form, the reference's "V1"
 checkpoints), or the backbone's LM head shared by every head (the reference's "V2").
 Files: config.json + medusa_lm_head.safetensors with the reference's keys ({i}.{j}.linear.weight,
-{i}.{j}.linear.bias, {i}.{L}.weight), so heads move between this project and others.
+{i}.{j}.linear.bias, {i}.{L}.weight), so heads move between this project and others;
+`python -m minimedusa.heads SRC OUT` exports heads in the reference's V1 layout for serving engines.
 
 Shapes: B batch, T tokens, C model dim, V vocab, K heads.
 """
+import argparse
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from minimedusa.default_model import ensure_default_model
+from minimedusa.weights import load_model
 
 HEADS_FILE = "medusa_lm_head.safetensors"
 
@@ -186,8 +191,6 @@ def export_v1(heads: MedusaHeads, lm_head: nn.Linear, folder, base_model: str) -
 
 
 def main():
-    import argparse  # only the export command needs it
-
     p = argparse.ArgumentParser(description="Export heads in the reference's V1 layout "
                                 "(own projections), for serving engines that load Medusa heads.")
     p.add_argument("heads", type=Path, help="heads folder to export")
@@ -197,8 +200,6 @@ def main():
     p.add_argument("--base-model-name", default="HuggingFaceTB/SmolLM2-135M-Instruct",
                    help="base_model_name_or_path written in config.json (default: %(default)s)")
     args = p.parse_args()
-    from minimedusa.default_model import ensure_default_model
-    from minimedusa.weights import load_model
     model = load_model(args.model or ensure_default_model())
     try:
         export_v1(load_heads(args.heads, model), model.lm_head, args.out, args.base_model_name)
