@@ -12,6 +12,7 @@ the end; --resume continues exactly where it stopped. Under torchrun, every proc
 share of each batch and DistributedDataParallel averages the gradients.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -84,14 +85,18 @@ def setup_distributed(device_name: str) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+@functools.lru_cache(maxsize=1)
+def epoch_order(n_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    """A fresh permutation of the rows each epoch, fixed by the seed (made once per epoch)."""
+    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+
+
 def batch_rows(rows: Rows, step: int, batch_size: int, seed: int) -> torch.Tensor:
-    """The row indices of optimizer step `step`: a fresh permutation each epoch, fixed by the
-    seed, so that a resumed run sees exactly the batches the uninterrupted one would."""
-    per_epoch = rows.targets.shape[0] // batch_size
-    epoch, i = divmod(step, per_epoch)
-    order = torch.randperm(rows.targets.shape[0], generator=torch.Generator().manual_seed(
-        seed * 1000 + epoch))
-    return order[i * batch_size:(i + 1) * batch_size]
+    """The row indices of optimizer step `step`: determined by the step alone, so that a
+    resumed run sees exactly the batches the uninterrupted one would."""
+    n_rows = rows.targets.shape[0]
+    epoch, i = divmod(step, n_rows // batch_size)
+    return epoch_order(n_rows, seed, epoch)[i * batch_size:(i + 1) * batch_size]
 
 
 @torch.no_grad()

@@ -155,7 +155,7 @@ def main():
                for x in batch]
         generator = make_generator(device, args.seed + i)  # per batch: resuming is exact
         answers = answer_batch(model, ids, args.max_new_tokens, sampling, stop_ids,
-                               tokenizer.tk.token_to_id("<|endoftext|>") or 0, generator)
+                               pad_id=0, generator=generator)  # any id: padding is masked
         save_shard(path, [{"prompt_ids": p, "answer_ids": a, "hidden": h}
                           for p, (a, h) in zip(ids, answers)])
         tokens_done += sum(len(a) for a, _ in answers)
