@@ -27,7 +27,7 @@ from minimedusa.model import ConfigError
 from minimedusa.plain_decoding import PromptTooLongError, plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import StreamDecoder, Tokenizer
-from minimedusa.tree import NAMED_TREES, TreeError, build_tree, default_tree, tree_choices
+from minimedusa.tree import NAMED_TREES, TreeError, tree_for_heads
 from minimedusa.weights import WeightsError, load_model
 
 # Errors that come from what the user asked for (bad flag value, file, prompt): one line each.
@@ -137,11 +137,6 @@ def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def stop_ids(model) -> set[int]:
-    eos = model.config.eos_token_id
-    return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-
-
 def pick_acceptance(args) -> acceptance.Acceptance:
     kind = args.acceptance
     if kind == "auto":
@@ -158,16 +153,14 @@ def pick_acceptance(args) -> acceptance.Acceptance:
 
 def decoding(args, model, device, ids):
     """(description, iterator of the tokens each step yields) for the mode the flags ask."""
-    stops = stop_ids(model)
+    stops = model.config.stop_ids
     if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
         args.heads = str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         return "plain", plain_decode(model, ids, args.max_new_tokens, sampling, stops)
     heads = heads_from_spec(args.heads, model)
-    tree_name = args.tree or default_tree(device)
-    tree = build_tree(tree_choices(tree_name), heads.config.medusa_num_heads,
-                      model.config.vocab_size, device)
+    tree_name, tree = tree_for_heads(args.tree, heads, model.config, device)
     accept = pick_acceptance(args)
     steps = medusa_decode(model, heads, tree, ids, args.max_new_tokens, accept, stops, args.seed)
     return f"medusa, {tree_name} ({tree.size} tokens), {accept.name}", steps

@@ -29,7 +29,7 @@ from minimedusa.medusa_decoding import medusa_decode
 from minimedusa.plain_decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import Tokenizer
-from minimedusa.tree import build_tree, default_tree, tree_choices
+from minimedusa.tree import tree_for_heads
 from minimedusa.weights import load_model
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
@@ -152,11 +152,9 @@ def main():
     questions = first_turns(args.questions, args.per_category)
     model = load_model(folder, device, dtype)
     engines = {"plain": plain_engine(model)}
-    tree_name = args.tree or default_tree(device)
     for spec in args.heads:
         heads = heads_from_spec(spec, model)
-        tree = build_tree(tree_choices(tree_name), heads.config.medusa_num_heads,
-                          model.config.vocab_size, device)
+        tree_name, tree = tree_for_heads(args.tree, heads, model.config, device)
         engines[f"medusa {spec} {tree_name}"] = medusa_engine(model, heads, tree)
     hf = None if args.no_transformers else load_transformers(folder, device, dtype)
     if hf is not None:

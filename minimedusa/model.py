@@ -66,6 +66,12 @@ class LlamaConfig:
             raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
         return cls(**{k: v for k, v in hf.items() if k in known and v is not None})
 
+    @property
+    def stop_ids(self) -> set[int]:
+        """The token ids that end generation: eos_token_id, which HF lets be one id or a list."""
+        eos = self.eos_token_id
+        return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+
     def to_hf(self) -> dict:
         """The config.json that HF tools (and from_hf) read back."""
         hf = {f.name: getattr(self, f.name) for f in fields(self)}

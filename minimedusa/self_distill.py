@@ -141,8 +141,7 @@ def main():
         sys.exit(f"error: {args.out} holds data made with other settings; use another --out")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
-    eos = model.config.eos_token_id
-    stop_ids = set(eos) if isinstance(eos, list) else {eos}
+    stop_ids = model.config.stop_ids
     sampling = Sampling(args.temperature, 1.0, args.seed)
     n_batches = (len(prompts) + args.batch_size - 1) // args.batch_size
     start, tokens_done = time.time(), 0

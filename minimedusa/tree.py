@@ -167,6 +167,14 @@ def tree_choices(spec: str) -> list:
         raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
 
 
+def tree_for_heads(spec: str | None, heads, model_config, device) -> tuple[str, MedusaTree]:
+    """(name, tree) for a --tree value (None: the device's default), checked against the heads
+    it will read and the vocabulary they rank."""
+    name = spec or default_tree(torch.device(device))
+    return name, build_tree(tree_choices(name), heads.config.medusa_num_heads,
+                            model_config.vocab_size, device)
+
+
 def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree) -> torch.Tensor:
     """The tree's tokens: (N,) int64, from the root token () and the heads' logits (K, V)."""
     top = head_logits[:tree.num_heads].topk(tree.top_k, dim=-1).indices  # (D, top_k)
