@@ -95,8 +95,9 @@ def parse_args(argv=None):
                    "trying the machinery, not for speed)")
     p.add_argument("--tree", default=None,
                    help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
-                   "of head k), or a JSON file of node paths (default: mc_sim_7b_63 on CUDA, "
-                   "cpu_8 on the CPU)")
+                   "of head k), or a JSON file of node paths (default: the tree tuned for this "
+                   "device and dtype beside the heads (python -m minimedusa.tree_search), else "
+                   "mc_sim_7b_63 on CUDA and cpu_8 on the CPU)")
     p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection"],
                    default="auto", help="how candidates are verified (default: auto = greedy "
                    "at temperature 0, lossless rejection sampling above)")
@@ -160,7 +161,9 @@ def decoding(args, model, device, ids):
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         return "plain", plain_decode(model, ids, args.max_new_tokens, sampling, stops)
     heads = heads_from_spec(args.heads, model)
-    tree_name, tree = tree_for_heads(args.tree, heads, model.config, device)
+    heads_dir = Path(args.heads) if Path(args.heads).is_dir() else None
+    tree_name, tree = tree_for_heads(args.tree, heads, model.config, device,
+                                     model.embed.weight.dtype, heads_dir)
     accept = pick_acceptance(args)
     steps = medusa_decode(model, heads, tree, ids, args.max_new_tokens, accept, stops, args.seed)
     return f"medusa, {tree_name} ({tree.size} tokens), {accept.name}", steps

@@ -1,17 +1,19 @@
 """Benchmark: decoding speed on MT-Bench first turns, engines interleaved in one process.
 
-Engines: this project's plain decoding; Medusa greedy decoding with each --heads given; and
+Engines: this project's plain decoding; Medusa with the given heads, verified greedily and (at
+--temperature) by typical acceptance and by rejection sampling; optionally Medusa with trees
+of several sizes grown from the heads' calibration (--sizes, the paper's Fig. 4); and
 (optional, imported lazily) the transformers library's `generate` on the same weights, the
-baseline the paper compares with. Reported in the paper's terms (section 7): acceleration rate
-(tokens per step), overhead (step latency / plain step latency), speedup. Every engine
-produces exactly --max-new-tokens tokens per question (EOS does not stop it) so that tokens/s
-compare like for like; the engines alternate question by question, and a warm-up run of each is
-excluded, so machine noise hits all of them alike. Report ratios from one run, not absolute
-numbers from different runs.
+baseline the paper compares with. Reported in the paper's terms (section 7), per category and
+overall: acceleration rate (tokens per step), overhead (step latency / plain step latency),
+speedup (tokens/s / plain tokens/s). Every engine produces exactly --max-new-tokens tokens per
+question (EOS does not stop it) so that tokens/s compare like for like; the engines alternate
+question by question, and a warm-up run of each is excluded, so machine noise hits all of them
+alike. Report ratios from one run, not absolute numbers from different runs.
 
-    python -m minimedusa.bench                      # 1 question per category, 128 tokens
-    python -m minimedusa.bench --per-category 2 --out bench.json
-    python -m minimedusa.bench --heads untrained:4 --heads untrained-shared:4 --tree cpu_8
+    python -m minimedusa.bench --quick                   # smoke test, < 3 minutes on a CPU
+    python -m minimedusa.bench --out bench.json --plot bench.png
+    python -m minimedusa.bench --heads untrained-shared:4 --tree cpu_8 --no-sampling
 """
 import argparse
 import json
@@ -21,15 +23,16 @@ from pathlib import Path
 
 import torch
 
-from minimedusa.acceptance import greedy
-from minimedusa.default_model import DEFAULT_MODEL_DIR, ensure_default_model
-from minimedusa.device import pick_device, pick_dtype
+from minimedusa.acceptance import greedy, rejection, typical
+from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensure_default_model
+from minimedusa.device import device_name, pick_device, pick_dtype
 from minimedusa.heads import heads_from_spec
 from minimedusa.medusa_decoding import medusa_decode
 from minimedusa.plain_decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import Tokenizer
-from minimedusa.tree import tree_for_heads
+from minimedusa.tree import build_tree, tree_for_heads
+from minimedusa.tree_search import expected_length_of, grow_tree, read_calibration
 from minimedusa.weights import load_model
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
@@ -60,11 +63,12 @@ def timed(steps) -> tuple[list[int], float, int]:
 
 
 def plain_engine(model):
-    return lambda ids, n: timed(plain_decode(model, ids, n, Sampling(), set()))
+    return lambda ids, n, seed: timed(plain_decode(model, ids, n, Sampling(), set()))
 
 
-def medusa_engine(model, heads, tree):
-    return lambda ids, n: timed(medusa_decode(model, heads, tree, ids, n, greedy(), set()))
+def medusa_engine(model, heads, tree, acceptance):
+    return lambda ids, n, seed: timed(medusa_decode(model, heads, tree, ids, n, acceptance,
+                                                    set(), seed))
 
 
 def load_transformers(folder: Path, device, dtype):
@@ -77,7 +81,7 @@ def load_transformers(folder: Path, device, dtype):
 
 
 def transformers_engine(hf_model):
-    def run(prompt_ids: list[int], n: int):
+    def run(prompt_ids: list[int], n: int, seed):
         ids = torch.tensor([prompt_ids], device=hf_model.device)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -86,6 +90,38 @@ def transformers_engine(hf_model):
                                     pad_token_id=0)
         return out[0, len(prompt_ids):].tolist(), time.perf_counter() - start, n
     return run
+
+
+def medusa_engines(args, model, device, dtype) -> tuple[dict, dict]:
+    """(name -> engine, name -> expected tokens/step from the heads' calibration, if any)."""
+    engines, expected = {}, {}
+    for spec in args.heads:
+        heads = heads_from_spec(spec, model)
+        folder = Path(spec) if Path(spec).is_dir() else None
+        tree_name, tree = tree_for_heads(args.tree, heads, model.config, device, dtype, folder)
+        accuracy = read_calibration(folder) if folder else None
+        label = f"medusa {Path(spec).name} " if len(args.heads) > 1 else "medusa "
+        engines[label + "greedy"] = medusa_engine(model, heads, tree, greedy())
+        if accuracy is not None:
+            expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
+        if args.temperature > 0:
+            T = args.temperature
+            engines[label + f"typical T={T}"] = medusa_engine(model, heads, tree, typical(T))
+            engines[label + f"rejection T={T}"] = medusa_engine(model, heads, tree, rejection(T))
+        if args.sizes:
+            if accuracy is None:
+                raise SystemExit(f"error: --sizes grows trees from {spec}/calibration.json, "
+                                 "which does not exist (run python -m minimedusa.tree_search)")
+            nodes, probs = grow_tree(accuracy, max(args.sizes))
+            for n in args.sizes:
+                name = label + f"greedy {n} nodes"
+                engines[name] = medusa_engine(model, heads, build_tree(
+                    nodes[:n], heads.config.medusa_num_heads, model.config.vocab_size, device),
+                    greedy())
+                expected[name] = 1 + sum(probs[:n])
+        print(f"{label.strip()}: {spec}, tree {tree_name} ({tree.size - 1} nodes)",
+              file=sys.stderr)
+    return engines, expected
 
 
 def summarize(rows: list[dict], engines: list[str]) -> dict:
@@ -98,7 +134,9 @@ def summarize(rows: list[dict], engines: list[str]) -> dict:
         totals[e] = {"tokens": tokens, "seconds": round(seconds, 3), "steps": steps,
                      "tokens_per_s": round(tokens / seconds, 2),
                      "acceleration_rate": round(tokens / steps, 3),
-                     "step_ms": round(1000 * seconds / steps, 2)}
+                     "step_ms": round(1000 * seconds / steps, 2),
+                     "identical": sum(r[e]["same_as_plain"] for r in rows),
+                     "questions": len(rows)}
     plain = totals["plain"]
     for t in totals.values():
         t["overhead"] = round(t["step_ms"] / plain["step_ms"], 3)
@@ -106,24 +144,99 @@ def summarize(rows: list[dict], engines: list[str]) -> dict:
     return totals
 
 
-def markdown(totals: dict) -> str:
-    lines = ["| engine | tokens/s | tokens/step | step ms | overhead | speedup | same as plain |",
-             "|---|---|---|---|---|---|---|"]
+def markdown(totals: dict, expected: dict) -> str:
+    lines = ["| engine | tokens/s | tokens/step | expected | step ms | overhead | speedup | "
+             "same as plain |", "|---|---|---|---|---|---|---|---|"]
     for name, t in totals.items():
+        estimate = f"{expected[name]:.2f}" if name in expected else ""
+        same = f"{t['identical']}/{t['questions']}" if "T=" not in name else "(sampled)"
         lines.append(f"| {name} | {t['tokens_per_s']:.1f} | {t['acceleration_rate']:.2f} | "
-                     f"{t['step_ms']:.1f} | {t['overhead']:.2f}x | {t['speedup']:.2f}x | "
-                     f"{t['identical']}/{t['questions']} |")
+                     f"{estimate} | {t['step_ms']:.1f} | {t['overhead']:.2f}x | "
+                     f"{t['speedup']:.2f}x | {same} |")
     return "\n".join(lines)
 
 
-def main():
-    p = argparse.ArgumentParser(description="Decoding speed on MT-Bench first turns, greedy: "
-                                "this project's plain decoding, Medusa with each --heads, and "
-                                "the transformers library's generate, interleaved in one process.")
-    p.add_argument("--per-category", type=int, default=1,
-                   help="questions per MT-Bench category (8 categories; default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="tokens generated per question (default: %(default)s)")
+def category_table(per_category: dict) -> str:
+    names = list(next(iter(per_category.values())))[1:]  # every engine but plain
+    lines = ["| category | " + " | ".join(f"{n}: tokens/step, speedup" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for category, totals in per_category.items():
+        cells = [f"{totals[n]['acceleration_rate']:.2f}, {totals[n]['speedup']:.2f}x"
+                 for n in names]
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Speedup per category, and tokens/s against tree size; only if matplotlib is there."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return
+    sized = {int(n.split()[-2]): t for n, t in result["totals"].items() if n.endswith(" nodes")}
+    fig, axes = plt.subplots(1, 2 if sized else 1, figsize=(12 if sized else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    categories = list(result["per_category"])
+    engines = [n for n in result["totals"] if n != "plain" and not n.endswith(" nodes")]
+    width = 0.8 / len(engines)
+    for j, name in enumerate(engines):
+        ax.bar([i + j * width for i in range(len(categories))],
+               [result["per_category"][c][name]["speedup"] for c in categories], width,
+               label=name)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories,
+                  rotation=30)
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(fontsize=7)
+    if sized:
+        ax = axes[0][1]
+        sizes = sorted(sized)
+        ax.plot(sizes, [sized[n]["tokens_per_s"] for n in sizes], "o-", label="Medusa greedy")
+        ax.axhline(result["totals"]["plain"]["tokens_per_s"], color="gray", ls="--",
+                   label="plain")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree size (nodes)")
+        ax.set_ylabel("tokens/s")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{result['device_name']}, {result['dtype']}, {result['threads']} threads, "
+                 f"{result['max_new_tokens']} tokens per question")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Decoding speed on MT-Bench first turns: this "
+                                "project's plain decoding, Medusa (greedy, typical and "
+                                "rejection sampling) and the transformers library's generate, "
+                                "interleaved question by question in one process.")
+    p.add_argument("--per-category", type=int, default=2,
+                   help="questions per MT-Bench category, 8 categories (default: %(default)s; "
+                   "10 = all 80)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens generated per question, EOS ignored (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 1 question per category, 32 tokens, no transformers, "
+                   "no --sizes (under 3 minutes on a 2-core CPU)")
+    p.add_argument("--heads", action="append", default=None,
+                   help="Medusa heads to time: a folder, untrained:K or untrained-shared:K; "
+                   "repeat to compare several (default: the default model's trained heads)")
+    p.add_argument("--tree", default=None,
+                   help="candidate tree for the Medusa engines (default: as generate.py, the "
+                   "tree tuned for this device beside the heads)")
+    p.add_argument("--sizes", default="",
+                   help="also time greedy Medusa with the best tree of each of these sizes, "
+                   "grown from the heads' calibration, e.g. 1,2,4,8,16,32,64 (tokens/s "
+                   "against tree size, the paper's Fig. 4)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="temperature of the typical and rejection sampling engines "
+                   "(default: %(default)s, the paper's)")
+    p.add_argument("--no-sampling", action="store_true",
+                   help="time greedy Medusa only (no typical / rejection sampling engines)")
+    p.add_argument("--no-transformers", action="store_true",
+                   help="skip the transformers baseline even if the library is installed")
     p.add_argument("--threads", type=int, default=2,
                    help="torch CPU threads (default: %(default)s, this project's CI machine)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
@@ -131,19 +244,26 @@ def main():
                    "bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder (default: the default model in weights/)")
-    p.add_argument("--heads", action="append", default=[],
-                   help="Medusa heads to time (a folder, untrained:K or untrained-shared:K); "
-                   "repeat the flag to compare several side by side")
-    p.add_argument("--tree", default=None,
-                   help="candidate tree for the Medusa engines (default: per device, as "
-                   "generate.py)")
     p.add_argument("--questions", type=Path, default=MT_BENCH,
                    help="MT-Bench questions JSONL (default: ../shared/data/...)")
-    p.add_argument("--no-transformers", action="store_true",
-                   help="skip the transformers baseline even if the library is installed")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = p.parse_args()
+    p.add_argument("--plot", type=Path, default=None,
+                   help="write a PNG plot here (needs matplotlib, which is optional)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.per_category, args.max_new_tokens, args.no_transformers, args.sizes = 1, 32, True, ""
+    args.sizes = [int(n) for n in args.sizes.split(",") if n]
+    if args.no_sampling:
+        args.temperature = 0.0
+    if args.heads is None:
+        if args.model is not None or not DEFAULT_HEADS_DIR.is_dir():
+            p.error("no --heads given and no trained heads for the default model in weights/")
+        args.heads = [str(DEFAULT_HEADS_DIR)]
+    return args
 
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -152,10 +272,8 @@ def main():
     questions = first_turns(args.questions, args.per_category)
     model = load_model(folder, device, dtype)
     engines = {"plain": plain_engine(model)}
-    for spec in args.heads:
-        heads = heads_from_spec(spec, model)
-        tree_name, tree = tree_for_heads(args.tree, heads, model.config, device)
-        engines[f"medusa {spec} {tree_name}"] = medusa_engine(model, heads, tree)
+    medusa, expected = medusa_engines(args, model, device, dtype)
+    engines.update(medusa)
     hf = None if args.no_transformers else load_transformers(folder, device, dtype)
     if hf is not None:
         engines["transformers"] = transformers_engine(hf)
@@ -166,14 +284,14 @@ def main():
 
     warm = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]))
     for run in engines.values():  # warm-up, excluded
-        run(warm, 8)
+        run(warm, 8, 0)
     rows = []
     for i, q in enumerate(questions):
         ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q["prompt"]}]))
         row, outputs = {"id": q["id"], "category": q["category"]}, {}
         order = names if i % 2 == 0 else names[::-1]  # alternate who goes first
         for name in order:
-            outputs[name], seconds, steps = engines[name](ids, args.max_new_tokens)
+            outputs[name], seconds, steps = engines[name](ids, args.max_new_tokens, i)
             row[name] = {"tokens": len(outputs[name]), "seconds": round(seconds, 4),
                          "steps": steps}
         for name in names:
@@ -181,18 +299,23 @@ def main():
         rows.append(row)
         speeds = ", ".join(f"{n} {row[n]['tokens'] / row[n]['seconds']:.1f}" for n in names)
         print(f"[{i + 1}/{len(questions)}] {q['category']:<10} tokens/s: {speeds}",
-              file=sys.stderr)
+              file=sys.stderr, flush=True)
 
     totals = summarize(rows, names)
-    for name in names:
-        totals[name]["identical"] = sum(r[name]["same_as_plain"] for r in rows)
-        totals[name]["questions"] = len(rows)
-    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
-              "threads": args.threads, "max_new_tokens": args.max_new_tokens,
-              "torch": torch.__version__, "totals": totals, "questions": rows}
-    print(markdown(totals))
+    per_category = {c: summarize([r for r in rows if r["category"] == c], names)
+                    for c in dict.fromkeys(r["category"] for r in rows)}
+    result = {"device": str(device), "device_name": device_name(device),
+              "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+              "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
+              "heads": args.heads, "expected_tokens_per_step": expected, "totals": totals,
+              "per_category": per_category, "questions": rows}
+    print(markdown(totals, expected))
+    print()
+    print(category_table(per_category))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Defaults: CUDA when present, else the CPU; bfloat16 on CUDA (what the paper's GPUs run),
 float32 on the CPU (bf16 matmuls are slow on most CPUs, and the fixtures are float32).
 """
+import os
+
 import torch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -36,3 +38,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
     return DTYPES[name]
 
+
+def device_name(device: torch.device) -> str:
+    """The hardware, in words, for benchmark reports."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {os.cpu_count()} cores"

@@ -107,6 +107,15 @@ def save_shard(path: Path, rows: list[dict]) -> None:
     tmp.rename(path)
 
 
+def same_settings(old: dict, new: dict) -> bool:
+    """Shards made with these settings may be reused. The prompt count may grow: the prompt
+    order is fixed by the seed, so a larger --limit only appends batches to a run whose last
+    batch was full (a short last batch would be a different shard in the longer run)."""
+    keep = lambda meta: {k: v for k, v in meta.items() if k != "prompts"}  # noqa: E731
+    grows = new["prompts"] > old["prompts"] and old["prompts"] % old["batch_size"] == 0
+    return keep(old) == keep(new) and (new["prompts"] == old["prompts"] or grows)
+
+
 def main():
     p = argparse.ArgumentParser(description="Self-distillation data: the default model (or "
                                 "--model) answers the seed prompts, batched; resumable.")
@@ -137,7 +146,7 @@ def main():
             "seed": args.seed, "dtype": str(dtype).removeprefix("torch.")}
     args.out.mkdir(parents=True, exist_ok=True)
     meta_path = args.out / "meta.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text()) != meta:
+    if meta_path.is_file() and not same_settings(json.loads(meta_path.read_text()), meta):
         sys.exit(f"error: {args.out} holds data made with other settings; use another --out")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 

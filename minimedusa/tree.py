@@ -167,12 +167,38 @@ def tree_choices(spec: str) -> list:
         raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
 
 
-def tree_for_heads(spec: str | None, heads, model_config, device) -> tuple[str, MedusaTree]:
-    """(name, tree) for a --tree value (None: the device's default), checked against the heads
-    it will read and the vocabulary they rank."""
-    name = spec or default_tree(torch.device(device))
-    return name, build_tree(tree_choices(name), heads.config.medusa_num_heads,
-                            model_config.vocab_size, device)
+# Trees tuned by tree_search for a device and dtype, saved beside the heads they were grown for.
+TREES = "trees.json"
+
+
+def device_key(device: torch.device, dtype: torch.dtype) -> str:
+    return f"{device.type}/{str(dtype).removeprefix('torch.')}"
+
+
+def tuned_tree(heads_dir: Path, device: torch.device, dtype: torch.dtype) -> list | None:
+    """The node paths tuned for this device and dtype beside the heads, or None."""
+    path = Path(heads_dir) / TREES
+    if not path.is_file():
+        return None
+    entry = json.loads(path.read_text()).get(device_key(device, dtype))
+    return None if entry is None else entry["nodes"]
+
+
+def tree_for_heads(spec: str | None, heads, model_config, device, dtype=torch.float32,
+                   heads_dir: Path | None = None) -> tuple[str, MedusaTree]:
+    """(name, tree) for a --tree value, checked against the heads it will read and the
+    vocabulary they rank. Without a --tree: the tree tuned for this device and dtype beside the
+    heads (tree_search's trees.json), else the device's default named tree."""
+    device = torch.device(device)
+    if spec is not None:
+        name, choices = spec, tree_choices(spec)
+    elif heads_dir is not None and (tuned := tuned_tree(heads_dir, device, dtype)) is not None:
+        name, choices = f"tuned for {device_key(device, dtype)}", tuned
+    else:
+        name = default_tree(device)
+        choices = tree_choices(name)
+    return name, build_tree(choices, heads.config.medusa_num_heads, model_config.vocab_size,
+                            device)
 
 
 def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree) -> torch.Tensor:

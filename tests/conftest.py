@@ -4,6 +4,7 @@ Tests that touch a model run on every available device (the CPU always, CUDA whe
 the same suite proves the CUDA path on a GPU machine.
 """
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,9 @@ import torch
 
 from minimedusa.default_model import ensure_default_model
 from minimedusa.model import Llama, LlamaConfig
-from minimedusa.weights import load_model
+from minimedusa.sampling import Sampling
+from minimedusa.self_distill import answer_batch, save_shard, tokenizer_fingerprint
+from minimedusa.weights import load_model, save_model
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -53,3 +56,25 @@ def default_model_dir() -> Path:
 def smollm2(request, default_model_dir):
     """SmolLM2-135M-Instruct in float32 on each available device, loaded once per device."""
     return load_model(default_model_dir, request.param, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_setup(tmp_path_factory, default_model_dir):
+    """A tiny Llama folder (with the real tokenizer file, for its fingerprint) and greedy
+    self-distilled data from it: 3 shards of 8 answers."""
+    root = tmp_path_factory.mktemp("train")
+    model_dir, data = root / "model", root / "data"
+    model = tiny_model(7, dtype=torch.float32)
+    save_model(model, model_dir)
+    shutil.copy(default_model_dir / "tokenizer.json", model_dir / "tokenizer.json")
+    data.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for s in range(3):
+        prompts = [torch.randint(2, 64, (int(n),), generator=g).tolist()
+                   for n in torch.randint(2, 8, (8,), generator=g)]
+        rows = answer_batch(model, prompts, 24, Sampling(), {1}, 0, None)
+        save_shard(data / f"shard-{s:05d}.safetensors",
+                   [{"prompt_ids": p, "answer_ids": a, "hidden": h}
+                    for p, (a, h) in zip(prompts, rows)])
+    (data / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(model_dir)}))
+    return model_dir, data

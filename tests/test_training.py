@@ -11,35 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from conftest import REPO, tiny_model
+from conftest import REPO
 from minimedusa.heads import HEADS_FILE, MedusaHeads
 from minimedusa.model import causal_mask
-from minimedusa.sampling import Sampling
-from minimedusa.self_distill import answer_batch, save_shard, tokenizer_fingerprint
+from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import IGNORE, DataError, head_targets, medusa_loss, read_rows
-from minimedusa.weights import load_model, save_model
-
-
-@pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory, default_model_dir):
-    """A tiny Llama folder (with the real tokenizer file, for its fingerprint) and greedy
-    self-distilled data from it: 3 shards of 8 answers."""
-    root = tmp_path_factory.mktemp("train")
-    model_dir, data = root / "model", root / "data"
-    model = tiny_model(7, dtype=torch.float32)
-    save_model(model, model_dir)
-    shutil.copy(default_model_dir / "tokenizer.json", model_dir / "tokenizer.json")
-    data.mkdir()
-    g = torch.Generator().manual_seed(0)
-    for s in range(3):
-        prompts = [torch.randint(2, 64, (int(n),), generator=g).tolist()
-                   for n in torch.randint(2, 8, (8,), generator=g)]
-        rows = answer_batch(model, prompts, 24, Sampling(), {1}, 0, None)
-        save_shard(data / f"shard-{s:05d}.safetensors",
-                   [{"prompt_ids": p, "answer_ids": a, "hidden": h}
-                    for p, (a, h) in zip(prompts, rows)])
-    (data / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(model_dir)}))
-    return model_dir, data
+from minimedusa.weights import load_model
 
 
 def run_train(model_dir, data, out, *extra):
