@@ -161,9 +161,8 @@ def decoding(args, model, device, ids):
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         return "plain", plain_decode(model, ids, args.max_new_tokens, sampling, stops)
     heads = heads_from_spec(args.heads, model)
-    heads_dir = Path(args.heads) if Path(args.heads).is_dir() else None
     tree_name, tree = tree_for_heads(args.tree, heads, model.config, device,
-                                     model.embed.weight.dtype, heads_dir)
+                                     model.embed.weight.dtype, args.heads)
     accept = pick_acceptance(args)
     steps = medusa_decode(model, heads, tree, ids, args.max_new_tokens, accept, stops, args.seed)
     return f"medusa, {tree_name} ({tree.size} tokens), {accept.name}", steps

@@ -97,9 +97,8 @@ def medusa_engines(args, model, device, dtype) -> tuple[dict, dict]:
     engines, expected = {}, {}
     for spec in args.heads:
         heads = heads_from_spec(spec, model)
-        folder = Path(spec) if Path(spec).is_dir() else None
-        tree_name, tree = tree_for_heads(args.tree, heads, model.config, device, dtype, folder)
-        accuracy = read_calibration(folder) if folder else None
+        tree_name, tree = tree_for_heads(args.tree, heads, model.config, device, dtype, spec)
+        accuracy = read_calibration(Path(spec)) if Path(spec).is_dir() else None
         label = f"medusa {Path(spec).name} " if len(args.heads) > 1 else "medusa "
         engines[label + "greedy"] = medusa_engine(model, heads, tree, greedy())
         if accuracy is not None:
@@ -207,6 +206,26 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> str:
+    """Where one step's time goes: torch.profiler over a few plain and Medusa steps from the
+    same prompt, operators sorted by their own time."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    tables = []
+    for name, run in (("plain", lambda: timed(plain_decode(model, prompt_ids, steps + 1,
+                                                            Sampling(), set()))),
+                      ("medusa greedy", lambda: timed(medusa_decode(
+                          model, heads, tree, prompt_ids, steps * (tree.num_heads + 1), greedy(),
+                          set())))):
+        run()  # warm-up
+        with profile(activities=activities) as prof:
+            _, seconds, n = run()
+        tables.append(f"{name}: {n} forwards (prefill included) in {1000 * seconds:.0f} ms\n"
+                      + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return "\n".join(tables)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Decoding speed on MT-Bench first turns: this "
                                 "project's plain decoding, Medusa (greedy, typical and "
@@ -246,6 +265,9 @@ def parse_args(argv=None):
                    help="HF Llama folder (default: the default model in weights/)")
     p.add_argument("--questions", type=Path, default=MT_BENCH,
                    help="MT-Bench questions JSONL (default: ../shared/data/...)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
+                   "the first question (torch.profiler, operators by their own time)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None,
                    help="write a PNG plot here (needs matplotlib, which is optional)")
@@ -271,6 +293,12 @@ def main(argv=None):
     tokenizer = Tokenizer.from_folder(folder)
     questions = first_turns(args.questions, args.per_category)
     model = load_model(folder, device, dtype)
+    if args.profile:
+        heads = heads_from_spec(args.heads[0], model)
+        _, tree = tree_for_heads(args.tree, heads, model.config, device, dtype, args.heads[0])
+        prompt = [{"role": "user", "content": questions[0]["prompt"]}]
+        print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
+        return
     engines = {"plain": plain_engine(model)}
     medusa, expected = medusa_engines(args, model, device, dtype)
     engines.update(medusa)

@@ -185,14 +185,16 @@ def tuned_tree(heads_dir: Path, device: torch.device, dtype: torch.dtype) -> lis
 
 
 def tree_for_heads(spec: str | None, heads, model_config, device, dtype=torch.float32,
-                   heads_dir: Path | None = None) -> tuple[str, MedusaTree]:
+                   heads_spec: str | None = None) -> tuple[str, MedusaTree]:
     """(name, tree) for a --tree value, checked against the heads it will read and the
     vocabulary they rank. Without a --tree: the tree tuned for this device and dtype beside the
-    heads (tree_search's trees.json), else the device's default named tree."""
+    heads (tree_search's trees.json, if the heads came from a folder), else the device's
+    default named tree."""
     device = torch.device(device)
+    folder = Path(heads_spec) if heads_spec is not None and Path(heads_spec).is_dir() else None
     if spec is not None:
         name, choices = spec, tree_choices(spec)
-    elif heads_dir is not None and (tuned := tuned_tree(heads_dir, device, dtype)) is not None:
+    elif folder is not None and (tuned := tuned_tree(folder, device, dtype)) is not None:
         name, choices = f"tuned for {device_key(device, dtype)}", tuned
     else:
         name = default_tree(device)

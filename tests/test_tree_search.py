@@ -89,15 +89,15 @@ def test_tuned_tree_beside_the_heads_is_the_default_and_tree_flag_overrides(tmp_
     heads = MedusaHeads.for_model(model, 4, shared_lm_head=True).eval()
     save_heads(heads, tmp_path)
     cpu = torch.device("cpu")
-    name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, tmp_path)
+    name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, str(tmp_path))
     assert name == "cpu_8"  # nothing tuned yet
     tuned = [[0], [0, 0], [1]]
     (tmp_path / TREES).write_text(json.dumps({device_key(cpu, torch.float32): {"nodes": tuned}}))
-    name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, tmp_path)
+    name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, str(tmp_path))
     assert name == "tuned for cpu/float32" and set(tree.nodes[1:]) == {(0,), (0, 0), (1,)}
-    name, _ = tree_for_heads(None, heads, model.config, cpu, torch.bfloat16, tmp_path)
+    name, _ = tree_for_heads(None, heads, model.config, cpu, torch.bfloat16, str(tmp_path))
     assert name == "cpu_8"  # tuned for another dtype: not used
-    name, _ = tree_for_heads("chain3", heads, model.config, cpu, torch.float32, tmp_path)
+    name, _ = tree_for_heads("chain3", heads, model.config, cpu, torch.float32, str(tmp_path))
     assert name == "chain3"
 
 
