@@ -9,7 +9,7 @@ from minimedusa.model import causal_mask
 from minimedusa.plain_decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.seed_prompts import seed_prompts
-from minimedusa.self_distill import answer_batch
+from minimedusa.self_distill import answer_batch, same_settings
 
 
 @settings(max_examples=20, deadline=None)
@@ -40,3 +40,12 @@ def test_seed_prompts_are_many_diverse_and_deterministic():
                                                 "coding", "extraction", "stem", "humanities",
                                                 "chitchat"}
     assert seed_prompts(0) == prompts and seed_prompts(1) != prompts
+
+
+def test_a_finished_run_may_grow_only_by_whole_batches_with_the_same_settings():
+    meta = {"model": "m", "tokenizer": "t", "prompts": 128, "batch_size": 64, "seed": 0}
+    assert same_settings(meta, meta)
+    assert same_settings(meta, {**meta, "prompts": 4096})  # appends batches 2, 3, ...
+    assert not same_settings(meta, {**meta, "prompts": 64})  # would drop a finished batch
+    assert not same_settings({**meta, "prompts": 100}, {**meta, "prompts": 4096})  # short last
+    assert not same_settings(meta, {**meta, "prompts": 4096, "seed": 1})
