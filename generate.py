@@ -19,7 +19,7 @@ import torch
 
 from minimedusa import acceptance
 from minimedusa.default_model import DEFAULT_HEADS_DIR, DefaultModelError, ensure_default_model
-from minimedusa.device import pick_device, pick_dtype
+from minimedusa.device import add_device_arguments, pick_device, pick_dtype
 from minimedusa.heads import HeadsError, heads_from_spec
 from minimedusa.kv_cache import CacheOverflowError
 from minimedusa.medusa_decoding import StepStats, medusa_decode
@@ -80,10 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--model", type=Path, default=None,
                    help="an HF Llama folder with config.json, *.safetensors and tokenizer.json "
                    "(default: weights/SmolLM2-135M-Instruct, fetched and converted on first use)")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto",
-                   help="auto (default: float32 on CPU, bfloat16 on CUDA), float32, bfloat16, "
-                   "float16")
+    add_device_arguments(p)
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice, one per core)")
     p.add_argument("--heads", default=None,

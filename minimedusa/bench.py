@@ -25,14 +25,15 @@ import torch
 
 from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensure_default_model
-from minimedusa.device import device_name, pick_device, pick_dtype
+from minimedusa.device import add_device_arguments, device_name, pick_device, pick_dtype
 from minimedusa.heads import heads_from_spec
 from minimedusa.medusa_decoding import medusa_decode
 from minimedusa.plain_decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.tree import build_tree, tree_for_heads
-from minimedusa.tree_search import expected_length_of, grow_tree, read_calibration
+from minimedusa.tree_search import (expected_length, expected_length_of, grow_tree,
+                                    read_calibration)
 from minimedusa.weights import load_model
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
@@ -77,7 +78,9 @@ def load_transformers(folder: Path, device, dtype):
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    # local_files_only: the folder is this project's converted model; never ask a hub
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True) \
+        .to(device).eval()
 
 
 def transformers_engine(hf_model):
@@ -117,7 +120,7 @@ def medusa_engines(args, model, device, dtype) -> tuple[dict, dict]:
                 engines[name] = medusa_engine(model, heads, build_tree(
                     nodes[:n], heads.config.medusa_num_heads, model.config.vocab_size, device),
                     greedy())
-                expected[name] = 1 + sum(probs[:n])
+                expected[name] = expected_length(probs[:n])
         print(f"{label.strip()}: {spec}, tree {tree_name} ({tree.size - 1} nodes)",
               file=sys.stderr)
     return engines, expected
@@ -258,9 +261,7 @@ def parse_args(argv=None):
                    help="skip the transformers baseline even if the library is installed")
     p.add_argument("--threads", type=int, default=2,
                    help="torch CPU threads (default: %(default)s, this project's CI machine)")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
-                   "bfloat16 on CUDA), float32, bfloat16, float16")
+    add_device_arguments(p)
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder (default: the default model in weights/)")
     p.add_argument("--questions", type=Path, default=MT_BENCH,

@@ -39,6 +39,14 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def add_device_arguments(parser) -> None:
+    """--device and --dtype, the same in every command line; resolve them with pick_device and
+    pick_dtype."""
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
+                        "bfloat16 on CUDA), float32, bfloat16, float16")
+
+
 def device_name(device: torch.device) -> str:
     """The hardware, in words, for benchmark reports."""
     if device.type == "cuda":

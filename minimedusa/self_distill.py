@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from minimedusa.default_model import ensure_default_model
-from minimedusa.device import pick_device, pick_dtype
+from minimedusa.device import add_device_arguments, pick_device, pick_dtype
 from minimedusa.kv_cache import KVCache
 from minimedusa.sampling import Sampling, make_generator, next_token
 from minimedusa.seed_prompts import seed_prompts
@@ -131,8 +131,7 @@ def main():
                    help="0 = greedy answers (default), as the heads will be used with greedy "
                    "decoding; > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16, float16")
+    add_device_arguments(p)
     args = p.parse_args()
 
     device = pick_device(args.device)

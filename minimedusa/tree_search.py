@@ -33,7 +33,7 @@ import torch
 
 from minimedusa.acceptance import greedy
 from minimedusa.default_model import ensure_default_model
-from minimedusa.device import device_name, pick_device, pick_dtype
+from minimedusa.device import add_device_arguments, device_name, pick_device, pick_dtype
 from minimedusa.heads import heads_from_spec
 from minimedusa.medusa_decoding import medusa_step
 from minimedusa.plain_decoding import decode_step, new_cache, prefill
@@ -182,9 +182,7 @@ def main(argv=None):
                    help="skip the latency measurement and take a tree of this many nodes")
     p.add_argument("--out", type=Path, default=None,
                    help="also write the chosen tree's node paths here (a --tree file)")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
-                   "bfloat16 on CUDA), float32, bfloat16, float16")
+    add_device_arguments(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice); tune with the count "
                    "you will decode with")
@@ -218,8 +216,8 @@ def main(argv=None):
               "tokens/step", file=sys.stderr)
     else:
         sizes = default_sizes(args.max_nodes)
-        print(f"timing steps of {sizes[1:]} nodes (and a plain step) on {device_key(device, dtype)}",
-              file=sys.stderr)
+        print(f"timing steps of {sizes[1:]} nodes (and a plain step) on "
+              f"{device_key(device, dtype)}", file=sys.stderr)
         best, table = pick_budget(probs, step_latency(model, heads, sizes, nodes))
         plain_rate = 1 / table[0]["step_ms"] * 1000
         for n, row in table.items():
