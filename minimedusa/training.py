@@ -8,7 +8,7 @@ the heads (and, in the shared form, the frozen LM head they project with). Every
 one position t: its hidden state and the K tokens its heads must predict. Positions are
 independent for the heads, so rows are shuffled freely. Only answer tokens are rows: the
 prompt and the padding carry no loss by construction.
-Left out: Medusa-2 (joint training with LoRA, a later issue).
+Medusa-2, which tunes the backbone too, is joint_training.py.
 
 Shapes: M rows (answer positions), C model dim, K heads, V vocab, B batch rows.
 """
@@ -53,10 +53,10 @@ def read_meta(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def read_rows(folder: Path, num_heads: int, tokenizer_fingerprint: str,
-              vocab_size: int) -> tuple[Rows, Rows]:
-    """(train, validation) rows from every shard; the last 1 in 20 answers are held out
-    (whole answers, so no validation position shares an answer with a training one)."""
+def read_answers(folder: Path, tokenizer_fingerprint: str, vocab_size: int,
+                 with_hidden: bool = True) -> list[tuple]:
+    """Every answer of every shard, in order: (prompt ids (p,), answer ids (n,), hidden (n, C)
+    or None). Checks that the data was made for this tokenizer and model."""
     meta = read_meta(folder)
     if meta.get("tokenizer") != tokenizer_fingerprint:
         raise DataError(f"{folder} was made with another tokenizer "
@@ -64,24 +64,40 @@ def read_rows(folder: Path, num_heads: int, tokenizer_fingerprint: str,
     shards = sorted(folder.glob("shard-*.safetensors"))
     if not shards:
         raise DataError(f"no shards in {folder}: run python -m minimedusa.self_distill first")
-    answers = []  # (hidden (n, C), targets (n, K)) per answer
+    answers = []
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as st:
+                prompts, p_offsets = st.get_tensor("prompt_ids"), st.get_tensor("prompt_offsets")
                 ids, offsets = st.get_tensor("answer_ids"), st.get_tensor("answer_offsets")
-                hidden = st.get_tensor("hidden")
+                hidden = st.get_tensor("hidden") if with_hidden else None
         except Exception as e:  # safetensors reports truncation/corruption with varied types
             raise DataError(f"cannot read {shard} (truncated or corrupt?): {e}") from None
         if ids.numel() and int(ids.max()) >= vocab_size:
             raise DataError(f"{shard} holds token ids beyond the model's vocabulary")
-        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            answers.append((hidden[a:b], head_targets(ids[a:b], num_heads)))
-    n_val = max(1, len(answers) // 20)
+        for (pa, pb), (a, b) in zip(zip(p_offsets[:-1].tolist(), p_offsets[1:].tolist()),
+                                    zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+            answers.append((prompts[pa:pb].long(), ids[a:b].long(),
+                            hidden[a:b] if with_hidden else None))
     if len(answers) < 2:
         raise DataError(f"{folder} holds {len(answers)} answer(s): too few to train and validate")
-    stack = lambda part: Rows(torch.cat([h for h, _ in part]),  # noqa: E731
-                              torch.cat([t for _, t in part]))
-    return stack(answers[:-n_val]), stack(answers[-n_val:])
+    return answers
+
+
+def split_validation(answers: list) -> tuple[list, list]:
+    """(train, validation): the last 1 in 20 answers are held out (whole answers, so no
+    validation position shares an answer with a training one)."""
+    n_val = max(1, len(answers) // 20)
+    return answers[:-n_val], answers[-n_val:]
+
+
+def read_rows(folder: Path, num_heads: int, tokenizer_fingerprint: str,
+              vocab_size: int) -> tuple[Rows, Rows]:
+    """(train, validation) rows from every shard's stored hidden states."""
+    answers = read_answers(folder, tokenizer_fingerprint, vocab_size)
+    stack = lambda part: Rows(torch.cat([h for _, _, h in part]),  # noqa: E731
+                              torch.cat([head_targets(a, num_heads) for _, a, _ in part]))
+    return tuple(stack(part) for part in split_validation(answers))
 
 
 def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float = 0.8):

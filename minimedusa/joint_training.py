@@ -1,0 +1,156 @@
+"""Medusa-2: joint training of the backbone (through LoRA) and the heads (paper sections 4, 5).
+
+    L = KL( p_original,t || p_t ) + lambda_0(step) * sum_k 0.8^k CE( p_t^(k), y_{t+k+1} )
+
+The backbone's own loss is self-distillation: the KL from the ORIGINAL model's next-token
+distribution (there is no original training data), and the original model is the same model
+with its adapters switched off (lora.adapters_off), so no second copy is held. lambda_0 rises
+from 0 with a sine schedule so that the heads' loss, large at first, cannot drag the backbone
+away before the KL has a say. The heads start from Medusa-1 heads (heads warm-up) and learn 4x
+faster than the adapters (differential learning rates).
+
+Unlike Medusa-1, the hidden states change as the backbone learns, so they cannot be read from
+the data: every step runs the backbone over whole sequences (prompt + answer), twice (teacher
+without gradient, student with), and the losses are taken at the answer positions only.
+
+Shapes: B sequences, T padded length, N answer positions in the batch, C model dim, K heads,
+V vocab.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minimedusa.lora import adapters_off
+from minimedusa.model import causal_mask
+from minimedusa.sampling import Sampling
+from minimedusa.self_distill import answer_batch
+from minimedusa.training import Rows, head_targets
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # (B, T) prompt + answer[:-1], right-padded (causal: padding unseen)
+    rows: tuple[torch.Tensor, torch.Tensor]  # (N,) sequence index, (N,) position: answer rows
+    targets: torch.Tensor  # (N, K) head k's target y_{t+k+1}, or IGNORE
+
+
+def make_batch(answers: list[tuple], num_heads: int, device) -> Batch:
+    """answers: (prompt ids, answer ids, _) each. Row i of an answer is the position whose state
+    predicts answer[i] (position len(prompt) - 1 + i), exactly the rows Medusa-1 trains on."""
+    seqs = [torch.cat([p, a[:-1]]) for p, a, _ in answers]
+    tokens = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = s
+    seq_index = torch.cat([torch.full((len(a),), b) for b, (_, a, _) in enumerate(answers)])
+    position = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(a)) for p, a, _ in answers])
+    targets = torch.cat([head_targets(a, num_heads) for _, a, _ in answers])
+    return Batch(tokens.to(device), (seq_index.to(device), position.to(device)),
+                 targets.to(device))
+
+
+def answer_states(model, batch: Batch) -> torch.Tensor:
+    """The last hidden state at every answer row: (N, C)."""
+    B, T = batch.tokens.shape
+    positions = torch.arange(T, device=batch.tokens.device).expand(B, T)
+    hidden = model.hidden_states(batch.tokens, positions, causal_mask(0, T, batch.tokens.device))
+    return hidden[batch.rows]
+
+
+class JointModel(nn.Module):
+    """Backbone (with adapters) and heads as one module: what DistributedDataParallel wraps,
+    so that the adapters' and the heads' gradients are averaged across processes."""
+
+    def __init__(self, model, heads):
+        super().__init__()
+        self.model, self.heads = model, heads
+
+    def forward(self, batch: Batch):
+        """(backbone logits (N, V), head logits (K, N, V)) at the answer rows."""
+        hidden = answer_states(self.model, batch)
+        return self.model.lm_head(hidden), self.heads(hidden, self.model.lm_head)
+
+
+@torch.no_grad()
+def teacher_log_probs(model, batch: Batch) -> torch.Tensor:
+    """log p_original at the answer rows (N, V) float32: the model with its adapters off."""
+    with adapters_off(model):
+        return F.log_softmax(model.lm_head(answer_states(model, batch)).float(), dim=-1)
+
+
+def distill_kl(teacher_logp: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(p_original || p) = sum_v p_orig (log p_orig - log p), in nats."""
+    return F.kl_div(F.log_softmax(student_logits.float(), dim=-1), teacher_logp,
+                    log_target=True, reduction="batchmean")
+
+
+def lambda0(step: int, warmup: int, peak: float) -> float:
+    """The heads' loss weight: peak * sin(pi/2 * progress) over `warmup` steps, then peak."""
+    return peak * math.sin(math.pi / 2 * min(1.0, (step + 1) / max(1, warmup)))
+
+
+def joint_optimizer(adapters: list, heads: nn.Module, lr: float, weight_decay: float,
+                    heads_lr_ratio: float = 4.0):
+    """AdamW with two groups: the adapters at lr, the heads at heads_lr_ratio x lr (paper: 4x).
+    Each group keeps its peak in "peak_lr"; the schedule scales both alike."""
+    groups = [{"params": adapters, "peak_lr": lr},
+              {"params": list(heads.parameters()), "peak_lr": heads_lr_ratio * lr}]
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+
+
+# --- validation and the quality guard --------------------------------------------------------
+
+@torch.no_grad()
+def state_rows(model, answers: list[tuple], num_heads: int, batch_size: int = 8) -> Rows:
+    """The model's hidden states at every answer row, as Medusa-1 rows (hidden, targets): what
+    the Medusa-1 tools (evaluation, calibration) read, made by the tuned backbone."""
+    hidden, targets = [], []
+    for a in range(0, len(answers), batch_size):
+        batch = make_batch(answers[a:a + batch_size], num_heads, model.lm_head.weight.device)
+        hidden.append(answer_states(model, batch).cpu())
+        targets.append(batch.targets.cpu())
+    return Rows(torch.cat(hidden), torch.cat(targets))
+
+
+@torch.no_grad()
+def mean_kl(lm_head, teacher: Rows, student: Rows, batch_size: int = 512) -> float:
+    """Mean next-token KL(p_original || p) over rows whose states the two models computed."""
+    total = 0.0
+    for a in range(0, teacher.hidden.shape[0], batch_size):
+        device, dtype = lm_head.weight.device, lm_head.weight.dtype
+        logp = F.log_softmax(lm_head(teacher.hidden[a:a + batch_size].to(device, dtype)).float(),
+                             dim=-1)
+        total += distill_kl(logp, lm_head(student.hidden[a:a + batch_size].to(device, dtype))
+                            ).item() * logp.shape[0]
+    return total / teacher.hidden.shape[0]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def greedy_agreement(model, prompts: list[list[int]], n_tokens: int = 64,
+                     batch_size: int = 16) -> dict:
+    """Greedy continuations of the original (adapters off) and tuned model, compared token by
+    token: the mean fraction of each continuation that agrees before the first difference,
+    and how many continuations are identical."""
+    stop = model.config.stop_ids
+
+    def greedy(chunk):
+        return [a for a, _ in answer_batch(model, chunk, n_tokens, Sampling(), stop, 0, None)]
+
+    agree, same = [], 0
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        with adapters_off(model):
+            original = greedy(chunk)
+        for a, b in zip(original, greedy(chunk)):
+            agree.append(common_prefix(a, b) / max(len(a), len(b)))
+            same += a == b
+    return {"agreement": sum(agree) / len(agree), "identical": same, "prompts": len(prompts)}
