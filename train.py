@@ -196,8 +196,9 @@ def load_checkpoint(path: Path, device) -> dict:
 
 def progress(say, step: int, total: int, last: int, rate: float, loss: float, ce, lr: float,
              extra: str = "") -> None:
-    """The progress line, every 10 steps: rate in steps per second."""
-    if step % 10 == 0 or step == last:
+    """The progress line: every 10 steps, or every step when a step takes over 6 s (rate:
+    steps per second)."""
+    if step % 10 == 0 or step == last or rate * 60 < 10:
         say(f"step {step}/{total} loss {loss:.3f} per-head CE "
             f"{' '.join(f'{c:.2f}' for c in ce.tolist())}{extra} lr {lr:.2e} "
             f"eta {(last - step) / max(rate, 1e-9) / 60:.1f} min")
@@ -408,6 +409,8 @@ def train_joint(args) -> dict:
     report = {}
     if rank == 0:
         model.eval(), heads.eval()
+        if device.type == "cpu":  # the other processes are done: rank 0 may use their cores
+            torch.set_num_threads(min(os.cpu_count(), world * torch.get_num_threads()))
         say(f"final validation on {len(val_answers)} held-out answers and the quality guard")
         report = quality_report(model, heads, init_heads, val_answers, args, device)
         (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")

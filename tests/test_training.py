@@ -132,12 +132,6 @@ def test_bad_data_is_a_clear_error(tiny_setup, tmp_path):
         read_rows(data, 3, "0123456789abcdef", 64)
 
 
-def test_without_frozen_train_says_medusa2_is_a_separate_mode(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), "--data", str(tmp_path),
-                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
-    assert done.returncode != 0 and "Medusa-2" in done.stderr and "Traceback" not in done.stderr
-
-
 def test_training_runs_under_torchrun_with_two_processes(tiny_setup, tmp_path):
     """DistributedDataParallel on the CPU (gloo): each process takes half of every batch."""
     model_dir, data = tiny_setup
