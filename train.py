@@ -36,8 +36,8 @@ from safetensors.torch import save_file
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.device import pick_device
 from minimedusa.heads import HeadsError, MedusaHeads, load_heads, save_heads
-from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, joint_optimizer,
-                                       lambda0, make_batch, mean_kl, state_rows,
+from minimedusa.joint_training import (JointModel, bfloat16_drift, distill_kl, greedy_agreement,
+                                       joint_optimizer, lambda0, make_batch, mean_kl, state_rows,
                                        teacher_log_probs)
 from minimedusa.lora import (adapter_state, adapters_off, add_adapters, load_adapter_state,
                              merge_adapters)
@@ -115,7 +115,8 @@ def parse_args(argv=None):
     m2.add_argument("--max-kl", type=float, default=0.05,
                     help="quality guard: the run is good only if the mean next-token KL from "
                     "the original model on held-out answers stays below this, in nats "
-                    "(default: 0.05)")
+                    "(default: 0.05; quality.json reports beside it the KL of the original "
+                    "model run in bfloat16, a change people accept as the same model)")
     m2.add_argument("--eval-answers", type=int, default=64,
                     help="held-out answers used by the periodic validation (the final one "
                     "uses all; default: 64)")
@@ -303,12 +304,14 @@ def quality_report(model, heads, init_heads, val_answers, args, device) -> dict:
     with adapters_off(model):
         teacher = state_rows(model, val_answers, K)
     medusa1 = evaluate(init_heads, model.lm_head, teacher, device)
+    reference = bfloat16_drift(model, val_answers, teacher)
     medusa2, student = validate_joint(model, heads, val_answers, teacher, device)
     agreement = greedy_agreement(model, [p.tolist() for p, _, _ in
                                          val_answers[:args.guard_prompts]])
     return {"held_out_answers": len(val_answers), "held_out_positions": student.targets.shape[0],
             "medusa1_heads_original_backbone": medusa1, "medusa2": medusa2,
-            "kl_threshold": args.max_kl, "greedy_agreement_64": agreement,
+            "kl_threshold": args.max_kl, "kl_original_in_bfloat16": reference,
+            "greedy_agreement_64": agreement,
             "good": medusa2["kl"] <= args.max_kl,
             "calibration": head_accuracies(heads, model.lm_head, student)}
 
@@ -429,7 +432,8 @@ def quality_verdict(report: dict) -> str:
     """One line: the quality guard's numbers and whether the run may be called good."""
     agree = report["greedy_agreement_64"]
     numbers = (f"mean next-token KL from the original model {report['medusa2']['kl']:.4f} nats "
-               f"(threshold {report['kl_threshold']}), greedy agreement over 64 tokens "
+               f"(threshold {report['kl_threshold']}; the original model in bfloat16: "
+               f"{report['kl_original_in_bfloat16']:.4f}), greedy agreement over 64 tokens "
                f"{agree['agreement']:.2f} ({agree['identical']}/{agree['prompts']} identical)")
     if report["good"]:
         return f"quality guard passed: {numbers}"

@@ -16,6 +16,7 @@ without gradient, student with), and the losses are taken at the answer position
 Shapes: B sequences, T padded length, N answer positions in the batch, C model dim, K heads,
 V vocab.
 """
+import copy
 import math
 from dataclasses import dataclass
 
@@ -115,16 +116,28 @@ def state_rows(model, answers: list[tuple], num_heads: int, batch_size: int = 8)
 
 
 @torch.no_grad()
-def mean_kl(lm_head, teacher: Rows, student: Rows, batch_size: int = 512) -> float:
-    """Mean next-token KL(p_original || p) over rows whose states the two models computed."""
+def mean_kl(lm_head, teacher: Rows, student: Rows, student_head=None, batch_size: int = 512
+            ) -> float:
+    """Mean next-token KL(p_original || p) over rows whose states the two models computed
+    (the student's through its own LM head when it has one, e.g. in another dtype)."""
+    student_head = student_head or lm_head
     total = 0.0
     for a in range(0, teacher.hidden.shape[0], batch_size):
-        device, dtype = lm_head.weight.device, lm_head.weight.dtype
-        logp = F.log_softmax(lm_head(teacher.hidden[a:a + batch_size].to(device, dtype)).float(),
-                             dim=-1)
-        total += distill_kl(logp, lm_head(student.hidden[a:a + batch_size].to(device, dtype))
-                            ).item() * logp.shape[0]
+        logp = F.log_softmax(lm_head(teacher.hidden[a:a + batch_size].to(
+            lm_head.weight.device, lm_head.weight.dtype)).float(), dim=-1)
+        total += distill_kl(logp, student_head(student.hidden[a:a + batch_size].to(
+            student_head.weight.device, student_head.weight.dtype))).item() * logp.shape[0]
     return total / teacher.hidden.shape[0]
+
+
+@torch.no_grad()
+def bfloat16_drift(model, answers: list[tuple], teacher: Rows) -> float:
+    """The KL that a change everyone calls "the same model" causes: the original model run in
+    bfloat16 instead of float32. The quality guard's threshold is judged against it."""
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    with adapters_off(reference):
+        rows = state_rows(reference, answers, teacher.targets.shape[1])
+    return mean_kl(model.lm_head, teacher, rows, reference.lm_head)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

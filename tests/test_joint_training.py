@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 import train
 from minimedusa.heads import HEADS_FILE, MedusaHeads, load_heads
-from minimedusa.joint_training import (JointModel, distill_kl, lambda0, make_batch,
-                                       teacher_log_probs)
+from minimedusa.joint_training import (JointModel, bfloat16_drift, distill_kl, lambda0,
+                                       make_batch, mean_kl, state_rows, teacher_log_probs)
 from minimedusa.lora import add_adapters
 from minimedusa.model import causal_mask
 from minimedusa.self_distill import tokenizer_fingerprint
@@ -38,10 +38,14 @@ def run_joint(tiny_setup, heads_dir, out, *extra):
     return json.loads((out / "quality.json").read_text())
 
 
-def tiny_batch(tiny_setup, model):
+def tiny_answers(tiny_setup, model):
     model_dir, data = tiny_setup
-    answers = read_answers(data, tokenizer_fingerprint(model_dir), 64, with_hidden=False)
-    return make_batch(answers[:4], 3, "cpu")
+    return read_answers(data, tokenizer_fingerprint(model_dir), model.config.vocab_size,
+                        with_hidden=False)
+
+
+def tiny_batch(tiny_setup, model):
+    return make_batch(tiny_answers(tiny_setup, model)[:4], 3, "cpu")
 
 
 def test_batch_rows_are_the_positions_that_predict_the_answer(tiny_setup):
@@ -64,6 +68,15 @@ def test_kl_loss_is_zero_at_initialisation(tiny_setup):
     batch = tiny_batch(tiny_setup, model)
     logits, _ = JointModel(model, MedusaHeads.for_model(model, 3))(batch)
     assert distill_kl(teacher_log_probs(model, batch), logits).item() == 0.0
+
+
+def test_guard_reference_is_zero_for_the_same_model_and_positive_in_bfloat16(tiny_setup):
+    model = load_model(tiny_setup[0])
+    add_adapters(model, rank=4)
+    answers = tiny_answers(tiny_setup, model)[:4]
+    rows = state_rows(model, answers, 3)
+    assert mean_kl(model.lm_head, rows, rows) == 0.0
+    assert 0 < bfloat16_drift(model, answers, rows) < 0.05
 
 
 def test_teacher_receives_no_gradient(tiny_setup):
