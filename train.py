@@ -36,9 +36,9 @@ from safetensors.torch import save_file
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.device import pick_device
 from minimedusa.heads import HeadsError, MedusaHeads, load_heads, save_heads
-from minimedusa.joint_training import (JointModel, bfloat16_drift, distill_kl, greedy_agreement,
-                                       joint_optimizer, lambda0, make_batch, mean_kl, state_rows,
-                                       teacher_log_probs)
+from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, joint_optimizer,
+                                       lambda0, make_batch, mean_kl, original_in_bfloat16,
+                                       state_rows, teacher_log_probs)
 from minimedusa.lora import (adapter_state, adapters_off, add_adapters, load_adapter_state,
                              merge_adapters)
 from minimedusa.self_distill import tokenizer_fingerprint
@@ -304,14 +304,17 @@ def quality_report(model, heads, init_heads, val_answers, args, device) -> dict:
     with adapters_off(model):
         teacher = state_rows(model, val_answers, K)
     medusa1 = evaluate(init_heads, model.lm_head, teacher, device)
-    reference = bfloat16_drift(model, val_answers, teacher)
     medusa2, student = validate_joint(model, heads, val_answers, teacher, device)
-    agreement = greedy_agreement(model, [p.tolist() for p, _, _ in
-                                         val_answers[:args.guard_prompts]])
+    prompts = [p.tolist() for p, _, _ in val_answers[:args.guard_prompts]]
+    agreement = greedy_agreement(model, prompts)
+    bf16 = original_in_bfloat16(model)  # the yardstick: the same model, rounded differently
+    bf16_kl = mean_kl(model.lm_head, teacher, state_rows(bf16, val_answers, K), bf16.lm_head)
+    bf16_agreement = greedy_agreement(model, prompts, candidate=bf16)
     return {"held_out_answers": len(val_answers), "held_out_positions": student.targets.shape[0],
             "medusa1_heads_original_backbone": medusa1, "medusa2": medusa2,
-            "kl_threshold": args.max_kl, "kl_original_in_bfloat16": reference,
+            "kl_threshold": args.max_kl, "kl_original_in_bfloat16": bf16_kl,
             "greedy_agreement_64": agreement,
+            "greedy_agreement_64_original_in_bfloat16": bf16_agreement,
             "good": medusa2["kl"] <= args.max_kl,
             "calibration": head_accuracies(heads, model.lm_head, student)}
 
@@ -430,11 +433,12 @@ def train_joint(args) -> dict:
 
 def quality_verdict(report: dict) -> str:
     """One line: the quality guard's numbers and whether the run may be called good."""
-    agree = report["greedy_agreement_64"]
+    agree, bf16 = report["greedy_agreement_64"], report["greedy_agreement_64_original_in_bfloat16"]
     numbers = (f"mean next-token KL from the original model {report['medusa2']['kl']:.4f} nats "
                f"(threshold {report['kl_threshold']}; the original model in bfloat16: "
                f"{report['kl_original_in_bfloat16']:.4f}), greedy agreement over 64 tokens "
-               f"{agree['agreement']:.2f} ({agree['identical']}/{agree['prompts']} identical)")
+               f"{agree['agreement']:.2f} ({agree['identical']}/{agree['prompts']} identical; "
+               f"bfloat16: {bf16['agreement']:.2f}, {bf16['identical']}/{bf16['prompts']})")
     if report["good"]:
         return f"quality guard passed: {numbers}"
     return (f"error: quality guard FAILED, this run is not good and must not replace the "

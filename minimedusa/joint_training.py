@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimedusa.lora import adapters_off
+from minimedusa.lora import adapted_layers, adapters_off
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.self_distill import answer_batch
@@ -131,13 +131,14 @@ def mean_kl(lm_head, teacher: Rows, student: Rows, student_head=None, batch_size
 
 
 @torch.no_grad()
-def bfloat16_drift(model, answers: list[tuple], teacher: Rows) -> float:
-    """The KL that a change everyone calls "the same model" causes: the original model run in
-    bfloat16 instead of float32. The quality guard's threshold is judged against it."""
+def original_in_bfloat16(model):
+    """The original model (adapters off for good) run in bfloat16 instead of float32: a change
+    everyone calls "the same model". The quality guard's KL and greedy agreement are reported
+    beside this copy's, as a yardstick."""
     reference = copy.deepcopy(model).to(torch.bfloat16)
-    with adapters_off(reference):
-        rows = state_rows(reference, answers, teacher.targets.shape[1])
-    return mean_kl(model.lm_head, teacher, rows, reference.lm_head)
+    for m in adapted_layers(reference).values():
+        m.enabled = False
+    return reference
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -148,22 +149,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @torch.no_grad()
-def greedy_agreement(model, prompts: list[list[int]], n_tokens: int = 64,
+def greedy_agreement(model, prompts: list[list[int]], candidate=None, n_tokens: int = 64,
                      batch_size: int = 16) -> dict:
-    """Greedy continuations of the original (adapters off) and tuned model, compared token by
-    token: the mean fraction of each continuation that agrees before the first difference,
-    and how many continuations are identical."""
+    """Greedy continuations of the original (model with adapters off) and a candidate (default:
+    the tuned model, adapters on), compared token by token: the mean fraction of each
+    continuation that agrees before the first difference, and how many are identical."""
     stop = model.config.stop_ids
+    candidate = model if candidate is None else candidate
 
-    def greedy(chunk):
-        return [a for a, _ in answer_batch(model, chunk, n_tokens, Sampling(), stop, 0, None)]
+    def greedy(m, chunk):
+        return [a for a, _ in answer_batch(m, chunk, n_tokens, Sampling(), stop, 0, None)]
 
     agree, same = [], 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         with adapters_off(model):
-            original = greedy(chunk)
-        for a, b in zip(original, greedy(chunk)):
-            agree.append(common_prefix(a, b) / max(len(a), len(b)))
+            original = greedy(model, chunk)
+        for a, b in zip(original, greedy(candidate, chunk)):
+            agree.append(common_prefix(a, b) / max(len(a), len(b)) if a or b else 1.0)
             same += a == b
     return {"agreement": sum(agree) / len(agree), "identical": same, "prompts": len(prompts)}

@@ -10,9 +10,10 @@ from safetensors.torch import load_file
 
 import train
 from minimedusa.heads import HEADS_FILE, MedusaHeads, load_heads
-from minimedusa.joint_training import (JointModel, bfloat16_drift, distill_kl, lambda0,
-                                       make_batch, mean_kl, state_rows, teacher_log_probs)
-from minimedusa.lora import add_adapters
+from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, lambda0,
+                                       make_batch, mean_kl, original_in_bfloat16, state_rows,
+                                       teacher_log_probs)
+from minimedusa.lora import adapted_layers, add_adapters
 from minimedusa.model import causal_mask
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import medusa_loss, read_answers
@@ -75,8 +76,21 @@ def test_guard_reference_is_zero_for_the_same_model_and_positive_in_bfloat16(tin
     add_adapters(model, rank=4)
     answers = tiny_answers(tiny_setup, model)[:4]
     rows = state_rows(model, answers, 3)
+    bf16 = original_in_bfloat16(model)
     assert mean_kl(model.lm_head, rows, rows) == 0.0
-    assert 0 < bfloat16_drift(model, answers, rows) < 0.05
+    assert 0 < mean_kl(model.lm_head, rows, state_rows(bf16, answers, 3), bf16.lm_head) < 0.05
+
+
+def test_greedy_agreement_is_total_for_the_untouched_model(tiny_setup):
+    model = load_model(tiny_setup[0])
+    add_adapters(model, rank=4)  # B = 0: adapters on == off
+    prompts = [p.tolist() for p, _, _ in tiny_answers(tiny_setup, model)[:3]]
+    same = greedy_agreement(model, prompts, n_tokens=8)
+    assert same == {"agreement": 1.0, "identical": 3, "prompts": 3}
+    with torch.no_grad():
+        for m in adapted_layers(model).values():
+            m.B.normal_(std=1.0)  # a tuned model that is far from the original
+    assert greedy_agreement(model, prompts, n_tokens=8)["agreement"] < 1.0
 
 
 def test_teacher_receives_no_gradient(tiny_setup):
