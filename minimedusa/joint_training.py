@@ -130,7 +130,6 @@ def mean_kl(lm_head, teacher: Rows, student: Rows, student_head=None, batch_size
     return total / teacher.hidden.shape[0]
 
 
-@torch.no_grad()
 def original_in_bfloat16(model):
     """The original model (adapters off for good) run in bfloat16 instead of float32: a change
     everyone calls "the same model". The quality guard's KL and greedy agreement are reported
