@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimedusa.lora import adapted_layers, adapters_off
+from minimedusa.lora import adapters_off, remove_adapters
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.self_distill import answer_batch
@@ -131,13 +131,12 @@ def mean_kl(lm_head, teacher: Rows, student: Rows, student_head=None, batch_size
 
 
 def original_in_bfloat16(model):
-    """The original model (adapters off for good) run in bfloat16 instead of float32: a change
+    """The original model (adapters removed) run in bfloat16 instead of float32: a change
     everyone calls "the same model". The quality guard's KL and greedy agreement are reported
     beside this copy's, as a yardstick."""
-    reference = copy.deepcopy(model).to(torch.bfloat16)
-    for m in adapted_layers(reference).values():
-        m.enabled = False
-    return reference
+    reference = copy.deepcopy(model)
+    remove_adapters(reference)
+    return reference.to(torch.bfloat16)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

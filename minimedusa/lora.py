@@ -9,7 +9,8 @@ KL(p_original || p) starts at exactly zero. Two verbs make Medusa-2 cheap:
 - adapters_off(model): a context in which every adapter is skipped, i.e. the ORIGINAL model,
   the teacher of the KL loss, with no second copy in memory (paper section 5);
 - merge_adapters(model): fold (alpha / r) B A into W and put plain nn.Linear layers back, so
-  the tuned model costs nothing extra at inference and saves in the ordinary HF layout.
+  the tuned model costs nothing extra at inference and saves in the ordinary HF layout
+  (remove_adapters puts the original layers back instead).
 Adapted: every linear layer of every block (q, k, v, o, gate, up, down), as the paper does.
 Not adapted: the embedding and the LM head, which SmolLM2 ties together and which the shared
 Medusa heads project with; tuning them would move the heads' output space under them.
@@ -85,11 +86,21 @@ def adapters_off(model):
             m.enabled = True
 
 
-def merge_adapters(model) -> None:
-    """Replace every LoRALinear by the plain nn.Linear it amounts to, in place."""
+def replace_adapters(model, linear_of) -> None:
+    """Replace every LoRALinear m by the plain nn.Linear linear_of(m), in place."""
     for name, m in adapted_layers(model).items():
         parent_name, child = name.rsplit(".", 1)
-        setattr(model.get_submodule(parent_name), child, m.merged())
+        setattr(model.get_submodule(parent_name), child, linear_of(m))
+
+
+def merge_adapters(model) -> None:
+    """Keep what the adapters learned: W + (alpha / r) B A in plain layers (the tuned model)."""
+    replace_adapters(model, LoRALinear.merged)
+
+
+def remove_adapters(model) -> None:
+    """Drop the adapters: the frozen W in plain layers (the original model, for good)."""
+    replace_adapters(model, lambda m: m.base)
 
 
 def adapter_state(model) -> dict[str, torch.Tensor]:

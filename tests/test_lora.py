@@ -1,10 +1,10 @@
-"""LoRA adapters: switched off they are the original model exactly, merged they equal the
-adapters switched on, and at initialisation (B = 0) they change nothing."""
+"""LoRA adapters: switched off or removed they are the original model exactly, merged they equal
+the adapters switched on, and at initialisation (B = 0) they change nothing."""
 import torch
 
 from conftest import tiny_model
 from minimedusa.lora import (LoRALinear, adapter_state, adapters_off, add_adapters,
-                             load_adapter_state, merge_adapters)
+                             load_adapter_state, merge_adapters, remove_adapters)
 from minimedusa.model import causal_mask
 
 
@@ -49,6 +49,15 @@ def test_merged_weights_equal_adapters_on():
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
     assert set(model.state_dict()) == set(tiny_model(3).state_dict())  # the plain layout again
     torch.testing.assert_close(logits(model, TOKENS), adapted, rtol=1e-10, atol=1e-10)
+
+
+def test_removed_adapters_leave_the_original_model_exactly():
+    model = tiny_model(3)
+    original = logits(model, TOKENS)
+    randomise_adapters(model)
+    remove_adapters(model)
+    assert set(model.state_dict()) == set(tiny_model(3).state_dict())  # the plain layout again
+    assert torch.equal(logits(model, TOKENS), original)
 
 
 def test_only_the_adapters_are_trainable():
