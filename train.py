@@ -57,7 +57,8 @@ def parse_args(argv=None):
         "too, through LoRA adapters, with a KL self-distillation loss that keeps it close to "
         "the original model (Medusa-2).")
     p.add_argument("--frozen", action="store_true",
-                   help="Medusa-1: freeze the backbone, train the heads from scratch. Without "
+                   help="Medusa-1: freeze the backbone, train the heads (from scratch, or on "
+                   "from --init-heads). Without "
                    "it: Medusa-2 (joint training from Medusa-1 heads, see --init-heads)")
     p.add_argument("--data", type=Path, required=True,
                    help="self-distillation folder made by python -m minimedusa.self_distill")
@@ -95,10 +96,12 @@ def parse_args(argv=None):
                    help="bfloat16 autocast for the matrix products (default: on for CUDA, off "
                    "for the CPU; on this project's AMX-capable 2-core CPU a Medusa-1 step of "
                    "256 rows x 5 shared heads took 1.1 s with it, 1.6 s without)")
+    p.add_argument("--init-heads", type=Path, default=None,
+                   help="trained heads to start from. Medusa-1: train them further on --data "
+                   "(their form replaces --heads/--layers/--shared; default: fresh heads). "
+                   "Medusa-2: the paper's heads warm-up (default: the shipped heads when "
+                   "training the default model)")
     m2 = p.add_argument_group("Medusa-2 (without --frozen)")
-    m2.add_argument("--init-heads", type=Path, default=None,
-                    help="Medusa-1 heads to start from, the paper's heads warm-up (default: the "
-                    "shipped heads when training the default model)")
     m2.add_argument("--lora-rank", type=int, default=32, help="adapter rank r (default: 32)")
     m2.add_argument("--lora-alpha", type=float, default=16.0,
                     help="adapter scale alpha; the update is alpha/r B A (default: 16)")
@@ -212,15 +215,31 @@ def accuracy_line(metrics: dict) -> str:
 
 # --- Medusa-1: frozen backbone -------------------------------------------------------------
 
+def medusa1_heads(args, model) -> MedusaHeads:
+    """Fresh heads in the paper's initialisation or, with --init-heads, trained heads to train
+    further (e.g. on new data: heads trained on templated prompts, then on model-written ones)."""
+    if args.init_heads is None:
+        return MedusaHeads.for_model(model, args.heads, args.layers, args.shared)
+    check_out_is_not(args.out, args.init_heads)
+    return load_heads(args.init_heads, model).requires_grad_(True)
+
+
+def check_out_is_not(out: Path, init: Path) -> None:
+    if out.resolve() == init.resolve():
+        raise FileNotFoundError(f"--out {out} is the --init-heads folder: training writes a new "
+                                "folder and never overwrites the heads it starts from")
+
+
 def train_frozen(args) -> dict:
     rank, world, device = setup_distributed(args.device)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
     folder = args.model or ensure_default_model()
     model = load_model(folder, device, torch.float32)  # frozen: no gradient anywhere in it
-    train_rows, val_rows = read_rows(args.data, args.heads, tokenizer_fingerprint(folder),
-                                     model.config.vocab_size)
     torch.manual_seed(args.seed)
-    heads = MedusaHeads.for_model(model, args.heads, args.layers, args.shared).train()
+    heads = medusa1_heads(args, model).train()
+    cfg = heads.config
+    train_rows, val_rows = read_rows(args.data, cfg.medusa_num_heads,
+                                     tokenizer_fingerprint(folder), model.config.vocab_size)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     n_rows = train_rows.targets.shape[0]
     total, last = total_steps(args, n_rows)
@@ -234,7 +253,8 @@ def train_frozen(args) -> dict:
         say(f"resumed at step {step}")
     ddp_heads = torch.nn.parallel.DistributedDataParallel(heads) if world > 1 else heads
     args.out.mkdir(parents=True, exist_ok=True)
-    say(f"training {args.heads} heads ({'shared' if args.shared else 'own'} projection) on "
+    say(f"training {cfg.medusa_num_heads} heads ({'shared' if cfg.shared_lm_head else 'own'} "
+        f"projection{', from ' + str(args.init_heads) if args.init_heads else ''}) on "
         f"{n_rows} positions ({val_rows.targets.shape[0]} held out), "
         f"{total} steps of {args.batch_size}, {world} process(es) on {device}")
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
@@ -283,9 +303,7 @@ def starting_heads(args) -> Path:
             "Medusa-2 starts from trained Medusa-1 heads (the paper's heads warm-up): give "
             "--init-heads DIR, made by train.py --frozen" + (f" ({init} does not exist)"
                                                              if init else ""))
-    if args.out.resolve() == init.resolve():
-        raise FileNotFoundError(f"--out {args.out} is the --init-heads folder: Medusa-2 writes "
-                                "a new folder and never overwrites the heads it starts from")
+    check_out_is_not(args.out, init)
     return init
 
 

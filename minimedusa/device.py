@@ -4,6 +4,8 @@ Defaults: CUDA when present, else the CPU; bfloat16 on CUDA (what the paper's GP
 float32 on the CPU (bf16 matmuls are slow on most CPUs, and the fixtures are float32).
 """
 import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -47,8 +49,19 @@ def add_device_arguments(parser) -> None:
                         "bfloat16 on CUDA), float32, bfloat16, float16")
 
 
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it, else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def device_name(device: torch.device) -> str:
-    """The hardware, in words, for benchmark reports."""
+    """The hardware, in words, for benchmark reports and tuned trees' keys."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"

@@ -78,6 +78,12 @@ class Tokenizer:
             raise ValueError("this model has no ChatML chat template; pass the prompt with --raw")
         return render_chat(messages, self.default_system_prompt())
 
+    def user_turn_opening(self) -> str:
+        """The chat up to where a user's words begin (system turn, then `<|im_start|>user\n`):
+        what the model continues when it writes a user turn itself."""
+        text = self.chat_prompt([{"role": "user", "content": ""}])
+        return text[:text.rindex(f"{IM_END}\n{IM_START}assistant\n")]
+
 
 class StreamDecoder:
     """Text pieces from token ids as they arrive, decoding only a small window each time.

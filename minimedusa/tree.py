@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from minimedusa.device import device_name
+
 
 class TreeError(ValueError):
     """A malformed tree, or one the heads cannot fill."""
@@ -172,16 +174,28 @@ TREES = "trees.json"
 
 
 def device_key(device: torch.device, dtype: torch.dtype) -> str:
-    return f"{device.type}/{str(dtype).removeprefix('torch.')}"
+    """trees.json's key: device type, dtype and the hardware itself (with the CPU's thread
+    count), because step latencies differ per machine: a 2-node tree tuned on one 2-core CPU
+    ran at 0.55x plain decoding on another, where 8 nodes were cheaper than 2."""
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    return f"{device.type}/{str(dtype).removeprefix('torch.')}/{device_name(device)}{threads}"
 
 
-def tuned_tree(heads_dir: Path, device: torch.device, dtype: torch.dtype) -> list | None:
-    """The node paths tuned for this device and dtype beside the heads, or None."""
+def tuned_tree(heads_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple | None:
+    """(name, node paths) of the tree tuned beside the heads for this machine; else of one
+    tuned for the same device type and dtype on another machine, named so; else None."""
     path = Path(heads_dir) / TREES
     if not path.is_file():
         return None
-    entry = json.loads(path.read_text()).get(device_key(device, dtype))
-    return None if entry is None else entry["nodes"]
+    trees, key = json.loads(path.read_text()), device_key(device, dtype)
+    if key in trees:
+        return f"tuned for {key}", trees[key]["nodes"]
+    kind = key[:key.index("/", len(device.type) + 1)]  # "cpu/float32"
+    other = next((k for k in trees if k.startswith(kind + "/")), None)
+    if other is None:
+        return None
+    return (f"tuned for {other}, not this machine (python -m minimedusa.tree_search tunes "
+            "one for it)"), trees[other]["nodes"]
 
 
 def tree_for_heads(spec: str | None, heads, model_config, device, dtype=torch.float32,
@@ -195,7 +209,7 @@ def tree_for_heads(spec: str | None, heads, model_config, device, dtype=torch.fl
     if spec is not None:
         name, choices = spec, tree_choices(spec)
     elif folder is not None and (tuned := tuned_tree(folder, device, dtype)) is not None:
-        name, choices = f"tuned for {device_key(device, dtype)}", tuned
+        name, choices = tuned
     else:
         name = default_tree(device)
         choices = tree_choices(name)

@@ -9,7 +9,8 @@ from minimedusa.model import causal_mask
 from minimedusa.plain_decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.seed_prompts import seed_prompts
-from minimedusa.self_distill import answer_batch, same_settings
+from minimedusa.self_distill import answer_batch, model_written_prompts, same_settings
+from minimedusa.tokenizer import Tokenizer
 
 
 @settings(max_examples=20, deadline=None)
@@ -49,3 +50,19 @@ def test_a_finished_run_may_grow_only_by_whole_batches_with_the_same_settings():
     assert not same_settings(meta, {**meta, "prompts": 64})  # would drop a finished batch
     assert not same_settings({**meta, "prompts": 100}, {**meta, "prompts": 4096})  # short last
     assert not same_settings(meta, {**meta, "prompts": 4096, "seed": 1})
+
+
+def test_model_written_prompts_are_finished_distinct_and_resume_to_the_same_turns(
+        smollm2, default_model_dir, tmp_path):
+    if smollm2.embed.weight.device.type != "cpu":
+        return  # one device is enough: this checks the bookkeeping, not the model
+    tokenizer = Tokenizer.from_folder(default_model_dir)
+    write = lambda n, folder: model_written_prompts(smollm2, tokenizer, n, folder, 4, 0,  # noqa
+                                                    lambda msg: None)
+    (tmp_path / "once").mkdir(), (tmp_path / "resumed").mkdir()
+    once = write(5, tmp_path / "once")
+    write(2, tmp_path / "resumed")  # a run stopped early...
+    assert write(5, tmp_path / "resumed") == once  # ...and resumed makes the same turns
+    turns = [p["prompt"] for p in once]
+    assert len(turns) == 5 == len(set(turns))
+    assert all(len(t.split()) >= 3 and "<|im_end|>" not in t for t in turns)

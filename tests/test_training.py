@@ -102,6 +102,20 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny_setup, tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_init_heads_are_trained_further_not_replaced(tiny_setup, tmp_path):
+    """With --init-heads the run starts from those heads, in their form: at lr 0 it ends with
+    them exactly, whatever --heads/--layers/--shared say (fresh heads would be identities)."""
+    model_dir, data = tiny_setup
+    run_train(model_dir, data, tmp_path / "first", "--shared", "--layers", "2", "--max-steps", "6")
+    run_train(model_dir, data, tmp_path / "further", "--init-heads", str(tmp_path / "first"),
+              "--lr", "0", "--max-steps", "2")
+    a, b = (load_file(tmp_path / d / HEADS_FILE) for d in ("first", "further"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(a[k].abs().sum() > 0 for k in a)  # trained, so not the fresh identity blocks
+    with pytest.raises(SystemExit, match="never overwrites"):
+        run_train(model_dir, data, tmp_path / "first", "--init-heads", str(tmp_path / "first"))
+
+
 def test_checkpoint_survives_a_kill_mid_write(tiny_setup, tmp_path, monkeypatch):
     model_dir, data = tiny_setup
     run_train(model_dir, data, tmp_path, "--max-steps", "3")

@@ -94,11 +94,16 @@ def test_tuned_tree_beside_the_heads_is_the_default_and_tree_flag_overrides(tmp_
     tuned = [[0], [0, 0], [1]]
     (tmp_path / TREES).write_text(json.dumps({device_key(cpu, torch.float32): {"nodes": tuned}}))
     name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, str(tmp_path))
-    assert name == "tuned for cpu/float32" and set(tree.nodes[1:]) == {(0,), (0, 0), (1,)}
+    assert name == f"tuned for {device_key(cpu, torch.float32)}"
+    assert set(tree.nodes[1:]) == {(0,), (0, 0), (1,)}
     name, _ = tree_for_heads(None, heads, model.config, cpu, torch.bfloat16, str(tmp_path))
     assert name == "cpu_8"  # tuned for another dtype: not used
     name, _ = tree_for_heads("chain3", heads, model.config, cpu, torch.float32, str(tmp_path))
     assert name == "chain3"
+    other = "cpu/float32/Another CPU, 2 cores, 2 threads"
+    (tmp_path / TREES).write_text(json.dumps({other: {"nodes": tuned}}))
+    name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, str(tmp_path))
+    assert name.startswith(f"tuned for {other}, not this machine") and tree.size == 4
 
 
 def test_tree_search_cli_calibrates_and_writes_a_tree_decoding_accepts(tiny_setup, tmp_path):
@@ -109,7 +114,8 @@ def test_tree_search_cli_calibrates_and_writes_a_tree_decoding_accepts(tiny_setu
                       "--max-nodes", "6", "--device", "cpu", "--out", str(tmp_path / "t.json")])
     calibration = json.loads((tmp_path / "calibration.json").read_text())
     assert len(calibration["accuracy"]) == 3 and len(calibration["accuracy"][0]) == 10
-    entry = json.loads((tmp_path / TREES).read_text())["cpu/float32"]
+    entry = json.loads((tmp_path / TREES).read_text())[device_key(torch.device("cpu"),
+                                                                   torch.float32)]
     assert entry["nodes"] == json.loads((tmp_path / "t.json").read_text())
     assert set(entry["estimates"]) == {"0", "1", "2", "3", "4", "6"}
     build_tree(entry["nodes"], num_heads=3)
