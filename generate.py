@@ -93,7 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--tree", default=None,
                    help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
                    "of head k), or a JSON file of node paths (default: the tree tuned for this "
-                   "device and dtype beside the heads (python -m minimedusa.tree_search), else "
+                   "machine, device and dtype beside the heads (python -m "
+                   "minimedusa.tree_search), else one tuned on another machine, else "
                    "mc_sim_7b_63 on CUDA and cpu_8 on the CPU)")
     p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection"],
                    default="auto", help="how candidates are verified (default: auto = greedy "
