@@ -12,8 +12,8 @@ The prompts: the project's seed prompts (templates x topics, `minimedusa/seed_pr
 with `--prompts model`, user turns the model writes itself: it samples what follows
 `<|im_start|>user` in its own chat template. Templated prompts are many but alike, and heads
 trained on their answers learn the templates' answers: on unseen seed prompts the shipped heads'
-first guess was accepted 56% of the time, on MT-Bench only 24%. Model-written turns are as varied
-as what the model saw in its own chat training.
+first guess was accepted 56% of the time, on MT-Bench only 24%. Heads calibrated on answers to
+model-written turns predict their MT-Bench acceptance within a few percent (README, "Speed").
 
 Output: a folder of shards (shard-00000.safetensors, ...) plus meta.json; the run resumes by
 skipping finished shards. Each shard holds, for its prompts, the token ids and for every answer
@@ -188,7 +188,8 @@ def main():
     dtype = pick_dtype(args.dtype, device)
     folder = args.model or ensure_default_model()
     model, tokenizer = load_model(folder, device, dtype), Tokenizer.from_folder(folder)
-    n_prompts = args.limit if args.prompts == "model" else len(seed_prompts(args.seed)[:args.limit])
+    templated = seed_prompts(args.seed)[:args.limit] if args.prompts == "templates" else None
+    n_prompts = args.limit if templated is None else len(templated)
     meta = {"model": str(folder), "tokenizer": tokenizer_fingerprint(folder),
             "prompts_from": args.prompts, "prompts": n_prompts, "batch_size": args.batch_size,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
@@ -199,9 +200,8 @@ def main():
         sys.exit(f"error: {args.out} holds data made with other settings; use another --out")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    prompts = (model_written_prompts(model, tokenizer, args.limit, args.out, args.batch_size,
-                                     args.seed, say)
-               if args.prompts == "model" else seed_prompts(args.seed)[:args.limit])
+    prompts = templated if templated is not None else model_written_prompts(
+        model, tokenizer, args.limit, args.out, args.batch_size, args.seed, say)
 
     stop_ids = model.config.stop_ids
     sampling = Sampling(args.temperature, 1.0, args.seed)

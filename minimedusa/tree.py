@@ -178,7 +178,12 @@ def device_key(device: torch.device, dtype: torch.dtype) -> str:
     count), because step latencies differ per machine: a 2-node tree tuned on one 2-core CPU
     ran at 0.55x plain decoding on another, where 8 nodes were cheaper than 2."""
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    return f"{device.type}/{str(dtype).removeprefix('torch.')}/{device_name(device)}{threads}"
+    return f"{device_kind(device, dtype)}/{device_name(device)}{threads}"
+
+
+def device_kind(device: torch.device, dtype: torch.dtype) -> str:
+    """"cpu/float32": what a tree tuned on another machine must share with this one."""
+    return f"{device.type}/{str(dtype).removeprefix('torch.')}"
 
 
 def tuned_tree(heads_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple | None:
@@ -190,7 +195,7 @@ def tuned_tree(heads_dir: Path, device: torch.device, dtype: torch.dtype) -> tup
     trees, key = json.loads(path.read_text()), device_key(device, dtype)
     if key in trees:
         return f"tuned for {key}", trees[key]["nodes"]
-    kind = key[:key.index("/", len(device.type) + 1)]  # "cpu/float32"
+    kind = device_kind(device, dtype)
     other = next((k for k in trees if k.startswith(kind + "/")), None)
     if other is None:
         return None
