@@ -8,8 +8,8 @@ so at initialisation the adapted model IS the original model, and the self-disti
 KL(p_original || p) starts at exactly zero. Two verbs make Medusa-2 cheap:
 - adapters_off(model): a context in which every adapter is skipped, i.e. the ORIGINAL model,
   the teacher of the KL loss, with no second copy in memory (paper section 5);
-- merge_adapters(model): fold (alpha / r) B A into W and put plain nn.Linear layers back, so
-  the tuned model costs nothing extra at inference and saves in the ordinary HF layout
+- merge_adapters(model): fold (alpha / r) B A into W and put plain layers back,
+  so the tuned model costs nothing extra at inference and saves in the ordinary HF layout
   (remove_adapters puts the original layers back instead).
 Adapted: every linear layer of every block (q, k, v, o, gate, up, down), as the paper does.
 Not adapted: the embedding and the LM head, which SmolLM2 ties together and which the shared
@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from minimedusa.model import FewRowLinear
 
 TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
 
@@ -45,12 +47,12 @@ class LoRALinear(nn.Module):
             return y  # exactly W x: the original layer, bit for bit
         return y + self.scale * F.linear(F.linear(self.dropout(x), self.A), self.B)
 
-    def merged(self) -> nn.Linear:
-        """A plain nn.Linear holding W + (alpha / r) B A (summed in float32 at least)."""
+    def merged(self) -> FewRowLinear:
+        """A plain layer holding W + (alpha / r) B A (summed in float32 at least)."""
         w = self.base.weight
         delta = self.scale * (self.B.detach().to(torch.promote_types(w.dtype, torch.float32))
                               @ self.A.detach().to(torch.promote_types(w.dtype, torch.float32)))
-        linear = nn.Linear(self.base.in_features, self.base.out_features, bias=False,
+        linear = FewRowLinear(self.base.in_features, self.base.out_features, bias=False,
                            device=w.device, dtype=w.dtype)
         linear.weight = nn.Parameter((w.detach() + delta).to(w.dtype), requires_grad=False)
         return linear
@@ -87,7 +89,7 @@ def adapters_off(model):
 
 
 def replace_adapters(model, linear_of) -> None:
-    """Replace every LoRALinear m by the plain nn.Linear linear_of(m), in place."""
+    """Replace every LoRALinear m by the plain layer linear_of(m), in place."""
     for name, m in adapted_layers(model).items():
         parent_name, child = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), child, linear_of(m))

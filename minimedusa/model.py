@@ -130,16 +130,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated_half * sin).to(x.dtype)
 
 
+class FewRowLinear(nn.Linear):
+    """nn.Linear whose float32 CPU products of a few rows are computed as (W @ x^T)^T.
+
+    Decoding multiplies 1 row (plain) or N + 1 rows (a Medusa tree) by every weight, and on the
+    CPU that costs reading the weights from memory: 424 MB for the default model's 30 blocks,
+    113 MB for its LM head. MKL's x @ W^T is slow at such shapes; W @ x^T (the same numbers, the
+    product written the other way round) is not. Measured on a 2-core AMD EPYC (torch 2.13,
+    MKL, float32, the default model): the 30 blocks at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows took
+    69 / 112 / 111 / 130 / 134 / 166 / 239 ms as x @ W^T and 53 / 51 / 63 / 105 / 107 / 148 /
+    219 ms as W @ x^T; the LM head 14.5 / 29 / 25 / 25.5 / 30 / 39 / 60 ms and 6.5 / 7 / 9.4 /
+    17.5 / 23 / 32 / 58 ms. From about 96 rows up the two forms take the same time. One row
+    is doubled: alone it takes a slower matrix-vector path. The result is made contiguous, or
+    attention would see a strided query and fall back from its fused kernel to the slow one.
+    Only float32 is rerouted: in bfloat16, oneDNN's x @ W^T measured 5.5 ms for the LM head's
+    1-3 rows and W @ x^T 7. nn.Linear's own forward is the reference; a test checks they agree.
+    """
+    FEW_ROWS = 64
+
+    def forward(self, x):  # (..., I) -> (..., O)
+        rows = x.numel() // x.shape[-1]
+        if x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.FEW_ROWS:
+            return super().forward(x)
+        flat = x.reshape(rows, -1)  # (M, I)
+        if rows == 1:
+            flat = torch.cat([flat, flat])  # (2, I)
+        y = (self.weight @ flat.T).T[:rows].contiguous()  # (M, O)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index  # which of the KV cache's L layers this one owns
         self.n_head, self.n_kv_head, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.wq = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+        self.wq = FewRowLinear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
+        self.wk = FewRowLinear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.wv = FewRowLinear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.wo = FewRowLinear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache, slots):
         """x: (B, T, C); mask: (B, 1, T, S) bool, True = may attend.
@@ -164,9 +195,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down = FewRowLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -185,32 +216,6 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LMHead(nn.Linear):
-    """The vocabulary projection C -> V: the model's largest matrix (49k x 576, 113 MB in
-    float32), too big for any CPU cache, so a product's cost is reading it from memory.
-
-    For a few rows on the CPU it is computed as (W @ x^T)^T. Measured on a 2-core AMD EPYC
-    (torch 2.13, MKL): x @ W^T took 14 ms for 1 row, 31 ms for 2 and 44 ms for 3 (the weight
-    read once per row), while W @ x^T took 4 ms for 2 rows and 6 ms for 3 (read once); one row
-    is doubled, since a one-row product takes a matrix-vector path that runs at 12 ms. This is
-    what a Medusa step's few-row products (the tree's logits, the heads' K rows) hit, and
-    plain decoding's one row. Only float32 is rerouted: bfloat16 products take oneDNN's path,
-    which measured 5.5 ms for 1-3 rows as it is and 7 ms the other way. nn.Linear's own forward
-    is the reference; a test checks that they agree.
-    """
-    FEW_ROWS = 8  # from 12 rows up both forms measured the same
-
-    def forward(self, x):  # (..., C) -> (..., V)
-        rows = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.FEW_ROWS:
-            return super().forward(x)
-        flat = x.reshape(rows, -1)  # (M, C)
-        if rows == 1:
-            flat = torch.cat([flat, flat])  # (2, C)
-        logits = (self.weight @ flat.T).T[:rows]  # (M, V)
-        return logits.reshape(*x.shape[:-1], -1)
-
-
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -218,7 +223,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = FewRowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
