@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minimedusa.default_model import ensure_default_model
-from minimedusa.model import FewRowLinear
+from minimedusa.model import PackedLinear
 from minimedusa.weights import load_model
 
 HEADS_FILE = "medusa_lm_head.safetensors"
@@ -57,7 +57,7 @@ class ResBlock(nn.Module):
 
     def __init__(self, dim: int):
         super().__init__()
-        self.linear = FewRowLinear(dim, dim)
+        self.linear = PackedLinear(dim, dim)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
@@ -73,7 +73,7 @@ class MedusaHeads(nn.Module):
         def head():  # L blocks, then (own form only) W2: its index L gives the key {i}.{L}.weight
             blocks = [ResBlock(cfg.hidden_size) for _ in range(cfg.medusa_num_layers)]
             if not cfg.shared_lm_head:
-                blocks.append(FewRowLinear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                blocks.append(PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False))
             return nn.Sequential(*blocks)
 
         # note: a comprehension, not [head()] * K, which would repeat ONE head K times.

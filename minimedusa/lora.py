@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimedusa.model import FewRowLinear
+from minimedusa.model import PackedLinear
 
 TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
 
@@ -47,12 +47,12 @@ class LoRALinear(nn.Module):
             return y  # exactly W x: the original layer, bit for bit
         return y + self.scale * F.linear(F.linear(self.dropout(x), self.A), self.B)
 
-    def merged(self) -> FewRowLinear:
+    def merged(self) -> PackedLinear:
         """A plain layer holding W + (alpha / r) B A (summed in float32 at least)."""
         w = self.base.weight
         delta = self.scale * (self.B.detach().to(torch.promote_types(w.dtype, torch.float32))
                               @ self.A.detach().to(torch.promote_types(w.dtype, torch.float32)))
-        linear = FewRowLinear(self.base.in_features, self.base.out_features, bias=False,
+        linear = PackedLinear(self.base.in_features, self.base.out_features, bias=False,
                            device=w.device, dtype=w.dtype)
         linear.weight = nn.Parameter((w.detach() + delta).to(w.dtype), requires_grad=False)
         return linear

@@ -9,6 +9,7 @@ Left out: RoPE scaling variants, attention biases, sliding windows (SmolLM2 and 
 Shapes: B batch, T new tokens, S attended cache slots, C model dim, H query heads,
 G key/value heads (grouped-query attention), D head dim, V vocab, L layers.
 """
+import weakref
 from dataclasses import MISSING, dataclass, fields
 
 import torch
@@ -130,35 +131,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated_half * sin).to(x.dtype)
 
 
-class FewRowLinear(nn.Linear):
-    """nn.Linear whose float32 CPU products of a few rows are computed as (W @ x^T)^T.
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's linear with prepacked weights (x86 builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear that, in float32 on the CPU without gradients (decoding), multiplies with a
+    copy of its weight prepacked into oneDNN's blocked layout.
 
     Decoding multiplies 1 row (plain) or N + 1 rows (a Medusa tree) by every weight, and on the
-    CPU that costs reading the weights from memory: 424 MB for the default model's 30 blocks,
-    113 MB for its LM head. MKL's x @ W^T is slow at such shapes; W @ x^T (the same numbers, the
-    product written the other way round) is not. Measured on a 2-core AMD EPYC (torch 2.13,
-    MKL, float32, the default model): the 30 blocks at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows took
-    69 / 112 / 111 / 130 / 134 / 166 / 239 ms as x @ W^T and 53 / 51 / 63 / 105 / 107 / 148 /
-    219 ms as W @ x^T; the LM head 14.5 / 29 / 25 / 25.5 / 30 / 39 / 60 ms and 6.5 / 7 / 9.4 /
-    17.5 / 23 / 32 / 58 ms. From about 96 rows up the two forms take the same time. One row
-    is doubled: alone it takes a slower matrix-vector path. The result is made contiguous, or
-    attention would see a strided query and fall back from its fused kernel to the slow one.
-    Only float32 is rerouted: in bfloat16, oneDNN's x @ W^T measured 5.5 ms for the LM head's
-    1-3 rows and W @ x^T 7. nn.Linear's own forward is the reference; a test checks they agree.
+    CPU that costs reading the weights from memory: 424 MB for the default model's 30 blocks in
+    float32, 113 MB for its LM head. MKL's x @ W^T, what nn.Linear calls, handles such skinny
+    products badly, and worse the more rows: measured on a 2-core AMD EPYC (torch 2.13) over
+    the 30 blocks' 210 weights, 1 / 2 / 9 / 17 / 65 / 256 rows took 54 / 82 / 67 / 63 / 240 / 502
+    ms with x @ W^T and 33 / 35 / 36 / 42 / 112 / 332 ms with the packed weights (the LM head,
+    1 / 9 / 17 rows: 14.5 / 25 / 30 ms and 7 / 6 / 7 ms). With the weights read once whatever
+    the rows, a small tree's step costs barely more than a plain step: what Medusa relies on.
+
+    The packed copy costs a second copy of the weights in memory. It is made on first use and
+    remade whenever the weight changes (another tensor, other storage, or written in place), so
+    it never goes stale. torch.ops.mkldnn is torch's internal interface to oneDNN (its compiler
+    uses it); builds without it keep nn.Linear's path. nn.Linear's forward is the reference, and
+    a test checks that they agree.
     """
-    FEW_ROWS = 64
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed, self.packed_from = None, None  # the packed weight; what it was made from
 
     def forward(self, x):  # (..., I) -> (..., O)
-        rows = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.FEW_ROWS:
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled()
+                or not onednn_linear_available()):
             return super().forward(x)
-        flat = x.reshape(rows, -1)  # (M, I)
-        if rows == 1:
-            flat = torch.cat([flat, flat])  # (2, I)
-        y = (self.weight @ flat.T).T[:rows].contiguous()  # (M, O)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], -1)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+
+    def __getstate__(self):  # a copy (copy.deepcopy, pickle) packs its own weight when used
+        return {**self.__dict__, "packed": None, "packed_from": None}
+
+    def packed_weight(self) -> torch.Tensor:
+        w = self.weight
+        source = (weakref.ref(w), w.data_ptr(), w._version)  # _version counts in-place writes
+        if self.packed_from is None or self.packed_from[0]() is not w or \
+                self.packed_from[1:] != source[1:]:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)  # (O, I)
+            self.packed_from = source
+        return self.packed
 
 
 class Attention(nn.Module):
@@ -167,10 +185,10 @@ class Attention(nn.Module):
         self.layer_index = layer_index  # which of the KV cache's L layers this one owns
         self.n_head, self.n_kv_head, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.wq = FewRowLinear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
-        self.wk = FewRowLinear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.wv = FewRowLinear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.wo = FewRowLinear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+        self.wq = PackedLinear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
+        self.wk = PackedLinear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.wv = PackedLinear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.wo = PackedLinear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache, slots):
         """x: (B, T, C); mask: (B, 1, T, S) bool, True = may attend.
@@ -195,9 +213,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down = FewRowLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate = PackedLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up = PackedLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -223,7 +241,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = FewRowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
