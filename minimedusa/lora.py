@@ -53,7 +53,7 @@ class LoRALinear(nn.Module):
         delta = self.scale * (self.B.detach().to(torch.promote_types(w.dtype, torch.float32))
                               @ self.A.detach().to(torch.promote_types(w.dtype, torch.float32)))
         linear = PackedLinear(self.base.in_features, self.base.out_features, bias=False,
-                           device=w.device, dtype=w.dtype)
+                              device=w.device, dtype=w.dtype)
         linear.weight = nn.Parameter((w.detach() + delta).to(w.dtype), requires_grad=False)
         return linear
 
