@@ -131,9 +131,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated_half * sin).to(x.dtype)
 
 
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's linear with prepacked weights (x86 builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# whether this torch build has oneDNN's linear with prepacked weights (x86 builds do): a fact of
+# the build, looked up once rather than in every product
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                                 "_linear_pointwise")
 
 
 class PackedLinear(nn.Linear):
@@ -162,7 +163,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x):  # (..., I) -> (..., O)
         if (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled()
-                or not onednn_linear_available()):
+                or not ONEDNN_LINEAR):
             return super().forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 

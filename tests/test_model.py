@@ -7,9 +7,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from minimedusa.model import PackedLinear, onednn_linear_available
+from minimedusa.model import ONEDNN_LINEAR, PackedLinear
 
-needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
+needs_onednn = pytest.mark.skipif(not ONEDNN_LINEAR,
                                   reason="this torch build has no oneDNN linear")
 
 
