@@ -18,21 +18,16 @@ from pathlib import Path
 import torch
 
 from minimedusa import acceptance
-from minimedusa.default_model import DEFAULT_HEADS_DIR, DefaultModelError, ensure_default_model
+from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.device import add_device_arguments, pick_device, pick_dtype
-from minimedusa.heads import HeadsError, heads_from_spec
-from minimedusa.kv_cache import CacheOverflowError
+from minimedusa.heads import heads_from_spec
 from minimedusa.medusa_decoding import StepStats, medusa_decode
-from minimedusa.model import ConfigError
-from minimedusa.plain_decoding import PromptTooLongError, plain_decode
+from minimedusa.plain_decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import StreamDecoder, Tokenizer
-from minimedusa.tree import NAMED_TREES, TreeError, tree_for_heads
-from minimedusa.weights import WeightsError, load_model
-
-# Errors that come from what the user asked for (bad flag value, file, prompt): one line each.
-USER_ERRORS = (ConfigError, WeightsError, HeadsError, TreeError, PromptTooLongError,
-               CacheOverflowError, DefaultModelError, FileNotFoundError, ValueError)
+from minimedusa.tree import NAMED_TREES, tree_for_heads
+from minimedusa.user_errors import USER_ERRORS
+from minimedusa.weights import load_model
 
 
 class Parser(argparse.ArgumentParser):

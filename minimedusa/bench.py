@@ -34,6 +34,7 @@ from minimedusa.tokenizer import Tokenizer
 from minimedusa.tree import build_tree, tree_for_heads
 from minimedusa.tree_search import (expected_length, expected_length_of, grow_tree,
                                     read_calibration)
+from minimedusa.user_errors import one_line_errors
 from minimedusa.weights import load_model
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
@@ -285,6 +286,7 @@ def parse_args(argv=None):
     return args
 
 
+@one_line_errors
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from minimedusa.default_model import ensure_default_model
 from minimedusa.model import PackedLinear
-from minimedusa.weights import load_model
+from minimedusa.weights import WeightsError, load_model
 
 HEADS_FILE = "medusa_lm_head.safetensors"
 
@@ -201,10 +201,10 @@ def main():
     p.add_argument("--base-model-name", default="HuggingFaceTB/SmolLM2-135M-Instruct",
                    help="base_model_name_or_path written in config.json (default: %(default)s)")
     args = p.parse_args()
-    model = load_model(args.model or ensure_default_model())
     try:
+        model = load_model(args.model or ensure_default_model())
         export_v1(load_heads(args.heads, model), model.lm_head, args.out, args.base_model_name)
-    except HeadsError as e:
+    except (HeadsError, WeightsError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     print(f"wrote {args.out / HEADS_FILE} and {args.out / 'config.json'}")
 

@@ -40,6 +40,7 @@ from minimedusa.kv_cache import KVCache
 from minimedusa.sampling import Sampling, make_generator, next_token
 from minimedusa.seed_prompts import seed_prompts
 from minimedusa.tokenizer import Tokenizer
+from minimedusa.user_errors import one_line_errors
 from minimedusa.weights import load_model
 
 
@@ -160,6 +161,7 @@ def same_settings(old: dict, new: dict) -> bool:
     return keep(old) == keep(new) and (new["prompts"] == old["prompts"] or grows)
 
 
+@one_line_errors
 def main():
     p = argparse.ArgumentParser(description="Self-distillation data: the default model (or "
                                 "--model) answers the seed prompts, batched; resumable.")

@@ -208,16 +208,18 @@ def tree_for_heads(spec: str | None, heads, model_config, device, dtype=torch.fl
     """(name, tree) for a --tree value, checked against the heads it will read and the
     vocabulary they rank. Without a --tree: the tree tuned for this device and dtype beside the
     heads (tree_search's trees.json, if the heads came from a folder), else the device's
-    default named tree."""
+    default named tree without the paths deeper than the heads."""
     device = torch.device(device)
     folder = Path(heads_spec) if heads_spec is not None and Path(heads_spec).is_dir() else None
     if spec is not None:
         name, choices = spec, tree_choices(spec)
     elif folder is not None and (tuned := tuned_tree(folder, device, dtype)) is not None:
         name, choices = tuned
-    else:
-        name = default_tree(device)
-        choices = tree_choices(name)
+    else:  # a general tree, made for any heads: keep the paths these heads can read
+        name, depth = default_tree(device), heads.config.medusa_num_heads
+        choices = [path for path in tree_choices(name) if len(path) <= depth]
+        if len(choices) < len(tree_choices(name)):
+            name += f" (cut to its paths of at most {depth} nodes: {depth} heads)"
     return name, build_tree(choices, heads.config.medusa_num_heads, model_config.vocab_size,
                             device)
 

@@ -40,6 +40,7 @@ from minimedusa.plain_decoding import decode_step, new_cache, prefill
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import IGNORE, Rows, read_rows
 from minimedusa.tree import TREES, build_tree, device_key
+from minimedusa.user_errors import one_line_errors
 from minimedusa.weights import load_model
 
 CALIBRATION = "calibration.json"
@@ -163,6 +164,7 @@ def default_sizes(limit: int) -> list[int]:
                   if n <= limit]
 
 
+@one_line_errors
 def main(argv=None):
     p = argparse.ArgumentParser(description="Grow the candidate tree from the heads' measured "
                                 "accuracies (paper section 6) and pick its size from this "

@@ -46,3 +46,9 @@ def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, c
     out = capsys.readouterr().out
     assert out.startswith("plain: ") and "\nmedusa greedy: " in out
     assert "aten::" in out  # the operator table
+
+
+def test_bad_tree_is_one_line_not_a_traceback(tiny_folder):
+    with pytest.raises(SystemExit, match="^error: unknown tree 'bogus'"):
+        bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
+                    "--tree", "bogus", "--threads", "1"])

@@ -14,7 +14,6 @@ from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement,
                                        make_batch, mean_kl, original_in_bfloat16, state_rows,
                                        teacher_log_probs)
 from minimedusa.lora import adapted_layers, add_adapters
-from minimedusa.model import causal_mask
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import medusa_loss, read_answers
 from minimedusa.weights import load_model

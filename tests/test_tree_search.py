@@ -106,6 +106,19 @@ def test_tuned_tree_beside_the_heads_is_the_default_and_tree_flag_overrides(tmp_
     assert name.startswith(f"tuned for {other}, not this machine") and tree.size == 4
 
 
+def test_default_tree_is_cut_to_the_paths_fewer_heads_can_read(tmp_path):
+    """Heads with no tuned tree fall back to the device's named tree, made for any heads: its
+    paths deeper than these heads are dropped (what is left is still a tree: every path's
+    prefixes are shorter), rather than refusing heads that are fine."""
+    model = tiny_model(dtype=torch.float32)
+    heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
+    save_heads(heads, tmp_path)
+    name, tree = tree_for_heads(None, heads, model.config, torch.device("cpu"), torch.float32,
+                                str(tmp_path))
+    assert name.startswith("cpu_8 (cut to its paths of at most 2 nodes")
+    assert set(tree.nodes[1:]) == {(0,), (1,), (0, 0), (0, 1), (1, 0)}
+
+
 def test_tree_search_cli_calibrates_and_writes_a_tree_decoding_accepts(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     model = tiny_model(7, dtype=torch.float32)
@@ -119,3 +132,8 @@ def test_tree_search_cli_calibrates_and_writes_a_tree_decoding_accepts(tiny_setu
     assert entry["nodes"] == json.loads((tmp_path / "t.json").read_text())
     assert set(entry["estimates"]) == {"0", "1", "2", "3", "4", "6"}
     build_tree(entry["nodes"], num_heads=3)
+
+
+def test_bad_input_is_one_line_not_a_traceback(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="^error: heads folder .* does not exist$"):
+        tree_search.main(["--heads", str(tmp_path / "missing"), "--budget", "4"])
