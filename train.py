@@ -42,9 +42,8 @@ from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement,
 from minimedusa.lora import (adapter_state, adapters_off, add_adapters, load_adapter_state,
                              merge_adapters)
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import (DataError, Rows, cosine_lr, medusa_distill_loss, medusa_loss,
-                                 read_answers, read_rows, split_validation, teacher_rows,
-                                 topk_hits)
+from minimedusa.training import (DataError, Rows, cosine_lr, medusa_loss, read_answers,
+                                 read_rows, split_validation, topk_hits)
 from minimedusa.tree_search import CALIBRATION, head_accuracies, write_json
 from minimedusa.user_errors import USER_ERRORS
 from minimedusa.weights import load_model, save_model
@@ -75,10 +74,6 @@ def parse_args(argv=None):
                    help="Medusa-1: residual blocks per head (default: 1)")
     p.add_argument("--shared", action="store_true",
                    help="Medusa-1: heads share the backbone's LM head instead of own projections")
-    p.add_argument("--soft-targets", action="store_true",
-                   help="Medusa-1: head k learns the model's whole distribution over token "
-                   "t+k+1 (KL from the LM head on the stored h_{t+k}) instead of only the token "
-                   "the model chose; costs one more LM-head product per head and step")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default: 1)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="per optimizer step: answer positions for Medusa-1 (default: 256), "
@@ -132,9 +127,6 @@ def parse_args(argv=None):
     m2.add_argument("--guard-prompts", type=int, default=32,
                     help="held-out prompts for the greedy agreement check (default: 32)")
     args = p.parse_args(argv)
-    if args.soft_targets and not args.frozen:
-        p.error("--soft-targets is a Medusa-1 option (with --frozen): Medusa-2 already learns "
-                "from the original model's distribution through its KL loss")
     if args.batch_size is None:
         args.batch_size = 256 if args.frozen else 8
     if args.lr is None:
@@ -233,14 +225,6 @@ def medusa1_heads(args, model) -> MedusaHeads:
     return load_heads(args.init_heads, model).requires_grad_(True)
 
 
-@torch.no_grad()
-def teacher_logits(model, rows: Rows, index: torch.Tensor, num_heads: int, device):
-    """The model's logits for y_{t+k+1} at every row of the batch: (K, B, V), from the stored
-    hidden states h_{t+k} (the frozen backbone is never run)."""
-    teacher = rows.hidden[teacher_rows(index, num_heads, rows.targets.shape[0])]  # (B, K, C)
-    return model.lm_head(teacher.to(device, torch.float32).transpose(0, 1))
-
-
 def check_out_is_not(out: Path, init: Path) -> None:
     if out.resolve() == init.resolve():
         raise FileNotFoundError(f"--out {out} is the --init-heads folder: training writes a new "
@@ -286,13 +270,7 @@ def train_frozen(args) -> dict:
             hidden = train_rows.hidden[micro].to(device, torch.float32)
             targets = train_rows.targets[micro].to(device)
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-                logits = ddp_heads(hidden, model.lm_head)  # (K, B, V)
-                if args.soft_targets:
-                    loss, ce, _ = medusa_distill_loss(
-                        logits, teacher_logits(model, train_rows, micro, cfg.medusa_num_heads,
-                                               device), targets)
-                else:
-                    loss, ce, _ = medusa_loss(logits, targets)
+                loss, ce, _ = medusa_loss(ddp_heads(hidden, model.lm_head), targets)
             (loss / args.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), args.clip)
         optimizer.step()
@@ -309,8 +287,7 @@ def train_frozen(args) -> dict:
                                    "optimizer": optimizer.state_dict(), "log": json.dumps(log)})
     if rank == 0:
         save_heads(heads.eval(), args.out, {"base_model_name_or_path": str(folder),
-                                            "trained_steps": step,
-                                            "soft_targets": args.soft_targets})
+                                            "trained_steps": step})
         (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     if world > 1:
         dist.destroy_process_group()

@@ -114,34 +114,6 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float =
     return (weights * ce).sum(), ce.detach(), counted
 
 
-def teacher_rows(index: torch.Tensor, num_heads: int, n_rows: int) -> torch.Tensor:
-    """(B,) row indices -> (B, K): row i + k, whose hidden state h_{t+k} the LM head turned into
-    the model's distribution over y_{t+k+1}, head k's target. Past the last row it is clamped:
-    those (row, head) pairs have an IGNORE target (the answer ended) and carry no loss."""
-    return (index.unsqueeze(1) + torch.arange(1, num_heads + 1)).clamp(max=n_rows - 1)
-
-
-def medusa_distill_loss(head_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                        targets: torch.Tensor, decay: float = 0.8):
-    """sum_k decay^k KL(p_model,t+k || p_head_k,t): head k learns the model's whole distribution
-    over y_{t+k+1}, not only the token the model chose (greedy data: the same top token, plus
-    how close the runners-up were, the "dark knowledge" of distillation).
-    head_logits and teacher_logits (K, B, V), targets (B, K) mark the pairs with a target.
-
-    Returns what medusa_loss returns, its CE (against the tokens) for the logs."""
-    K = head_logits.shape[0]
-    has_target = (targets != IGNORE).T  # (K, B)
-    log_p = F.log_softmax(head_logits.float(), dim=-1)  # (K, B, V)
-    log_q = F.log_softmax(teacher_logits.float(), dim=-1)
-    kl = (log_q.exp() * (log_q - log_p)).sum(dim=-1)  # (K, B)
-    counted = has_target.sum(dim=1)  # (K,)
-    kl = (kl * has_target).sum(dim=1) / counted.clamp(min=1)  # (K,): 0 for a head with none
-    weights = decay ** torch.arange(1, K + 1, device=kl.device, dtype=kl.dtype)  # lambda_k
-    ce = torch.stack([F.cross_entropy(log_p[k], targets[:, k], ignore_index=IGNORE)
-                      if counted[k] else log_p.new_zeros(()) for k in range(K)])
-    return (weights * kl).sum(), ce.detach(), counted
-
-
 def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
     """Per head, how many rows have their target among the head's top-k: (K,)."""
     top = head_logits.topk(k, dim=-1).indices  # (K, B, k)

@@ -15,8 +15,7 @@ from conftest import REPO
 from minimedusa.heads import HEADS_FILE, MedusaHeads
 from minimedusa.model import causal_mask
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import (IGNORE, DataError, head_targets, medusa_distill_loss,
-                                 medusa_loss, read_rows)
+from minimedusa.training import IGNORE, DataError, head_targets, medusa_loss, read_rows
 from minimedusa.weights import load_model
 
 
@@ -74,7 +73,7 @@ def test_loss_falls_when_overfitting_one_batch(tiny_setup):
     assert losses[-1] < 0.2 * losses[0]
 
 
-@pytest.mark.parametrize("form", [[], ["--shared"], ["--shared", "--soft-targets"]])
+@pytest.mark.parametrize("form", [[], ["--shared"]])
 def test_backbone_receives_no_gradient_and_does_not_change(tiny_setup, tmp_path, monkeypatch,
                                                             form):
     model_dir, data = tiny_setup
@@ -85,40 +84,6 @@ def test_backbone_receives_no_gradient_and_does_not_change(tiny_setup, tmp_path,
     assert log[-1]["train_loss"] < log[0]["train_loss"]  # the heads did learn
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-def test_soft_targets_are_the_models_distribution_over_each_heads_target_token(tiny_setup):
-    """--soft-targets: head k's teacher at row i is the LM head on row i + k's hidden state
-    (h_{t+k}). On greedy data that distribution's top token IS head k's target y_{t+k+1}, so
-    the two agree at (nearly: the states are stored in bf16) every pair; one row off, they
-    would agree about as often as two random tokens."""
-    model_dir, data = tiny_setup
-    model = load_model(model_dir)
-    rows, _ = read_rows(data, 3, tokenizer_fingerprint(model_dir), 64)
-    teacher = train.teacher_logits(model, rows, torch.arange(rows.targets.shape[0]), 3,
-                                   torch.device("cpu"))  # (K, M, V)
-    has_target = rows.targets.T != IGNORE  # (K, M)
-    agree = (teacher.argmax(-1) == rows.targets.T)[has_target].float().mean()
-    assert agree > 0.95
-
-
-def test_distill_loss_is_zero_only_where_heads_match_the_model_and_ignores_ended_answers():
-    g = torch.Generator().manual_seed(0)
-    teacher = torch.randn(3, 8, 16, generator=g)  # (K, B, V)
-    targets = torch.randint(0, 16, (8, 3), generator=g)
-    targets[-2:, 1:] = IGNORE  # the answer ends: heads 2, 3 have no target at the last rows
-    loss, _, counted = medusa_distill_loss(teacher, teacher, targets)
-    assert loss.item() == pytest.approx(0, abs=1e-6) and counted.tolist() == [8, 6, 6]
-    other = teacher.clone()
-    other[1:, -2:] = torch.randn(2, 2, 16, generator=g)  # changed only where nothing is counted
-    assert medusa_distill_loss(other, teacher, targets)[0].item() == pytest.approx(0, abs=1e-6)
-    assert medusa_distill_loss(torch.randn(3, 8, 16, generator=g), teacher, targets)[0] > 0.1
-
-
-def test_soft_targets_without_frozen_is_a_clear_error(capsys):
-    with pytest.raises(SystemExit):
-        train.parse_args(["--soft-targets", "--data", "d", "--out", "o"])
-    assert "--soft-targets is a Medusa-1 option" in capsys.readouterr().err
 
 
 def test_heads_files_hold_only_heads(tiny_setup, tmp_path):
