@@ -212,21 +212,26 @@ def plot(result: dict, path: Path) -> None:
 
 def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> str:
     """Where one step's time goes: torch.profiler over a few plain and Medusa steps from the
-    same prompt, operators sorted by their own time."""
+    same prompt (its prefill left out), operators sorted by their own time and split by input
+    shape, so the LM head's products show apart from the blocks'."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if torch.cuda.is_available() else [])
     tables = []
-    for name, run in (("plain", lambda: timed(plain_decode(model, prompt_ids, steps + 1,
-                                                            Sampling(), set()))),
-                      ("medusa greedy", lambda: timed(medusa_decode(
-                          model, heads, tree, prompt_ids, steps * (tree.num_heads + 1), greedy(),
-                          set())))):
-        run()  # warm-up
-        with profile(activities=activities) as prof:
-            _, seconds, n = run()
-        tables.append(f"{name}: {n} forwards (prefill included) in {1000 * seconds:.0f} ms\n"
-                      + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    for name, decode in (("plain", lambda: plain_decode(model, prompt_ids, steps + 1,
+                                                        Sampling(), set())),
+                         ("medusa greedy", lambda: medusa_decode(
+                             model, heads, tree, prompt_ids, steps * (tree.num_heads + 1),
+                             greedy(), set()))):
+        timed(decode())  # warm-up
+        forwards = decode()
+        next(forwards)  # the prefill, not a step
+        with profile(activities=activities, record_shapes=True) as prof:
+            _, seconds, n = timed(forwards)
+        tables.append(f"{name}: {n} steps in {1000 * seconds:.0f} ms, "
+                      f"{1000 * seconds / n:.1f} ms a step (profiler on)\n"
+                      + prof.key_averages(group_by_input_shape=True).table(
+                          sort_by="self_cpu_time_total", row_limit=12))
     return "\n".join(tables)
 
 
