@@ -13,6 +13,7 @@ from minimedusa.training import DataError
 from minimedusa.tree import TreeError
 from minimedusa.weights import WeightsError
 
+# ValueError itself too: the device, dtype, sampling and chat-template checks raise it
 USER_ERRORS = (ConfigError, WeightsError, HeadsError, TreeError, DataError, PromptTooLongError,
                CacheOverflowError, DefaultModelError, FileNotFoundError, ValueError)
 

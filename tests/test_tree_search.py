@@ -134,6 +134,6 @@ def test_tree_search_cli_calibrates_and_writes_a_tree_decoding_accepts(tiny_setu
     build_tree(entry["nodes"], num_heads=3)
 
 
-def test_bad_input_is_one_line_not_a_traceback(tmp_path, capsys):
+def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     with pytest.raises(SystemExit, match="^error: heads folder .* does not exist$"):
         tree_search.main(["--heads", str(tmp_path / "missing"), "--budget", "4"])
