@@ -172,11 +172,11 @@ class PackedLinear(nn.Linear):
 
     def packed_weight(self) -> torch.Tensor:
         w = self.weight
-        source = (weakref.ref(w), w.data_ptr(), w._version)  # _version counts in-place writes
+        storage = (w.data_ptr(), w._version)  # _version counts in-place writes
         if self.packed_from is None or self.packed_from[0]() is not w or \
-                self.packed_from[1:] != source[1:]:
+                self.packed_from[1:] != storage:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)  # (O, I)
-            self.packed_from = source
+            self.packed_from = (weakref.ref(w), *storage)  # a weakref made only when packing
         return self.packed
 
 

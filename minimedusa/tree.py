@@ -217,8 +217,9 @@ def tree_for_heads(spec: str | None, heads, model_config, device, dtype=torch.fl
         name, choices = tuned
     else:  # a general tree, made for any heads: keep the paths these heads can read
         name, depth = default_tree(device), heads.config.medusa_num_heads
-        choices = [path for path in tree_choices(name) if len(path) <= depth]
-        if len(choices) < len(tree_choices(name)):
+        every = tree_choices(name)
+        choices = [path for path in every if len(path) <= depth]
+        if len(choices) < len(every):
             name += f" (cut to its paths of at most {depth} nodes: {depth} heads)"
     return name, build_tree(choices, heads.config.medusa_num_heads, model_config.vocab_size,
                             device)
