@@ -9,51 +9,19 @@ without them, or with --baseline, plainly: one forward per token. The answer str
 as tokens are accepted; a summary (tokens, seconds, tokens/s, steps, acceleration rate and the
 histogram of tokens per step) follows on stderr.
 """
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from minimedusa import acceptance
+from minimedusa.cli import (NAMED_TREES, Parser, add_device_arguments, decoding_acceptance,
+                            decoding_heads, decoding_model, decoding_tree, device_and_dtype,
+                            non_negative, positive_int, probability)
+from minimedusa.decoding import StepStats, medusa_decode, plain_decode
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
-from minimedusa.device import add_device_arguments, pick_device, pick_dtype
-from minimedusa.heads import heads_from_spec
-from minimedusa.medusa_decoding import StepStats, medusa_decode
-from minimedusa.plain_decoding import plain_decode
+from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import StreamDecoder, Tokenizer
-from minimedusa.tree import NAMED_TREES, tree_for_heads
-from minimedusa.user_errors import USER_ERRORS
-from minimedusa.weights import load_model
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 def parse_args(argv=None):
@@ -76,8 +44,6 @@ def parse_args(argv=None):
                    help="an HF Llama folder with config.json, *.safetensors and tokenizer.json "
                    "(default: weights/SmolLM2-135M-Instruct, fetched and converted on first use)")
     add_device_arguments(p)
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's choice, one per core)")
     p.add_argument("--heads", default=None,
                    help="Medusa heads folder (config.json + medusa_lm_head.safetensors; "
                    "default: the trained heads in weights/ for the default model, none for "
@@ -108,14 +74,9 @@ def parse_args(argv=None):
 
 def load(args):
     """(model, tokenizer, device) as the flags ask."""
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device, dtype = device_and_dtype(args)
     folder = args.model if args.model is not None else ensure_default_model()
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {folder} does not exist")
-    return load_model(folder, device, dtype), Tokenizer.from_folder(folder), device
+    return decoding_model(folder, device, dtype), Tokenizer.from_folder(folder), device
 
 
 def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
@@ -127,22 +88,8 @@ def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
             messages.insert(0, {"role": "system", "content": args.system})
         ids = tokenizer.encode(tokenizer.chat_prompt(messages))
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise UserError("the prompt is empty")
     return ids
-
-
-def pick_acceptance(args) -> acceptance.Acceptance:
-    kind = args.acceptance
-    if kind == "auto":
-        kind = "greedy" if args.temperature == 0 else "rejection"
-    if kind == "greedy":
-        if args.temperature != 0:
-            raise ValueError("--acceptance greedy decodes at temperature 0: drop --temperature "
-                             "or use --acceptance typical or rejection")
-        return acceptance.greedy()
-    if kind == "typical":
-        return acceptance.typical(args.temperature, args.eps, args.delta)
-    return acceptance.rejection(args.temperature, args.top_p)
 
 
 def decoding(args, model, device, ids):
@@ -153,10 +100,10 @@ def decoding(args, model, device, ids):
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         return "plain", plain_decode(model, ids, args.max_new_tokens, sampling, stops)
-    heads = heads_from_spec(args.heads, model)
-    tree_name, tree = tree_for_heads(args.tree, heads, model.config, device,
-                                     model.embed.weight.dtype, args.heads)
-    accept = pick_acceptance(args)
+    heads = decoding_heads(args.heads, model)
+    tree_name, tree = decoding_tree(args.tree, heads, model, args.heads)
+    accept = decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps,
+                                 args.delta)
     steps = medusa_decode(model, heads, tree, ids, args.max_new_tokens, accept, stops, args.seed)
     return f"medusa, {tree_name} ({tree.size} tokens), {accept.name}", steps
 
@@ -184,14 +131,10 @@ def run(args) -> dict:
             "dtype": str(model.embed.weight.dtype).removeprefix("torch.")}
 
 
+@entry_point
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("\ninterrupted")
+    result = run(args)
     if args.json:
         print(json.dumps(result))
     else:

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.device import pick_device
-from minimedusa.heads import MedusaHeads, load_heads, save_heads
+from minimedusa.heads import MedusaHeads
 from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, joint_optimizer,
                                        lambda0, make_batch, mean_kl, original_in_bfloat16,
                                        state_rows, teacher_log_probs)
@@ -45,8 +45,8 @@ from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import (DataError, Rows, cosine_lr, medusa_loss, read_answers,
                                  read_rows, split_validation, topk_hits)
 from minimedusa.tree_search import CALIBRATION, head_accuracies, write_json
-from minimedusa.user_errors import USER_ERRORS
-from minimedusa.weights import load_model, save_model
+from minimedusa.errors import UserError, entry_point
+from minimedusa.weights import load_heads, load_model, save_heads, save_model
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -195,7 +195,7 @@ def save_checkpoint(path: Path, state: dict) -> None:
 
 def load_checkpoint(path: Path, device) -> dict:
     if not path.is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+        raise UserError(f"--resume: no checkpoint at {path}")
     return torch.load(path, map_location=device, weights_only=True)
 
 
@@ -227,7 +227,7 @@ def medusa1_heads(args, model) -> MedusaHeads:
 
 def check_out_is_not(out: Path, init: Path) -> None:
     if out.resolve() == init.resolve():
-        raise FileNotFoundError(f"--out {out} is the --init-heads folder: training writes a new "
+        raise UserError(f"--out {out} is the --init-heads folder: training writes a new "
                                 "folder and never overwrites the heads it starts from")
 
 
@@ -300,7 +300,7 @@ def starting_heads(args) -> Path:
     """The Medusa-1 heads Medusa-2 starts from (the paper's heads warm-up)."""
     init = args.init_heads or (DEFAULT_HEADS_DIR if args.model is None else None)
     if init is None or not init.is_dir():
-        raise FileNotFoundError(
+        raise UserError(
             "Medusa-2 starts from trained Medusa-1 heads (the paper's heads warm-up): give "
             "--init-heads DIR, made by train.py --frozen" + (f" ({init} does not exist)"
                                                              if init else ""))
@@ -464,15 +464,13 @@ def quality_verdict(report: dict) -> str:
             f"shipped defaults: {numbers}")
 
 
+@entry_point
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        if args.frozen:
-            train_frozen(args)
-            return
-        report = train_joint(args)
-    except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+    if args.frozen:
+        train_frozen(args)
+        return
+    report = train_joint(args)
     if report:
         verdict = quality_verdict(report)
         print(verdict, file=sys.stderr)

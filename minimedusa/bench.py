@@ -24,18 +24,17 @@ from pathlib import Path
 import torch
 
 from minimedusa.acceptance import greedy, rejection, typical
+from minimedusa.cli import (add_device_arguments, decoding_heads, decoding_model, decoding_tree,
+                            device_and_dtype)
+from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensure_default_model
-from minimedusa.device import add_device_arguments, device_name, pick_device, pick_dtype
-from minimedusa.heads import heads_from_spec
-from minimedusa.medusa_decoding import medusa_decode
-from minimedusa.plain_decoding import plain_decode
+from minimedusa.device import device_name
+from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import Tokenizer
-from minimedusa.tree import build_tree, tree_for_heads
+from minimedusa.tree import build_tree
 from minimedusa.tree_search import (expected_length, expected_length_of, grow_tree,
                                     read_calibration)
-from minimedusa.user_errors import one_line_errors
-from minimedusa.weights import load_model
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
     "mt_bench_questions.jsonl"
@@ -44,7 +43,7 @@ MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
 def first_turns(path: Path, per_category: int) -> list[dict]:
     """The first `per_category` questions of each MT-Bench category, first turn only."""
     if not path.is_file():
-        raise FileNotFoundError(f"MT-Bench questions not found at {path} (use --questions)")
+        raise UserError(f"MT-Bench questions not found at {path} (use --questions)")
     taken, counts = [], {}
     for line in path.read_text().splitlines():
         q = json.loads(line)
@@ -100,8 +99,8 @@ def medusa_engines(args, model, device, dtype) -> tuple[dict, dict]:
     """(name -> engine, name -> expected tokens/step from the heads' calibration, if any)."""
     engines, expected = {}, {}
     for spec in args.heads:
-        heads = heads_from_spec(spec, model)
-        tree_name, tree = tree_for_heads(args.tree, heads, model.config, device, dtype, spec)
+        heads = decoding_heads(spec, model)
+        tree_name, tree = decoding_tree(args.tree, heads, model, spec)
         accuracy = read_calibration(Path(spec)) if Path(spec).is_dir() else None
         label = f"medusa {Path(spec).name} " if len(args.heads) > 1 else "medusa "
         engines[label + "greedy"] = medusa_engine(model, heads, tree, greedy())
@@ -113,7 +112,7 @@ def medusa_engines(args, model, device, dtype) -> tuple[dict, dict]:
             engines[label + f"rejection T={T}"] = medusa_engine(model, heads, tree, rejection(T))
         if args.sizes:
             if accuracy is None:
-                raise SystemExit(f"error: --sizes grows trees from {spec}/calibration.json, "
+                raise UserError(f"--sizes grows trees from {spec}/calibration.json, "
                                  "which does not exist (run python -m minimedusa.tree_search)")
             nodes, probs = grow_tree(accuracy, max(args.sizes))
             for n in args.sizes:
@@ -265,9 +264,7 @@ def parse_args(argv=None):
                    help="time greedy Medusa only (no typical / rejection sampling engines)")
     p.add_argument("--no-transformers", action="store_true",
                    help="skip the transformers baseline even if the library is installed")
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch CPU threads (default: %(default)s, this project's CI machine)")
-    add_device_arguments(p)
+    add_device_arguments(p, threads_default=2)  # 2: this project's CI machine
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder (default: the default model in weights/)")
     p.add_argument("--questions", type=Path, default=MT_BENCH,
@@ -291,19 +288,17 @@ def parse_args(argv=None):
     return args
 
 
-@one_line_errors
+@entry_point
 def main(argv=None):
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    device, dtype = device_and_dtype(args)
     folder = args.model or ensure_default_model(DEFAULT_MODEL_DIR)
     tokenizer = Tokenizer.from_folder(folder)
     questions = first_turns(args.questions, args.per_category)
-    model = load_model(folder, device, dtype)
+    model = decoding_model(folder, device, dtype)
     if args.profile:
-        heads = heads_from_spec(args.heads[0], model)
-        _, tree = tree_for_heads(args.tree, heads, model.config, device, dtype, args.heads[0])
+        heads = decoding_heads(args.heads[0], model)
+        _, tree = decoding_tree(args.tree, heads, model, args.heads[0])
         prompt = [{"role": "user", "content": questions[0]["prompt"]}]
         print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
         return

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from minimedusa.errors import UserError, entry_point
 from minimedusa.tokenizer import byte_level_bpe
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
@@ -50,7 +51,7 @@ GGUF_LAYER_NAMES = {
 }
 
 
-class DefaultModelError(RuntimeError):
+class DefaultModelError(UserError):
     """The default model could not be fetched or converted."""
 
 
@@ -198,6 +199,7 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
     say(f"wrote {folder} in {time.time() - start:.1f} s")
 
 
+@entry_point
 def main():
     p = argparse.ArgumentParser(description="Fetch and convert the default model "
                                 "(SmolLM2-135M-Instruct) into weights/, offline after the fetch.")
@@ -207,18 +209,15 @@ def main():
                    help="the folder to write (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     args = p.parse_args()
-    try:
-        if args.gguf:
-            if not args.gguf.is_file():
-                raise DefaultModelError(f"no such GGUF file: {args.gguf}")
-            convert_gguf(args.gguf, args.out)
-        elif args.force or not is_complete(args.out):
-            shutil.rmtree(args.out, ignore_errors=True)
-            ensure_default_model(args.out)
-        else:
-            say(f"{args.out} is already there (use --force to convert again)")
-    except DefaultModelError as e:
-        sys.exit(f"error: {e}")
+    if args.gguf:
+        if not args.gguf.is_file():
+            raise DefaultModelError(f"no such GGUF file: {args.gguf}")
+        convert_gguf(args.gguf, args.out)
+    elif args.force or not is_complete(args.out):
+        shutil.rmtree(args.out, ignore_errors=True)
+        ensure_default_model(args.out)
+    else:
+        say(f"{args.out} is already there (use --force to convert again)")
 
 
 if __name__ == "__main__":

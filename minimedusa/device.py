@@ -9,25 +9,27 @@ from pathlib import Path
 
 import torch
 
+from minimedusa.errors import UserError
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def pick_device(name: str = "auto") -> torch.device:
-    """'auto', 'cpu', 'cuda' or 'cuda:N'; a clear ValueError for anything else or a missing GPU."""
+    """'auto', 'cpu', 'cuda' or 'cuda:N'; a UserError for anything else or a missing GPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+        raise UserError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {name!r}: use auto, cpu, cuda or cuda:N")
+        raise UserError(f"unsupported device {name!r}: use auto, cpu, cuda or cuda:N")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for, but this machine has no CUDA GPU")
+            raise UserError(f"device {name!r} asked for, but this machine has no CUDA GPU")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r} asked for, but only "
+            raise UserError(f"device {name!r} asked for, but only "
                              f"{torch.cuda.device_count()} CUDA GPU(s) are present")
     return device
 
@@ -37,16 +39,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
+        raise UserError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def add_device_arguments(parser) -> None:
-    """--device and --dtype, the same in every command line; resolve them with pick_device and
-    pick_dtype."""
-    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
-                        "bfloat16 on CUDA), float32, bfloat16, float16")
 
 
 def cpu_model() -> str:

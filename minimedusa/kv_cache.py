@@ -2,8 +2,9 @@
 
 Every decoding step writes its new tokens' keys/values in place at explicit slots and attends to
 slots [0, S); nothing is concatenated or reallocated, so every step has the same memory layout
-(gpt-fast's design). Medusa needs two more verbs: write N tree tokens at once (slots prefix + node
-index) and copy the accepted nodes' slots into place (KV compaction, paper section 3).
+(gpt-fast's design). The cache keeps the sequence's length and is the only one to change it:
+`next_slots` says where a step writes, `advance` keeps what it wrote, and Medusa's `compact` keeps
+only the accepted tree nodes, copied into place (KV compaction, paper section 3).
 Left out: paging, sliding windows, quantized caches.
 
 Shapes: L layers, B batch, G key/value heads, M capacity (slots), D head dim, N tokens written.
@@ -30,6 +31,26 @@ class KVCache:
         cfg, weight = model.config, model.embed.weight
         return cls(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, capacity,
                    cfg.head_dim, weight.device, weight.dtype)
+
+    def next_slots(self, n: int) -> torch.Tensor:
+        """Where the next n tokens are written: slots [length, length + n), (N,)."""
+        return self.slots(self.length, n)
+
+    def advance(self, n: int) -> None:
+        """The n tokens written at next_slots(n) are now part of the sequence."""
+        self.length += n
+
+    def compact(self, kept: list[int]) -> None:
+        """Keep, of the tokens written at next_slots(...), those at offsets `kept` (increasing:
+        the accepted tree nodes, root first), moved to slots length, length + 1, ...; the
+        others (rejected nodes) are dropped: later steps overwrite them."""
+        src = torch.tensor(kept, device=self.k.device) + self.length  # (N,)
+        self.copy_slots(src, self.next_slots(len(kept)))
+        self.advance(len(kept))
+
+    def rewind(self, length: int) -> None:
+        """Forget every token after the first `length` (timing the same step again)."""
+        self.length = min(self.length, length)
 
     def slots(self, start: int, n: int) -> torch.Tensor:
         """Slots [start, start + n) as a (N,) tensor on the cache's device; checked on the host."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimedusa.model import PackedLinear
+from minimedusa.errors import UserError
 
 TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
 
@@ -47,12 +47,12 @@ class LoRALinear(nn.Module):
             return y  # exactly W x: the original layer, bit for bit
         return y + self.scale * F.linear(F.linear(self.dropout(x), self.A), self.B)
 
-    def merged(self) -> PackedLinear:
+    def merged(self) -> nn.Linear:
         """A plain layer holding W + (alpha / r) B A (summed in float32 at least)."""
         w = self.base.weight
         delta = self.scale * (self.B.detach().to(torch.promote_types(w.dtype, torch.float32))
                               @ self.A.detach().to(torch.promote_types(w.dtype, torch.float32)))
-        linear = PackedLinear(self.base.in_features, self.base.out_features, bias=False,
+        linear = nn.Linear(self.base.in_features, self.base.out_features, bias=False,
                               device=w.device, dtype=w.dtype)
         linear.weight = nn.Parameter((w.detach() + delta).to(w.dtype), requires_grad=False)
         return linear
@@ -115,7 +115,7 @@ def load_adapter_state(model, state: dict[str, torch.Tensor]) -> None:
     layers = adapted_layers(model)
     expected = {f"{name}.{p}" for name in layers for p in ("A", "B")}
     if set(state) != expected:
-        raise ValueError(f"adapter state does not fit the model: {len(state)} tensors for "
+        raise UserError(f"adapter state does not fit the model: {len(state)} tensors for "
                          f"{len(expected)} adapter weights")
     with torch.no_grad():
         for key, tensor in state.items():

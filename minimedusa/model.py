@@ -9,16 +9,11 @@ Left out: RoPE scaling variants, attention biases, sliding windows (SmolLM2 and 
 Shapes: B batch, T new tokens, S attended cache slots, C model dim, H query heads,
 G key/value heads (grouped-query attention), D head dim, V vocab, L layers.
 """
-import weakref
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-
-class ConfigError(ValueError):
-    """A config.json that does not describe a Llama this code can run."""
 
 
 @dataclass
@@ -40,44 +35,12 @@ class LlamaConfig:
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}")
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> "LlamaConfig":
-        """Read an HF-style config.json dict; unknown keys are ignored, missing ones are an error."""
-        architectures = hf.get("architectures") or ["LlamaForCausalLM"]
-        model_type = hf.get("model_type", "llama")
-        if model_type != "llama" or "LlamaForCausalLM" not in architectures:
-            raise ConfigError(f"config.json describes model_type={model_type!r} "
-                              f"architectures={architectures}, but minimedusa only runs Llama")
-        unsupported = {"rope_scaling": hf.get("rope_scaling"),
-                       "attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias"),
-                       "hidden_act": hf.get("hidden_act", "silu") != "silu" and hf["hidden_act"]}
-        for key, value in unsupported.items():
-            if value:
-                raise ConfigError(f"config.json sets {key}={value!r}, which minimedusa's Llama "
-                                  "does not implement")
-        known = {f.name for f in fields(cls)}
-        required = [f.name for f in fields(cls) if f.default is MISSING]
-        missing = [name for name in required if name not in hf]
-        if missing:
-            raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
-        return cls(**{k: v for k, v in hf.items() if k in known and v is not None})
 
     @property
     def stop_ids(self) -> set[int]:
         """The token ids that end generation: eos_token_id, which HF lets be one id or a list."""
         eos = self.eos_token_id
         return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-
-    def to_hf(self) -> dict:
-        """The config.json that HF tools (and from_hf) read back."""
-        hf = {f.name: getattr(self, f.name) for f in fields(self)}
-        hf.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu")
-        return hf
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":
@@ -131,65 +94,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated_half * sin).to(x.dtype)
 
 
-# whether this torch build has oneDNN's linear with prepacked weights (x86 builds do): a fact of
-# the build, looked up once rather than in every product
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                                 "_linear_pointwise")
-
-
-class PackedLinear(nn.Linear):
-    """nn.Linear that, in float32 on the CPU without gradients (decoding), multiplies with a
-    copy of its weight prepacked into oneDNN's blocked layout.
-
-    Decoding multiplies 1 row (plain) or N + 1 rows (a Medusa tree) by every weight, and on the
-    CPU that costs reading the weights from memory: 424 MB for the default model's 30 blocks in
-    float32, 113 MB for its LM head. MKL's x @ W^T, what nn.Linear calls, handles such skinny
-    products badly, and worse the more rows: measured on a 2-core AMD EPYC (torch 2.13) over
-    the 30 blocks' 210 weights, 1 / 2 / 9 / 17 / 65 / 256 rows took 54 / 82 / 67 / 63 / 240 / 502
-    ms with x @ W^T and 33 / 35 / 36 / 42 / 112 / 332 ms with the packed weights (the LM head,
-    1 / 9 / 17 rows: 14.5 / 25 / 30 ms and 7 / 6 / 7 ms). With the weights read once whatever
-    the rows, a small tree's step costs barely more than a plain step: what Medusa relies on.
-
-    The packed copy costs a second copy of the weights in memory. It is made on first use and
-    remade whenever the weight changes (another tensor, other storage, or written in place), so
-    it never goes stale. torch.ops.mkldnn is torch's internal interface to oneDNN (its compiler
-    uses it); builds without it keep nn.Linear's path. nn.Linear's forward is the reference, and
-    a test checks that they agree.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.packed, self.packed_from = None, None  # the packed weight; what it was made from
-
-    def forward(self, x):  # (..., I) -> (..., O)
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled()
-                or not ONEDNN_LINEAR):
-            return super().forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
-
-    def __getstate__(self):  # a copy (copy.deepcopy, pickle) packs its own weight when used
-        return {**self.__dict__, "packed": None, "packed_from": None}
-
-    def packed_weight(self) -> torch.Tensor:
-        w = self.weight
-        storage = (w.data_ptr(), w._version)  # _version counts in-place writes
-        if self.packed_from is None or self.packed_from[0]() is not w or \
-                self.packed_from[1:] != storage:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)  # (O, I)
-            self.packed_from = (weakref.ref(w), *storage)  # a weakref made only when packing
-        return self.packed
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index  # which of the KV cache's L layers this one owns
         self.n_head, self.n_kv_head, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.wq = PackedLinear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
-        self.wk = PackedLinear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.wv = PackedLinear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.wo = PackedLinear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+        self.wq = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache, slots):
         """x: (B, T, C); mask: (B, 1, T, S) bool, True = may attend.
@@ -214,9 +128,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate = PackedLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = PackedLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -242,7 +156,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 

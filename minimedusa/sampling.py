@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minimedusa.errors import UserError
+
 
 @dataclass
 class Sampling:
@@ -19,9 +21,9 @@ class Sampling:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

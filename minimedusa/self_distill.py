@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from minimedusa.cli import add_device_arguments, device_and_dtype
 from minimedusa.default_model import ensure_default_model
-from minimedusa.device import add_device_arguments, pick_device, pick_dtype
+from minimedusa.errors import UserError, entry_point
 from minimedusa.kv_cache import KVCache
 from minimedusa.sampling import Sampling, make_generator, next_token
 from minimedusa.seed_prompts import seed_prompts
 from minimedusa.tokenizer import Tokenizer
-from minimedusa.user_errors import one_line_errors
 from minimedusa.weights import load_model
 
 
@@ -161,7 +161,7 @@ def same_settings(old: dict, new: dict) -> bool:
     return keep(old) == keep(new) and (new["prompts"] == old["prompts"] or grows)
 
 
-@one_line_errors
+@entry_point
 def main():
     p = argparse.ArgumentParser(description="Self-distillation data: the default model (or "
                                 "--model) answers the seed prompts, batched; resumable.")
@@ -186,8 +186,7 @@ def main():
     if args.prompts == "model" and not args.limit:
         p.error("--prompts model needs --limit N: how many user turns the model writes")
 
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    device, dtype = device_and_dtype(args)
     folder = args.model or ensure_default_model()
     model, tokenizer = load_model(folder, device, dtype), Tokenizer.from_folder(folder)
     templated = seed_prompts(args.seed)[:args.limit] if args.prompts == "templates" else None
@@ -199,7 +198,7 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     meta_path = args.out / "meta.json"
     if meta_path.is_file() and not same_settings(json.loads(meta_path.read_text()), meta):
-        sys.exit(f"error: {args.out} holds data made with other settings; use another --out")
+        raise UserError(f"{args.out} holds data made with other settings; use another --out")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     prompts = templated if templated is not None else model_written_prompts(

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
+from minimedusa.errors import UserError
+
 # The ChatML frame every turn is wrapped in, and the marker an assistant turn starts with.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SYSTEM_IN_TEMPLATE = re.compile(re.escape(IM_START) + r"system\n(.*?)" + re.escape(IM_END), re.S)
@@ -57,7 +59,7 @@ class Tokenizer:
     def from_folder(cls, folder) -> "Tokenizer":
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {folder}")
+            raise UserError(f"no tokenizer.json in {folder}")
         config = folder / "tokenizer_config.json"
         template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
         return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")), template)
@@ -75,7 +77,7 @@ class Tokenizer:
 
     def chat_prompt(self, messages: list[dict]) -> str:
         if self.chat_template is None or IM_START not in self.chat_template:
-            raise ValueError("this model has no ChatML chat template; pass the prompt with --raw")
+            raise UserError("this model has no ChatML chat template; pass the prompt with --raw")
         return render_chat(messages, self.default_system_prompt())
 
     def user_turn_opening(self) -> str:

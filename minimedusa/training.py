@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from minimedusa.errors import UserError
+
 IGNORE = -100  # target of a head whose token t+k+1 lies past the end of the answer
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A self-distillation data folder that is empty, corrupt or made for another model."""
 
 

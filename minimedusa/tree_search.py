@@ -32,16 +32,15 @@ from pathlib import Path
 import torch
 
 from minimedusa.acceptance import greedy
+from minimedusa.cli import (TREES, add_device_arguments, decoding_heads, decoding_model,
+                            device_and_dtype, device_key)
+from minimedusa.decoding import decode_step, medusa_step, new_cache, prefill
 from minimedusa.default_model import ensure_default_model
-from minimedusa.device import add_device_arguments, device_name, pick_device, pick_dtype
-from minimedusa.heads import heads_from_spec
-from minimedusa.medusa_decoding import medusa_step
-from minimedusa.plain_decoding import decode_step, new_cache, prefill
+from minimedusa.device import device_name
+from minimedusa.errors import UserError, entry_point
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import IGNORE, Rows, read_rows
-from minimedusa.tree import TREES, build_tree, device_key
-from minimedusa.user_errors import one_line_errors
-from minimedusa.weights import load_model
+from minimedusa.tree import build_tree
 
 CALIBRATION = "calibration.json"
 
@@ -119,13 +118,14 @@ def step_latency(model, heads, sizes: list[int], nodes: list[tuple], prompt_len:
     times = {n: [] for n in sizes}
     for r in range(repeats + 1):  # round 0 warms up
         for n in sizes:
-            cache.length = prompt_len  # forget the last step: slots past the length are unused
+            cache.rewind(prompt_len)  # forget the last step: every size starts from the prompt
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
             if n == 0:
-                decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long, device=device)) \
-                    .argmax().item()  # the host sync a plain step makes too
+                logits, _ = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
+                                                                  device=device))
+                logits.argmax().item()  # the host sync a plain step makes too
             else:
                 medusa_step(model, heads, trees[n], cache, 0, head_logits, greedy(), None)
             if r > 0:
@@ -164,7 +164,7 @@ def default_sizes(limit: int) -> list[int]:
                   if n <= limit]
 
 
-@one_line_errors
+@entry_point
 def main(argv=None):
     p = argparse.ArgumentParser(description="Grow the candidate tree from the heads' measured "
                                 "accuracies (paper section 6) and pick its size from this "
@@ -184,19 +184,13 @@ def main(argv=None):
                    help="skip the latency measurement and take a tree of this many nodes")
     p.add_argument("--out", type=Path, default=None,
                    help="also write the chosen tree's node paths here (a --tree file)")
-    add_device_arguments(p)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice); tune with the count "
-                   "you will decode with")
+    add_device_arguments(p)  # tune with the thread count you will decode with
     args = p.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    device, dtype = device_and_dtype(args)
     folder = args.model or ensure_default_model()
-    model = load_model(folder, device, dtype)
-    heads = heads_from_spec(str(args.heads), model)
+    model = decoding_model(folder, device, dtype)
+    heads = decoding_heads(str(args.heads), model)
     calibration = args.heads / CALIBRATION
     if args.data is not None:
         _, val = read_rows(args.data, heads.config.medusa_num_heads,
@@ -207,7 +201,7 @@ def main(argv=None):
                                  "accuracy": [[round(x, 5) for x in row]
                                               for row in accuracy.tolist()]})
     elif (accuracy := read_calibration(args.heads)) is None:
-        sys.exit(f"error: {calibration} does not exist: calibrate first with --data")
+        raise UserError(f"{calibration} does not exist: calibrate first with --data")
     print("a_k^(i), head k per row, guess i per column:\n" + "\n".join(
         " ".join(f"{x:.3f}" for x in row) for row in accuracy.tolist()), file=sys.stderr)
 

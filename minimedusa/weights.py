@@ -1,21 +1,76 @@
-"""Load and save a Llama in the HF folder layout: config.json + safetensors (single or sharded).
+"""The files on disk: a Llama in the HF folder layout, and Medusa heads in the reference's.
 
-The HF tensor names are mapped to this project's module names by an explicit table, and loading
-is strict: a missing tensor, an unexpected one or a wrong shape is an error that names it.
-Any stored dtype is cast to the requested one. No pickle anywhere: safetensors only.
+Model: config.json + model.safetensors (single or sharded). The HF tensor names are mapped to
+this project's module names by an explicit table, and loading is strict: a missing tensor, an
+unexpected one or a wrong shape is an error that names it. Any stored dtype is cast to the
+requested one.
+Heads: config.json + medusa_lm_head.safetensors with the Medusa reference's keys
+({i}.{j}.linear.weight, {i}.{j}.linear.bias, {i}.{L}.weight), so heads move between this project
+and others; the reference's published medusa_lm_head.pt loads too (plain tensors only), and
+`python -m minimedusa.weights SRC OUT` exports heads in the reference's "V1" layout (own
+projections) that serving engines load.
+No pickle of code anywhere.
 """
+import argparse
 import json
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from minimedusa.model import ConfigError, Llama, LlamaConfig
+from minimedusa.default_model import ensure_default_model
+from minimedusa.errors import UserError, entry_point
+from minimedusa.heads import MedusaConfig, MedusaHeads
+from minimedusa.model import Llama, LlamaConfig
+
+HEADS_FILE = "medusa_lm_head.safetensors"
 
 
-class WeightsError(ValueError):
+class ConfigError(UserError):
+    """A config.json that does not describe a Llama this code can run."""
+
+
+class WeightsError(UserError):
     """A model folder or weights file that cannot be loaded as the config describes."""
+
+
+class HeadsError(UserError):
+    """Heads that cannot be loaded, or that do not fit the model."""
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """Read an HF-style config.json dict; unknown keys are ignored, missing ones are an error."""
+    architectures = hf.get("architectures") or ["LlamaForCausalLM"]
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama" or "LlamaForCausalLM" not in architectures:
+        raise ConfigError(f"config.json describes model_type={model_type!r} "
+                          f"architectures={architectures}, but minimedusa only runs Llama")
+    unsupported = {"rope_scaling": hf.get("rope_scaling"),
+                   "attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias"),
+                   "hidden_act": hf.get("hidden_act", "silu") != "silu" and hf["hidden_act"]}
+    for key, value in unsupported.items():
+        if value:
+            raise ConfigError(f"config.json sets {key}={value!r}, which minimedusa's Llama "
+                              "does not implement")
+    missing = [f.name for f in fields(LlamaConfig) if f.default is MISSING and f.name not in hf]
+    if missing:
+        raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
+    if hf["num_attention_heads"] % hf["num_key_value_heads"]:
+        raise ConfigError(f"num_attention_heads={hf['num_attention_heads']} is not a multiple "
+                          f"of num_key_value_heads={hf['num_key_value_heads']}")
+    known = {f.name for f in fields(LlamaConfig)}
+    return LlamaConfig(**{k: v for k, v in hf.items() if k in known and v is not None})
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+    """The config.json that HF tools (and config_from_hf) read back."""
+    return {**asdict(cfg), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_act": "silu"}
 
 
 # HF name inside model.layers.{i}  ->  name inside this project's layers.{i}
@@ -51,7 +106,7 @@ def read_config(folder: Path) -> LlamaConfig:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    return LlamaConfig.from_hf(hf)
+    return config_from_hf(hf)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -124,5 +179,119 @@ def save_model(model: Llama, folder) -> None:
     ours_to_hf = {ours: hf for hf, ours in hf_name_map(model.config).items()}
     state = {ours_to_hf[n]: t.contiguous() for n, t in model.state_dict().items() if n in ours_to_hf}
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
 
+
+# --- the heads ---------------------------------------------------------------------------------
+
+def check_heads_fit(cfg: MedusaConfig, model_config: LlamaConfig) -> None:
+    for field in ("hidden_size", "vocab_size"):
+        ours, theirs = getattr(cfg, field), getattr(model_config, field)
+        if ours != theirs:
+            raise HeadsError(f"the heads' {field} is {ours} but the model's is {theirs}: "
+                             "these heads were trained for another model")
+
+
+def save_heads(heads: MedusaHeads, folder, extra_config: dict | None = None) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name.removeprefix("heads."): t.contiguous() for name, t in heads.state_dict().items()}
+    save_file(state, folder / HEADS_FILE, metadata={"format": "pt"})
+    config = {**asdict(heads.config), **(extra_config or {})}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_heads_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The heads' tensors, reference keys: medusa_lm_head.safetensors, else the reference's
+    medusa_lm_head.pt read with weights_only=True (plain tensors, never arbitrary pickles)."""
+    path, pt = folder / HEADS_FILE, folder / "medusa_lm_head.pt"
+    try:
+        if path.is_file():
+            with safe_open(path, framework="pt", device="cpu") as st:
+                return {k: st.get_tensor(k) for k in st.keys()}
+        if pt.is_file():
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncation/corruption surfaces with varied exception types
+        raise HeadsError(f"cannot read the heads in {folder} (truncated or corrupt?): {e}") \
+            from None
+    raise HeadsError(f"missing heads file {path}")
+
+
+def heads_config(raw: dict, state: dict, model_config) -> MedusaConfig:
+    """The config of heads files. Published reference heads state only medusa_num_heads and
+    medusa_num_layers; the sizes and the form are then read off the tensors: the shared form is
+    the one without a projection {i}.{L}.weight."""
+    missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in raw]
+    if missing:
+        raise HeadsError(f"the heads' config.json lacks {', '.join(missing)}")
+    L = raw["medusa_num_layers"]
+    projection = state.get(f"0.{L}.weight")
+    block = state.get("0.0.linear.weight")
+    shared = raw.get("shared_lm_head", projection is None)
+    hidden = raw.get("hidden_size") or (block.shape[1] if block is not None else
+                                        projection.shape[1] if projection is not None else
+                                        model_config.hidden_size)
+    vocab = raw.get("vocab_size") or (projection.shape[0] if projection is not None else
+                                      model_config.vocab_size)
+    return MedusaConfig(raw["medusa_num_heads"], L, hidden, vocab, bool(shared))
+
+
+def load_heads(folder, model) -> MedusaHeads:
+    """Heads from a folder (config.json + medusa_lm_head.safetensors or .pt), in this project's
+    or the reference's layout, checked against the model."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise HeadsError(f"no config.json in the heads folder {folder}")
+    state = read_heads_state(folder)
+    cfg = heads_config(json.loads(config_path.read_text()), state, model.config)
+    check_heads_fit(cfg, model.config)
+    heads = MedusaHeads(cfg)
+    expected = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise HeadsError(f"the heads in {folder} lack tensor {missing[0]}")
+    for name, t in state.items():
+        if name not in expected:
+            raise HeadsError(f"unexpected tensor {name} in the heads in {folder}")
+        if t.shape != expected[name].shape:
+            raise HeadsError(f"tensor {name} has shape {tuple(t.shape)}, "
+                             f"the config needs {tuple(expected[name].shape)}")
+    heads.heads.load_state_dict(state)
+    weight = model.lm_head.weight
+    return heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+
+
+def export_v1(heads: MedusaHeads, lm_head: nn.Linear, folder, base_model: str) -> None:
+    """Write heads in the reference's "V1" layout that serving engines load: own projections
+    (the shared form gets a copy of the LM head per head), medusa_lm_head.safetensors, and a
+    config.json with medusa_num_heads, medusa_num_layers and base_model_name_or_path."""
+    cfg = heads.config
+    own = MedusaHeads(MedusaConfig(cfg.medusa_num_heads, cfg.medusa_num_layers, cfg.hidden_size,
+                                   cfg.vocab_size, shared_lm_head=False))
+    state = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}
+    if cfg.shared_lm_head:
+        for i in range(cfg.medusa_num_heads):
+            state[f"{i}.{cfg.medusa_num_layers}.weight"] = lm_head.weight.detach().clone()
+    own.heads.load_state_dict(state)
+    save_heads(own, folder, {"base_model_name_or_path": base_model})
+
+
+@entry_point
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Export heads in the reference's V1 layout "
+                                "(own projections), for serving engines that load Medusa heads.")
+    p.add_argument("heads", type=Path, help="heads folder to export")
+    p.add_argument("out", type=Path, help="folder to write")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the base model folder (default: the default model)")
+    p.add_argument("--base-model-name", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                   help="base_model_name_or_path written in config.json (default: %(default)s)")
+    args = p.parse_args(argv)
+    model = load_model(args.model or ensure_default_model())
+    export_v1(load_heads(args.heads, model), model.lm_head, args.out, args.base_model_name)
+    print(f"wrote {args.out / HEADS_FILE} and {args.out / 'config.json'}")
+
+
+if __name__ == "__main__":
+    main()

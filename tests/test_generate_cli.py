@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_model
-from minimedusa.heads import MedusaHeads, save_heads
+from minimedusa.heads import MedusaHeads
+from minimedusa.weights import save_heads
 from minimedusa.weights import save_model
 
 

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
-from minimedusa.heads import (HEADS_FILE, HeadsError, MedusaHeads, export_v1, load_heads,
-                              save_heads)
+from minimedusa.heads import MedusaHeads
+from minimedusa.weights import HEADS_FILE, HeadsError, export_v1, load_heads, save_heads
 
 
 @pytest.mark.parametrize("shared", [False, True])

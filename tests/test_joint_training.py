@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from minimedusa.heads import HEADS_FILE, MedusaHeads, load_heads
+from minimedusa.heads import MedusaHeads
+from minimedusa.weights import HEADS_FILE, load_heads
 from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, lambda0,
                                        make_batch, mean_kl, original_in_bfloat16, state_rows,
                                        teacher_log_probs)

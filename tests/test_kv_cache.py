@@ -39,8 +39,8 @@ def test_cached_incremental_decoding_equals_full_forward(device, seed, length, d
     for a, b in zip(bounds, bounds[1:]):
         positions = torch.arange(a, b, device=device)[None]
         logits, _ = model(tokens[:, a:b], positions, causal_mask(a, b - a, device), cache,
-                          cache.slots(a, b - a))
-        cache.length = b
+                          cache.next_slots(b - a))
+        cache.advance(b - a)
         chunks.append(logits)
     torch.testing.assert_close(torch.cat(chunks, dim=1), expected, rtol=0, atol=1e-10)
 
@@ -94,8 +94,8 @@ def test_cache_is_preallocated_once_and_written_in_place():
     tokens = torch.randint(0, VOCAB, (1, 10))
     for t in range(10):
         model(tokens[:, t:t + 1], torch.tensor([[t]]), causal_mask(t, 1), cache,
-              cache.slots(t, 1))
-        cache.length = t + 1
+              cache.next_slots(1))
+        cache.advance(1)
     assert cache.k.data_ptr() == k_storage and cache.k.shape[3] == 10
 
 

@@ -12,9 +12,9 @@ from conftest import DEVICES, copycat_model, tiny_model
 from minimedusa.acceptance import greedy, typical
 from minimedusa.heads import MedusaHeads
 from minimedusa.kv_cache import KVCache
-from minimedusa.medusa_decoding import StepStats, medusa_decode, medusa_step, tree_forward
+from minimedusa.decoding import (StepStats, medusa_decode, medusa_step, new_cache, plain_decode,
+                                 prefill, tree_forward)
 from minimedusa.model import causal_mask
-from minimedusa.plain_decoding import new_cache, plain_decode, prefill
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
 from test_tree import trees

@@ -6,9 +6,9 @@ import torch
 
 from minimedusa.acceptance import greedy
 from minimedusa.heads import MedusaHeads
-from minimedusa.medusa_decoding import StepStats, medusa_decode
-from minimedusa.plain_decoding import decode_step, new_cache, prefill
-from minimedusa.tree import build_tree, tree_choices
+from minimedusa.cli import tree_choices
+from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache, prefill
+from minimedusa.tree import build_tree
 
 NEW = 128
 
@@ -24,7 +24,7 @@ def plain_greedy_with_gaps(model, prompt: list[int], n: int):
         top2 = logits[0].topk(2).values
         gaps.append((top2[0] - top2[1]).item())
         tokens.append(logits[0].argmax().item())
-        logits = decode_step(model, cache, torch.tensor([[tokens[-1]]], device=device))
+        logits, _ = decode_step(model, cache, torch.tensor([[tokens[-1]]], device=device))
     return tokens, gaps
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minimedusa.model import causal_mask
-from minimedusa.plain_decoding import plain_decode
+from minimedusa.decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import Tokenizer
 

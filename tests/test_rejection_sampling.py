@@ -11,8 +11,7 @@ import torch
 from conftest import tiny_model
 from minimedusa.acceptance import Acceptance, pick_by_draws, rejection
 from minimedusa.heads import MedusaHeads
-from minimedusa.medusa_decoding import medusa_decode
-from minimedusa.plain_decoding import plain_decode
+from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.sampling import Sampling, probabilities
 from minimedusa.tree import build_tree
 

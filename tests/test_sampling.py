@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import tiny_model
-from minimedusa.plain_decoding import PromptTooLongError, plain_decode
+from minimedusa.decoding import PromptTooLongError, plain_decode
+from minimedusa.errors import UserError
 from minimedusa.sampling import Sampling, next_token, probabilities
 
 
@@ -61,5 +62,5 @@ def test_prompt_longer_than_the_context_is_a_clear_error():
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5)])
 def test_bad_sampling_settings_are_rejected(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError):
         Sampling(**kwargs)

@@ -5,8 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minimedusa.tree import (MC_SIM_7B_63, NAMED_TREES, TreeError, build_tree, candidates,
-                             dense_tree, tree_choices)
+from minimedusa.cli import MC_SIM_7B_63, NAMED_TREES, tree_choices
+from minimedusa.decoding import candidates
+from minimedusa.tree import TreeError, build_tree, dense_tree
 
 
 @st.composite

@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from minimedusa.heads import MedusaHeads, save_heads
+from minimedusa.cli import TREES, decoding_tree, device_key
+from minimedusa.heads import MedusaHeads
 from minimedusa.training import IGNORE, Rows
-from minimedusa.tree import TREES, build_tree, dense_tree, device_key, tree_for_heads
+from minimedusa.tree import build_tree, dense_tree
+from minimedusa.weights import save_heads
 from minimedusa import tree_search
 from minimedusa.tree_search import (expected_length, expected_length_of, grow_tree,
                                     head_accuracies, pick_budget, step_latency)
@@ -89,20 +91,20 @@ def test_tuned_tree_beside_the_heads_is_the_default_and_tree_flag_overrides(tmp_
     heads = MedusaHeads.for_model(model, 4, shared_lm_head=True).eval()
     save_heads(heads, tmp_path)
     cpu = torch.device("cpu")
-    name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, str(tmp_path))
+    name, tree = decoding_tree(None, heads, model, str(tmp_path))
     assert name == "cpu_8"  # nothing tuned yet
     tuned = [[0], [0, 0], [1]]
     (tmp_path / TREES).write_text(json.dumps({device_key(cpu, torch.float32): {"nodes": tuned}}))
-    name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, str(tmp_path))
+    name, tree = decoding_tree(None, heads, model, str(tmp_path))
     assert name == f"tuned for {device_key(cpu, torch.float32)}"
     assert set(tree.nodes[1:]) == {(0,), (0, 0), (1,)}
-    name, _ = tree_for_heads(None, heads, model.config, cpu, torch.bfloat16, str(tmp_path))
+    name, _ = decoding_tree(None, heads, model.to(torch.bfloat16), str(tmp_path))
     assert name == "cpu_8"  # tuned for another dtype: not used
-    name, _ = tree_for_heads("chain3", heads, model.config, cpu, torch.float32, str(tmp_path))
+    name, _ = decoding_tree("chain3", heads, model.float(), str(tmp_path))
     assert name == "chain3"
     other = "cpu/float32/Another CPU, 2 cores, 2 threads"
     (tmp_path / TREES).write_text(json.dumps({other: {"nodes": tuned}}))
-    name, tree = tree_for_heads(None, heads, model.config, cpu, torch.float32, str(tmp_path))
+    name, tree = decoding_tree(None, heads, model, str(tmp_path))
     assert name.startswith(f"tuned for {other}, not this machine") and tree.size == 4
 
 
@@ -113,8 +115,7 @@ def test_default_tree_is_cut_to_the_paths_fewer_heads_can_read(tmp_path):
     model = tiny_model(dtype=torch.float32)
     heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
     save_heads(heads, tmp_path)
-    name, tree = tree_for_heads(None, heads, model.config, torch.device("cpu"), torch.float32,
-                                str(tmp_path))
+    name, tree = decoding_tree(None, heads, model, str(tmp_path))
     assert name.startswith("cpu_8 (cut to its paths of at most 2 nodes")
     assert set(tree.nodes[1:]) == {(0,), (1,), (0, 0), (0, 1), (1, 0)}
 

@@ -9,8 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from minimedusa.default_model import unpermute_qk
-from minimedusa.model import ConfigError
-from minimedusa.weights import WeightsError, load_model, save_model
+from minimedusa.weights import ConfigError, WeightsError, load_model, save_model
 
 
 def same_weights(a, b):

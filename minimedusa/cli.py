@@ -1,0 +1,223 @@
+"""From command-line flags to what decoding needs: the device, the model, the heads, the tree and
+the acceptance rule, decided here once for generate.py, bench and tree_search alike.
+
+Also the named trees (the paper's 63-node tree and small ones for a CPU) and the trees tuned per
+machine beside the heads (tree_search's trees.json).
+"""
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from minimedusa import acceptance
+from minimedusa.device import device_name, pick_device, pick_dtype
+from minimedusa.errors import UserError
+from minimedusa.heads import MedusaHeads
+from minimedusa.model import Llama
+from minimedusa.packed_linear import can_pack, pack_linear_layers
+from minimedusa.tree import MedusaTree, TreeError, build_tree, dense_tree
+from minimedusa.weights import HeadsError, load_heads, load_model
+
+# The paper's 63-node sparse tree for Vicuna-7B (the reference implementation's mc_sim_7b_63):
+# its 63 node paths plus the root make 64 tree tokens, reading 4 heads' top-10.
+MC_SIM_7B_63 = [
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
+    (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
+    (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
+    (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3),
+    (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0),
+    (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
+    (0, 0, 0, 1), (1, 6), (0, 7, 0),
+]
+
+# Small trees for a CPU, where each extra tree token costs real time: the top-1 chain of every
+# head plus a few second guesses.
+NAMED_TREES = {
+    "mc_sim_7b_63": MC_SIM_7B_63,
+    "chain3": [(0,), (0, 0), (0, 0, 0)],
+    "chain5": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
+    "cpu_8": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "cpu_16": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 2), (0, 0, 0), (0, 0, 1),
+               (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0),
+               (0, 0, 1, 0)],
+}
+
+# Trees tuned by tree_search for a machine, saved beside the heads they were grown for.
+TREES = "trees.json"
+
+
+# --- flags --------------------------------------------------------------------------------------
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_device_arguments(parser, threads_default: int | None = None) -> None:
+    """--device, --dtype and --threads, the same in every command line."""
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
+                        "bfloat16 on CUDA), float32, bfloat16, float16")
+    parser.add_argument("--threads", type=positive_int, default=threads_default,
+                        help="CPU threads for torch (default: "
+                        f"{threads_default or 'torch’s choice, one per core'})")
+
+
+def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    """The flags' device and dtype; sets torch's CPU threads if asked."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    return device, pick_dtype(args.dtype, device)
+
+
+# --- the model and the heads, ready to decode ----------------------------------------------------
+
+def decoding_model(folder: Path, device, dtype) -> Llama:
+    """The model for decoding: loaded, and on a CPU in float32 with prepacked linear layers."""
+    if not Path(folder).is_dir():
+        raise UserError(f"model folder {folder} does not exist")
+    model = load_model(folder, device, dtype)
+    if can_pack(torch.device(device), dtype):
+        pack_linear_layers(model)
+    return model
+
+
+def decoding_heads(spec: str, model: Llama) -> MedusaHeads:
+    """A heads folder, or 'untrained:K' / 'untrained-shared:K': K fresh heads (own / shared
+    projection) in the paper's initialisation, for trying the machinery without training.
+    Packed like the model's layers when the model's are."""
+    heads = None
+    for prefix, shared in (("untrained:", False), ("untrained-shared:", True)):
+        if spec.startswith(prefix):
+            count = spec.removeprefix(prefix)
+            if not count.isdigit() or int(count) < 1:
+                raise HeadsError(f"bad heads {spec!r}: use {prefix}K with K >= 1")
+            heads = MedusaHeads.for_model(model, int(count), shared_lm_head=shared) \
+                .eval().requires_grad_(False)
+    if heads is None:
+        if not Path(spec).is_dir():
+            raise HeadsError(f"heads folder {spec} does not exist")
+        heads = load_heads(spec, model)
+    weight = model.embed.weight
+    if can_pack(weight.device, weight.dtype):
+        pack_linear_layers(heads)
+    return heads
+
+
+# --- the tree -----------------------------------------------------------------------------------
+
+def default_tree(device: torch.device) -> str:
+    """The paper's 64-token tree on a GPU (compute to spare); a small one on a CPU."""
+    return "mc_sim_7b_63" if device.type == "cuda" else "cpu_8"
+
+
+def tree_choices(spec: str) -> list:
+    """A named tree, a dense tree 'dense:3,2,2', or a JSON file holding a list of node paths."""
+    if spec in NAMED_TREES:
+        return NAMED_TREES[spec]
+    if spec.startswith("dense:"):
+        try:
+            return dense_tree([int(s) for s in spec.removeprefix("dense:").split(",")])
+        except ValueError:
+            raise TreeError(f"bad dense tree {spec!r}: use e.g. dense:3,2,2") from None
+    path = Path(spec)
+    if not path.is_file():
+        raise TreeError(f"unknown tree {spec!r}: not one of {', '.join(NAMED_TREES)}, "
+                        "not dense:s1,s2,..., and no such file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
+
+
+def device_key(device: torch.device, dtype: torch.dtype) -> str:
+    """trees.json's key: device type, dtype and the hardware itself (with the CPU's thread
+    count), because step latencies differ per machine: a 2-node tree tuned on one 2-core CPU
+    ran at 0.55x plain decoding on another, where 8 nodes were cheaper than 2."""
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    return f"{device_kind(device, dtype)}/{device_name(device)}{threads}"
+
+
+def device_kind(device: torch.device, dtype: torch.dtype) -> str:
+    """"cpu/float32": what a tree tuned on another machine must share with this one."""
+    return f"{device.type}/{str(dtype).removeprefix('torch.')}"
+
+
+def tuned_tree(heads_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple | None:
+    """(name, node paths) of the tree tuned beside the heads for this machine; else of one
+    tuned for the same device type and dtype on another machine, named so; else None."""
+    path = Path(heads_dir) / TREES
+    if not path.is_file():
+        return None
+    trees, key = json.loads(path.read_text()), device_key(device, dtype)
+    if key in trees:
+        return f"tuned for {key}", trees[key]["nodes"]
+    kind = device_kind(device, dtype)
+    other = next((k for k in trees if k.startswith(kind + "/")), None)
+    if other is None:
+        return None
+    return (f"tuned for {other}, not this machine (python -m minimedusa.tree_search tunes "
+            "one for it)"), trees[other]["nodes"]
+
+
+def decoding_tree(spec: str | None, heads: MedusaHeads, model: Llama,
+                  heads_spec: str | None = None) -> tuple[str, MedusaTree]:
+    """(name, tree) for a --tree value, checked against the heads it will read and the
+    vocabulary they rank. Without a --tree: the tree tuned for this device and dtype beside the
+    heads (tree_search's trees.json, if the heads came from a folder), else the device's
+    default named tree without the paths deeper than the heads."""
+    device, dtype = model.embed.weight.device, model.embed.weight.dtype
+    folder = Path(heads_spec) if heads_spec is not None and Path(heads_spec).is_dir() else None
+    if spec is not None:
+        name, choices = spec, tree_choices(spec)
+    elif folder is not None and (tuned := tuned_tree(folder, device, dtype)) is not None:
+        name, choices = tuned
+    else:  # a general tree, made for any heads: keep the paths these heads can read
+        name, depth = default_tree(device), heads.config.medusa_num_heads
+        every = tree_choices(name)
+        choices = [path for path in every if len(path) <= depth]
+        if len(choices) < len(every):
+            name += f" (cut to its paths of at most {depth} nodes: {depth} heads)"
+    return name, build_tree(choices, heads.config.medusa_num_heads, model.config.vocab_size,
+                            device)
+
+
+# --- the acceptance rule ------------------------------------------------------------------------
+
+def decoding_acceptance(kind: str, temperature: float, top_p: float = 1.0, eps: float = 0.09,
+                        delta: float = 0.3) -> acceptance.Acceptance:
+    """'auto' (greedy at temperature 0, lossless rejection sampling above), 'greedy',
+    'typical' or 'rejection'."""
+    if kind == "auto":
+        kind = "greedy" if temperature == 0 else "rejection"
+    if kind == "greedy":
+        if temperature != 0:
+            raise UserError("--acceptance greedy decodes at temperature 0: drop --temperature "
+                            "or use --acceptance typical or rejection")
+        return acceptance.greedy()
+    if kind == "typical":
+        return acceptance.typical(temperature, eps, delta)
+    return acceptance.rejection(temperature, top_p)

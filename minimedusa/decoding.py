@@ -1,0 +1,207 @@
+"""Decoding, in the order the data flows: plain decoding (the reference), then Medusa decoding.
+
+Plain: prefill the prompt into a static KV cache, then one forward per new token. It is what
+every speedup is measured against (acceleration rate 1.0, paper section 7) and what Medusa's
+greedy output must equal token for token.
+Medusa (paper sections 2-3), one step: the heads' top-k at the last accepted position give the
+candidates; all N tree tokens run through the model in ONE forward after the cached prefix,
+with the tree mask; acceptance verifies the candidates along the root-to-leaf paths; the
+accepted tokens' keys/values are copied into place (KV compaction); the heads read the hidden
+state at the last accepted node, which gives the next step's candidates with no extra forward.
+Left out: batching (self_distill.py batches plain decoding), beam search, and a GPU loop without
+per-step Python (CUDA graphs).
+
+Shapes: T tokens, V vocab, C model dim, K heads, N tree nodes, D max depth, n cached tokens.
+"""
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from minimedusa.acceptance import Acceptance
+from minimedusa.errors import UserError
+from minimedusa.heads import MedusaHeads
+from minimedusa.kv_cache import KVCache
+from minimedusa.model import Llama, causal_mask
+from minimedusa.sampling import Sampling, make_generator, next_token
+from minimedusa.tree import MedusaTree
+
+
+class PromptTooLongError(UserError):
+    """The prompt plus the requested new tokens exceed the model's context."""
+
+
+def new_cache(model: Llama, prompt_len: int, max_new_tokens: int, margin: int = 0) -> KVCache:
+    """A cache for prompt + new tokens (+ a margin for Medusa's tree tokens), checked against
+    the model's context length first so that the error names the real problem."""
+    context = model.config.max_position_embeddings
+    if prompt_len + max_new_tokens > context:
+        raise PromptTooLongError(
+            f"the prompt has {prompt_len} tokens and {max_new_tokens} new ones were asked for, "
+            f"but the model's context is {context} tokens")
+    return KVCache.for_model(model, capacity=prompt_len + max_new_tokens + margin)
+
+
+@torch.inference_mode()
+def prefill(model: Llama, cache: KVCache, prompt: torch.Tensor):
+    """Run the prompt (1, T) through the model into an empty cache.
+
+    Returns (logits (1, V), hidden (1, C)) at the prompt's last position only: the LM head
+    over every prompt token would be wasted work (49k x 576 per token on the default model).
+    """
+    T = prompt.shape[1]
+    positions = torch.arange(T, device=prompt.device).unsqueeze(0)  # (1, T)
+    hidden = model.hidden_states(prompt, positions, causal_mask(0, T, prompt.device),
+                                 cache, cache.next_slots(T))  # (1, T, C)
+    cache.advance(T)
+    last = hidden[:, -1]  # (1, C)
+    return model.lm_head(last), last
+
+
+# --- plain decoding: one forward per token -----------------------------------------------------
+
+@torch.inference_mode()
+def decode_step(model: Llama, cache: KVCache, token: torch.Tensor):
+    """Feed one token (1, 1) at the end of the cached sequence: (logits (1, V) for the next
+    token, hidden (1, C) at this one)."""
+    n = cache.length
+    positions = torch.full((1, 1), n, device=token.device)  # (1, 1)
+    logits, hidden = model(token, positions, causal_mask(n, 1, token.device), cache,
+                           cache.next_slots(1))  # (1, 1, V), (1, 1, C)
+    cache.advance(1)
+    return logits[:, -1], hidden[:, -1]
+
+
+def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+                 stop_ids: set[int]) -> Iterator[list[int]]:
+    """Yield the new tokens one step at a time ([token] per step) until a stop id (which is
+    yielded) or max_new_tokens. The caller times and streams; this only decodes."""
+    device = model.embed.weight.device
+    cache = new_cache(model, len(prompt_ids), max_new_tokens)
+    generator = sampling.generator(device)
+    logits, _ = prefill(model, cache, torch.tensor([prompt_ids], device=device))
+    for i in range(max_new_tokens):
+        token = next_token(logits, sampling, generator)  # (1,)
+        token_id = token.item()  # the one host sync per step: needed to stop at EOS
+        yield [token_id]
+        if token_id in stop_ids or i == max_new_tokens - 1:
+            return
+        logits, _ = decode_step(model, cache, token.unsqueeze(0))
+
+
+# --- Medusa decoding: one forward of the candidate tree per step -------------------------------
+
+def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree) -> torch.Tensor:
+    """The tree's tokens: (N,) int64, from the root token () and the heads' logits (K, V).
+
+    The heads' top-k are laid out flat as [root, head 1's top-k, head 2's top-k, ...], and
+    tree.token_index says where each node's token sits in that list (tree.py)."""
+    top = head_logits[:tree.num_heads].topk(tree.top_k, dim=-1).indices  # (D, top_k)
+    flat = torch.cat([root.reshape(1), top.reshape(-1)])  # (1 + D * top_k,)
+    return flat[tree.token_index]
+
+
+def tree_mask(tree: MedusaTree, n: int) -> torch.Tensor:
+    """(1, N, n + N) bool: every tree token sees the whole cached prefix, then the tree mask
+    (itself and its ancestors, never a sibling or another branch)."""
+    prefix = torch.ones(tree.size, n, dtype=torch.bool, device=tree.mask.device)
+    return torch.cat([prefix, tree.mask], dim=1).unsqueeze(0)
+
+
+@torch.inference_mode()
+def tree_forward(model: Llama, cache: KVCache, tree: MedusaTree, tokens: torch.Tensor):
+    """Run the tree's tokens (N,) after the n cached ones; (logits (N, V), hidden (N, C)).
+
+    subtle: a node's RoPE position is n + depth (siblings are alternative tokens for the SAME
+    position) while its cache slot is n + node index (each node needs its own keys/values);
+    compaction later moves the accepted nodes' entries to slots n, n + 1, ...
+    """
+    positions = (cache.length + tree.depth).unsqueeze(0)  # (1, N)
+    logits, hidden = model(tokens.unsqueeze(0), positions, tree_mask(tree, cache.length), cache,
+                           cache.next_slots(tree.size))  # (1, N, V), (1, N, C)
+    return logits[0], hidden[0]
+
+
+def accepted_on_host(tree: MedusaTree, tokens, path, length, next_token):
+    """(the accepted nodes' indices, root first; the new tokens: the accepted candidates and the
+    next token) as Python lists.
+
+    note: the one host sync of a Medusa step. The accepted length decides which slots to keep
+    and how many tokens to emit, so the host must wait for it; everything before this runs
+    on the device without waiting. One .tolist() of one small tensor brings all of it back.
+    """
+    path_tokens = tokens[tree.paths[path]]  # (D + 1,): the chosen path's tokens, root first
+    host = torch.cat([path_tokens, torch.stack([path, length, next_token])]).tolist()
+    path_i, length_i, next_i = host[-3:]
+    nodes = tree.paths_host[path_i][:length_i + 1]  # paths_host: the same paths, on the host
+    return nodes, host[1:length_i + 1] + [next_i]
+
+
+def medusa_step(model: Llama, heads: MedusaHeads, tree: MedusaTree, cache: KVCache,
+                root: int, head_logits: torch.Tensor, acceptance: Acceptance,
+                generator) -> tuple[list[int], torch.Tensor]:
+    """One step from the root token (the last one emitted, not yet in the cache) and the heads'
+    logits (K, V) at the position before it.
+
+    Returns (the accepted candidates followed by the next token drawn at the last accepted
+    node: 1 + the accepted length tokens, and the heads' logits (K, V) at that node, which
+    give the next step's candidates).
+    """
+    tokens = candidates(torch.tensor(root, device=head_logits.device), head_logits, tree)  # (N,)
+    logits, hidden = tree_forward(model, cache, tree, tokens)  # (N, V), (N, C)
+    path, length, next_token = acceptance.verify(logits, tree, tokens, generator)
+    nodes, new_tokens = accepted_on_host(tree, tokens, path, length, next_token)
+    cache.compact(nodes)  # the accepted nodes' keys/values into place; rejected ones dropped
+    with torch.inference_mode():
+        next_head_logits = heads(hidden[nodes[-1]], model.lm_head)  # (K, V)
+    return new_tokens, next_head_logits
+
+
+def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids: list[int],
+                  max_new_tokens: int, acceptance: Acceptance, stop_ids: set[int],
+                  seed: int | None = None) -> Iterator[list[int]]:
+    """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
+    first the prefill's token, then each step's accepted candidates + the next token."""
+    device = model.embed.weight.device
+    generator = make_generator(device, seed)
+    # the margin: a step writes all N tree tokens before compaction drops the rejected ones
+    cache = new_cache(model, len(prompt_ids), max_new_tokens, margin=tree.size)
+    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
+    with torch.inference_mode():
+        head_logits = heads(hidden[0], model.lm_head)  # (K, V)
+    new = [acceptance.first(logits[0], generator).item()]
+    produced = 0
+    while True:
+        new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
+        produced += len(new)
+        yield new
+        if stop or produced == max_new_tokens:
+            return
+        new, head_logits = medusa_step(model, heads, tree, cache, new[-1], head_logits,
+                                       acceptance, generator)
+
+
+def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:
+    """A step's tokens cut to the room left and after the first stop id: (tokens, stopped)."""
+    new = new[:room]
+    stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
+    return (new, False) if stop is None else (new[:stop + 1], True)
+
+
+@dataclass
+class StepStats:
+    """What a decoding run's steps yielded: the numbers that show whether Medusa pays off."""
+    steps: int = 0
+    tokens: int = 0
+    histogram: Counter = field(default_factory=Counter)  # tokens yielded by a step -> steps
+
+    def record(self, n_tokens: int) -> None:
+        self.steps += 1
+        self.tokens += n_tokens
+        self.histogram[n_tokens] += 1
+
+    @property
+    def acceleration_rate(self) -> float:
+        """Tokens per step (paper, appendix B); 1.0 for plain decoding."""
+        return self.tokens / max(self.steps, 1)
