@@ -4,10 +4,12 @@
     python generate.py --prompt "Once upon a time" --raw --temperature 0.8 --seed 1
     python generate.py --prompt "Hi" --heads DIR --tree cpu_8 --acceptance typical --json
 
-With Medusa heads (--heads) it decodes with Medusa: one forward of a candidate tree per step;
-without them, or with --baseline, plainly: one forward per token. The answer streams to stdout
-as tokens are accepted; a summary (tokens, seconds, tokens/s, steps, acceleration rate and the
-histogram of tokens per step) follows on stderr.
+With Medusa heads (--heads) it decodes with Medusa: one forward of a candidate tree per step,
+the tree's size adapted to this machine as it runs (budget.py); without them, or with
+--baseline, plainly: one forward per token. The answer streams to stdout as tokens are
+accepted; a summary follows on stderr: tokens, seconds and tokens/s from the prompt to the last
+token, steps, acceleration rate, the histogram of tokens per step, the tree sizes used and why,
+and the one-time loading time apart.
 """
 import json
 import sys
@@ -15,9 +17,9 @@ import time
 from pathlib import Path
 
 from minimedusa.cli import (NAMED_TREES, Parser, add_device_arguments, decoding_acceptance,
-                            decoding_heads, decoding_model, decoding_tree, device_and_dtype,
-                            non_negative, positive_int, probability)
-from minimedusa.decoding import StepStats, medusa_decode, plain_decode
+                            decoding_budget, decoding_heads, decoding_model, decoding_tree,
+                            device_and_dtype, non_negative, positive_int, probability)
+from minimedusa.decoding import StepStats, adaptive_decode, medusa_decode, plain_decode
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
@@ -53,10 +55,9 @@ def parse_args(argv=None):
                    "trying the machinery, not for speed)")
     p.add_argument("--tree", default=None,
                    help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
-                   "of head k), or a JSON file of node paths (default: the tree tuned for this "
-                   "machine, device and dtype beside the heads (python -m "
-                   "minimedusa.tree_search), else one tuned on another machine, else "
-                   "mc_sim_7b_63 on CUDA and cpu_8 on the CPU)")
+                   "of head k), or a JSON file of node paths, used for every step (default: "
+                   "the tree grown from the heads' calibration, its size chosen step by step "
+                   "from step latencies measured on this machine, plain steps included)")
     p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection"],
                    default="auto", help="how candidates are verified (default: auto = greedy "
                    "at temperature 0, lossless rejection sampling above)")
@@ -73,10 +74,10 @@ def parse_args(argv=None):
 
 
 def load(args):
-    """(model, tokenizer, device) as the flags ask."""
+    """(model, tokenizer) as the flags ask; on a CPU in float32 the weights are packed here."""
     device, dtype = device_and_dtype(args)
     folder = args.model if args.model is not None else ensure_default_model()
-    return decoding_model(folder, device, dtype), Tokenizer.from_folder(folder), device
+    return decoding_model(folder, device, dtype), Tokenizer.from_folder(folder)
 
 
 def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
@@ -92,29 +93,37 @@ def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def decoding(args, model, device, ids):
-    """(description, iterator of the tokens each step yields) for the mode the flags ask."""
-    stops = model.config.stop_ids
+def decoder(args, model):
+    """(describe, decode) for the mode the flags ask: decode(prompt ids) iterates over the
+    tokens each step yields, describe() names the mode (after the run: which tree sizes the
+    budget used). The one-time work, the heads and their tree budget, is done here."""
+    stops, n = model.config.stop_ids, args.max_new_tokens
     if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
         args.heads = str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
-        return "plain", plain_decode(model, ids, args.max_new_tokens, sampling, stops)
+        return lambda: "plain", lambda ids: plain_decode(model, ids, n, sampling, stops)
     heads = decoding_heads(args.heads, model)
-    tree_name, tree = decoding_tree(args.tree, heads, model, args.heads)
     accept = decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps,
                                  args.delta)
-    steps = medusa_decode(model, heads, tree, ids, args.max_new_tokens, accept, stops, args.seed)
-    return f"medusa, {tree_name} ({tree.size} tokens), {accept.name}", steps
+    if args.tree is not None:
+        name, tree = decoding_tree(args.tree, heads, model)
+        return (lambda: f"medusa, tree {name} ({tree.size - 1} nodes, --tree), {accept.name}",
+                lambda ids: medusa_decode(model, heads, tree, ids, n, accept, stops, args.seed))
+    trees, budget, why = decoding_budget(heads, model, args.heads)
+    return (lambda: f"medusa, tree of {budget.summary()}: {why}, {accept.name}",
+            lambda ids: adaptive_decode(model, heads, trees, budget, ids, n, accept, stops,
+                                        args.seed))
 
 
 def run(args) -> dict:
-    model, tokenizer, device = load(args)
-    ids = prompt_ids(args, tokenizer)
-    mode, steps = decoding(args, model, device, ids)
-    stream, stats, output = StreamDecoder(tokenizer), StepStats(), []
     start = time.perf_counter()
-    for new in steps:
+    model, tokenizer = load(args)
+    describe, decode = decoder(args, model)
+    loaded, start = time.perf_counter() - start, time.perf_counter()
+    ids = prompt_ids(args, tokenizer)  # timed from here: the prompt to the last token
+    stream, stats, output = StreamDecoder(tokenizer), StepStats(), []
+    for new in decode(ids):
         output += new
         stats.record(len(new))
         if not args.json:
@@ -122,13 +131,14 @@ def run(args) -> dict:
     seconds = time.perf_counter() - start
     if not args.json:
         print(stream.flush(), end="", flush=True)
+    weight = model.embed.weight
     return {"prompt_ids": ids, "output_ids": output,
             "text": tokenizer.decode(output, skip_special=True), "new_tokens": len(output),
             "steps": stats.steps, "acceleration_rate": round(stats.acceleration_rate, 3),
             "accepted_histogram": dict(sorted(stats.histogram.items())),
             "seconds": round(seconds, 4), "tokens_per_s": round(len(output) / seconds, 2),
-            "mode": mode, "device": str(device),
-            "dtype": str(model.embed.weight.dtype).removeprefix("torch.")}
+            "load_seconds": round(loaded, 3), "mode": describe(), "device": str(weight.device),
+            "dtype": str(weight.dtype).removeprefix("torch.")}
 
 
 @entry_point
@@ -143,7 +153,8 @@ def main(argv=None):
     print(f"[{result['mode']}] {result['new_tokens']} tokens in {result['seconds']:.2f} s: "
           f"{result['tokens_per_s']:.1f} tokens/s, {result['steps']} steps, "
           f"{result['acceleration_rate']:.2f} tokens/step (tokens per step: {histogram}) "
-          f"({result['device']}, {result['dtype']})", file=sys.stderr)
+          f"({result['device']}, {result['dtype']}; loaded in {result['load_seconds']:.1f} s, "
+          "not counted)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -16,25 +16,26 @@ alike. Report ratios from one run, not absolute numbers from different runs.
     python -m minimedusa.bench --heads untrained-shared:4 --tree cpu_8 --no-sampling
 """
 import argparse
+import copy
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from minimedusa.acceptance import greedy, rejection, typical
-from minimedusa.cli import (add_device_arguments, decoding_heads, decoding_model, decoding_tree,
-                            device_and_dtype)
-from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.budget import expected_length, expected_length_of, grow_tree, read_calibration
+from minimedusa.cli import (add_device_arguments, decoding_budget, decoding_heads, decoding_model,
+                            decoding_tree, device_and_dtype)
+from minimedusa.decoding import adaptive_decode, medusa_decode, plain_decode
 from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensure_default_model
-from minimedusa.device import device_name
+from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.tree import build_tree
-from minimedusa.tree_search import (expected_length, expected_length_of, grow_tree,
-                                    read_calibration)
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
     "mt_bench_questions.jsonl"
@@ -72,6 +73,19 @@ def medusa_engine(model, heads, tree, acceptance):
                                                     set(), seed))
 
 
+def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter):
+    """Medusa with the tree's size adapted step by step, as generate.py decodes by default: each
+    question starts from the same prior (a fresh copy of `budget`), as each generate.py
+    process does; the steps run at each size are added to `usage`."""
+    def run(ids, n, seed):
+        fresh = copy.deepcopy(budget)
+        result = timed(adaptive_decode(model, heads, trees, fresh, ids, n, acceptance, set(),
+                                       seed))
+        usage.update(fresh.used)
+        return result
+    return run
+
+
 def load_transformers(folder: Path, device, dtype):
     """transformers' Llama on the same converted weights, or None if it is not installed."""
     try:
@@ -95,21 +109,35 @@ def transformers_engine(hf_model):
     return run
 
 
-def medusa_engines(args, model, device, dtype) -> tuple[dict, dict]:
+def rule_engines(label, spec, model, heads, args, usage: dict) -> dict:
+    """Greedy, and at --temperature typical and rejection sampling: with the --tree for every
+    step, or by default with the tree's size adapted (usage[name]: the steps at each size)."""
+    rules = {"greedy": greedy()}
+    if args.temperature > 0:
+        T = args.temperature
+        rules.update({f"typical T={T}": typical(T), f"rejection T={T}": rejection(T)})
+    if args.tree is not None:
+        tree_name, tree = decoding_tree(args.tree, heads, model)
+        print(f"{label.strip()}: tree {tree_name} ({tree.size - 1} nodes)", file=sys.stderr)
+        return {label + r: medusa_engine(model, heads, tree, a) for r, a in rules.items()}
+    trees, budget, why = decoding_budget(heads, model, spec)
+    print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
+    usage.update({label + r: Counter() for r in rules})
+    return {label + r: adaptive_engine(model, heads, trees, budget, a, usage[label + r])
+            for r, a in rules.items()}
+
+
+def medusa_engines(args, model, device, usage: dict) -> tuple[dict, dict]:
     """(name -> engine, name -> expected tokens/step from the heads' calibration, if any)."""
     engines, expected = {}, {}
     for spec in args.heads:
         heads = decoding_heads(spec, model)
-        tree_name, tree = decoding_tree(args.tree, heads, model, spec)
         accuracy = read_calibration(Path(spec)) if Path(spec).is_dir() else None
         label = f"medusa {Path(spec).name} " if len(args.heads) > 1 else "medusa "
-        engines[label + "greedy"] = medusa_engine(model, heads, tree, greedy())
-        if accuracy is not None:
-            expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
-        if args.temperature > 0:
-            T = args.temperature
-            engines[label + f"typical T={T}"] = medusa_engine(model, heads, tree, typical(T))
-            engines[label + f"rejection T={T}"] = medusa_engine(model, heads, tree, rejection(T))
+        engines.update(rule_engines(label, spec, model, heads, args, usage))
+        if accuracy is not None and args.tree is not None:
+            expected[label + "greedy"] = expected_length_of(
+                decoding_tree(args.tree, heads, model)[1].nodes[1:], accuracy)
         if args.sizes:
             if accuracy is None:
                 raise UserError(f"--sizes grows trees from {spec}/calibration.json, "
@@ -121,8 +149,6 @@ def medusa_engines(args, model, device, dtype) -> tuple[dict, dict]:
                     nodes[:n], heads.config.medusa_num_heads, model.config.vocab_size, device),
                     greedy())
                 expected[name] = expected_length(probs[:n])
-        print(f"{label.strip()}: {spec}, tree {tree_name} ({tree.size - 1} nodes)",
-              file=sys.stderr)
     return engines, expected
 
 
@@ -298,12 +324,13 @@ def main(argv=None):
     model = decoding_model(folder, device, dtype)
     if args.profile:
         heads = decoding_heads(args.heads[0], model)
-        _, tree = decoding_tree(args.tree, heads, model, args.heads[0])
+        _, tree = decoding_tree(args.tree, heads, model)
         prompt = [{"role": "user", "content": questions[0]["prompt"]}]
         print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
         return
     engines = {"plain": plain_engine(model)}
-    medusa, expected = medusa_engines(args, model, device, dtype)
+    usage = {}
+    medusa, expected = medusa_engines(args, model, device, usage)
     engines.update(medusa)
     hf = None if args.no_transformers else load_transformers(folder, device, dtype)
     if hf is not None:
@@ -316,6 +343,8 @@ def main(argv=None):
     warm = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]))
     for run in engines.values():  # warm-up, excluded
         run(warm, 8, 0)
+    for counts in usage.values():  # the warm-up's steps are not the benchmark's
+        counts.clear()
     rows = []
     for i, q in enumerate(questions):
         ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q["prompt"]}]))
@@ -336,10 +365,15 @@ def main(argv=None):
     per_category = {c: summarize([r for r in rows if r["category"] == c], names)
                     for c in dict.fromkeys(r["category"] for r in rows)}
     result = {"device": str(device), "device_name": device_name(device),
-              "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+              "machine": machine_key(device, dtype),
+              "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
               "heads": args.heads, "expected_tokens_per_step": expected, "totals": totals,
-              "per_category": per_category, "questions": rows}
+              "per_category": per_category, "questions": rows,
+              "steps_by_tree_size": {name: dict(sorted(c.items())) for name, c in usage.items()}}
+    print(f"measured on {result['machine']}")
+    for name, counts in result["steps_by_tree_size"].items():
+        print(f"{name}: steps by tree size (0 = plain) {counts}")
     print(markdown(totals, expected))
     print()
     print(category_table(per_category))

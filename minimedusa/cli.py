@@ -1,8 +1,7 @@
 """From command-line flags to what decoding needs: the device, the model, the heads, the tree and
 the acceptance rule, decided here once for generate.py, bench and tree_search alike.
 
-Also the named trees (the paper's 63-node tree and small ones for a CPU) and the trees tuned per
-machine beside the heads (tree_search's trees.json).
+Also the named trees: the paper's 63-node tree and small ones for a CPU.
 """
 import argparse
 import json
@@ -11,7 +10,9 @@ from pathlib import Path
 import torch
 
 from minimedusa import acceptance
-from minimedusa.device import device_name, pick_device, pick_dtype
+from minimedusa.budget import (SIZES, Budget, expected_length, grow_tree, machine_latency,
+                               nested_trees, read_calibration)
+from minimedusa.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
 from minimedusa.heads import MedusaHeads
 from minimedusa.model import Llama
@@ -42,10 +43,6 @@ NAMED_TREES = {
                (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0),
                (0, 0, 1, 0)],
 }
-
-# Trees tuned by tree_search for a machine, saved beside the heads they were grown for.
-TREES = "trees.json"
-
 
 # --- flags --------------------------------------------------------------------------------------
 
@@ -153,48 +150,13 @@ def tree_choices(spec: str) -> list:
         raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
 
 
-def device_key(device: torch.device, dtype: torch.dtype) -> str:
-    """trees.json's key: device type, dtype and the hardware itself (with the CPU's thread
-    count), because step latencies differ per machine: a 2-node tree tuned on one 2-core CPU
-    ran at 0.55x plain decoding on another, where 8 nodes were cheaper than 2."""
-    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    return f"{device_kind(device, dtype)}/{device_name(device)}{threads}"
-
-
-def device_kind(device: torch.device, dtype: torch.dtype) -> str:
-    """"cpu/float32": what a tree tuned on another machine must share with this one."""
-    return f"{device.type}/{str(dtype).removeprefix('torch.')}"
-
-
-def tuned_tree(heads_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple | None:
-    """(name, node paths) of the tree tuned beside the heads for this machine; else of one
-    tuned for the same device type and dtype on another machine, named so; else None."""
-    path = Path(heads_dir) / TREES
-    if not path.is_file():
-        return None
-    trees, key = json.loads(path.read_text()), device_key(device, dtype)
-    if key in trees:
-        return f"tuned for {key}", trees[key]["nodes"]
-    kind = device_kind(device, dtype)
-    other = next((k for k in trees if k.startswith(kind + "/")), None)
-    if other is None:
-        return None
-    return (f"tuned for {other}, not this machine (python -m minimedusa.tree_search tunes "
-            "one for it)"), trees[other]["nodes"]
-
-
-def decoding_tree(spec: str | None, heads: MedusaHeads, model: Llama,
-                  heads_spec: str | None = None) -> tuple[str, MedusaTree]:
+def decoding_tree(spec: str | None, heads: MedusaHeads, model: Llama) -> tuple[str, MedusaTree]:
     """(name, tree) for a --tree value, checked against the heads it will read and the
-    vocabulary they rank. Without a --tree: the tree tuned for this device and dtype beside the
-    heads (tree_search's trees.json, if the heads came from a folder), else the device's
-    default named tree without the paths deeper than the heads."""
-    device, dtype = model.embed.weight.device, model.embed.weight.dtype
-    folder = Path(heads_spec) if heads_spec is not None and Path(heads_spec).is_dir() else None
+    vocabulary they rank; without one, the device's default named tree without the paths
+    deeper than the heads."""
+    device = model.embed.weight.device
     if spec is not None:
         name, choices = spec, tree_choices(spec)
-    elif folder is not None and (tuned := tuned_tree(folder, device, dtype)) is not None:
-        name, choices = tuned
     else:  # a general tree, made for any heads: keep the paths these heads can read
         name, depth = default_tree(device), heads.config.medusa_num_heads
         every = tree_choices(name)
@@ -203,6 +165,30 @@ def decoding_tree(spec: str | None, heads: MedusaHeads, model: Llama,
             name += f" (cut to its paths of at most {depth} nodes: {depth} heads)"
     return name, build_tree(choices, heads.config.medusa_num_heads, model.config.vocab_size,
                             device)
+
+
+def decoding_budget(heads: MedusaHeads, model: Llama, heads_spec: str):
+    """(trees by size, the Budget that picks among them and plain steps, why these): the tree
+    grown from the heads' calibration at every size up to 16 nodes on a CPU (where a 16-node
+    step already cost 1.5-2x a plain one on the 2-core machines measured) or 64 on a GPU; for
+    heads without a calibration, the default tree or plain steps. Step latencies: measured on
+    this machine at first use, then cached (budget.py)."""
+    weight = model.embed.weight
+    folder = Path(heads_spec)
+    accuracy = read_calibration(folder) if folder.is_dir() else None
+    if accuracy is None:
+        name, tree = decoding_tree(None, heads, model)
+        nodes, sizes, expected = tree.nodes[1:], [tree.size - 1], {}
+        why = f"{name} or plain steps (the heads have no calibration.json)"
+    else:
+        nodes, probs = grow_tree(accuracy, 64 if weight.device.type == "cuda" else 16)
+        sizes = [n for n in SIZES if n <= len(nodes)]
+        expected = {n: expected_length(probs[:n]) for n in sizes}
+        why = "grown from the heads' calibration"
+    trees, rank = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
+                               model.config.vocab_size, weight.device)
+    latency, source = machine_latency(model, heads, trees)
+    return trees, Budget([0, *sizes], expected, latency, rank), f"{why}, latencies {source}"
 
 
 # --- the acceptance rule ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ per-step Python (CUDA graphs).
 
 Shapes: T tokens, V vocab, C model dim, K heads, N tree nodes, D max depth, n cached tokens.
 """
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -138,24 +139,27 @@ def accepted_on_host(tree: MedusaTree, tokens, path, length, next_token):
     return nodes, host[1:length_i + 1] + [next_i]
 
 
-def medusa_step(model: Llama, heads: MedusaHeads, tree: MedusaTree, cache: KVCache,
-                root: int, head_logits: torch.Tensor, acceptance: Acceptance,
-                generator) -> tuple[list[int], torch.Tensor]:
+def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, root: int,
+                head_logits: torch.Tensor, acceptance: Acceptance, generator):
     """One step from the root token (the last one emitted, not yet in the cache) and the heads'
     logits (K, V) at the position before it.
 
-    Returns (the accepted candidates followed by the next token drawn at the last accepted
-    node: 1 + the accepted length tokens, and the heads' logits (K, V) at that node, which
-    give the next step's candidates).
+    Returns (the new tokens: the accepted candidates, then the next token drawn at the last
+    accepted node; the accepted nodes' indices, root first; the hidden state (C,) at the last
+    accepted node, from which the heads guess the next step's candidates).
     """
     tokens = candidates(torch.tensor(root, device=head_logits.device), head_logits, tree)  # (N,)
     logits, hidden = tree_forward(model, cache, tree, tokens)  # (N, V), (N, C)
     path, length, next_token = acceptance.verify(logits, tree, tokens, generator)
     nodes, new_tokens = accepted_on_host(tree, tokens, path, length, next_token)
     cache.compact(nodes)  # the accepted nodes' keys/values into place; rejected ones dropped
-    with torch.inference_mode():
-        next_head_logits = heads(hidden[nodes[-1]], model.lm_head)  # (K, V)
-    return new_tokens, next_head_logits
+    return new_tokens, nodes, hidden[nodes[-1]]
+
+
+@torch.inference_mode()
+def guess(heads: MedusaHeads, model: Llama, hidden: torch.Tensor) -> torch.Tensor:
+    """The heads' logits (K, V) at one position, from its hidden state (C,)."""
+    return heads(hidden, model.lm_head)
 
 
 def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids: list[int],
@@ -168,9 +172,7 @@ def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids
     # the margin: a step writes all N tree tokens before compaction drops the rejected ones
     cache = new_cache(model, len(prompt_ids), max_new_tokens, margin=tree.size)
     logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
-    with torch.inference_mode():
-        head_logits = heads(hidden[0], model.lm_head)  # (K, V)
-    new = [acceptance.first(logits[0], generator).item()]
+    new, hidden = [acceptance.first(logits[0], generator).item()], hidden[0]
     produced = 0
     while True:
         new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
@@ -178,8 +180,8 @@ def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids
         yield new
         if stop or produced == max_new_tokens:
             return
-        new, head_logits = medusa_step(model, heads, tree, cache, new[-1], head_logits,
-                                       acceptance, generator)
+        new, _, hidden = medusa_step(model, tree, cache, new[-1], guess(heads, model, hidden),
+                                     acceptance, generator)
 
 
 def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -205,3 +207,43 @@ class StepStats:
     def acceleration_rate(self) -> float:
         """Tokens per step (paper, appendix B); 1.0 for plain decoding."""
         return self.tokens / max(self.steps, 1)
+
+
+# --- Medusa decoding with a budget that adapts: the tree's size chosen step by step ------------
+
+def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, generator):
+    """A step whose tree is the root alone: plain decoding's step, returned as medusa_step
+    returns (so the two mix in one run) but without running the heads, which a plain step
+    does not need."""
+    token = torch.tensor([[root]], device=cache.k.device)  # (1, 1)
+    logits, hidden = decode_step(model, cache, token)  # (1, V), (1, C)
+    return [acceptance.first(logits[0], generator).item()], [0], hidden[0]
+
+
+def adaptive_decode(model: Llama, heads: MedusaHeads, trees: dict[int, MedusaTree], budget,
+                    prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
+                    stop_ids: set[int], seed: int | None = None,
+                    clock=time.perf_counter) -> Iterator[list[int]]:
+    """medusa_decode, but each step's tree is trees[n] for the size n that `budget` chooses
+    (budget.py), 0 being a plain step; every step's time and accepted path go back to the budget.
+    Lossless as medusa_decode is: which tree verifies a step never changes what is accepted."""
+    device = model.embed.weight.device
+    generator = make_generator(device, seed)
+    cache = new_cache(model, len(prompt_ids), max_new_tokens, margin=max(trees))
+    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
+    new, hidden = [acceptance.first(logits[0], generator).item()], hidden[0]
+    produced = 0
+    while True:
+        new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
+        produced += len(new)
+        yield new
+        if stop or produced == max_new_tokens:
+            return
+        n, start = budget.choose(), clock()
+        if n == 0:
+            new, _, hidden = root_step(model, cache, new[-1], acceptance, generator)
+            budget.record(0, clock() - start, [])
+            continue
+        new, nodes, hidden = medusa_step(model, trees[n], cache, new[-1],
+                                         guess(heads, model, hidden), acceptance, generator)
+        budget.record(n, clock() - start, [trees[n].nodes[i] for i in nodes[1:]])

@@ -1,51 +1,40 @@
-"""Searching the tree (paper section 6, appendix C): calibration, greedy growth, the budget.
+"""Searching the tree (paper section 6, appendix C): calibrate the heads, grow the tree, size it.
 
-1. Calibration. a_k^(i) is the accuracy of head k's i-th best guess, measured on held-out
-   self-distilled answers (never on MT-Bench: that is the evaluation).
-2. Growth. Assuming the heads err independently, the node [i_1, ..., i_k] is accepted with
-   probability prod_j a_j^(i_j), and a step yields 1 + sum over the tree's nodes of their
-   probabilities tokens on average (the 1: the backbone's own next token, always accepted).
-   Add the most probable node that hangs off the tree, repeatedly. A child is never more
-   probable than its parent (each factor is <= 1), so the n most probable nodes form a tree
-   and the greedy growth finds the best tree for EVERY budget n at once: its first n nodes.
-3. Budget. A bigger tree accepts more but each step costs more (the paper's Fig. 4). Measure
-   the step latency of the grown tree at each size on this device and dtype, and keep the size
-   with the most expected tokens per second, 1 + E[accepted] over latency.
+1. Calibration (here). a_k^(i) is the accuracy of head k's i-th best guess, measured on held-out
+   self-distilled answers (never on MT-Bench: that is the evaluation); saved beside the heads
+   as calibration.json.
+2. Growth (budget.grow_tree). Assuming the heads err independently, the node [i_1, ..., i_k] is
+   accepted with probability prod_j a_j^(i_j); the greedy growth adds the most probable node
+   that hangs off the tree, and its first n nodes are the best tree of n nodes, for every n.
+3. Budget (budget.py). Each size's step latency, measured on this machine, against its expected
+   tokens per step. This command prints the table and caches the latencies for generate.py,
+   which also measures them by itself at first use and keeps adapting while it decodes.
 
-The results live beside the heads: calibration.json (a_k^(i)) and trees.json (the tuned tree
-per device/dtype, which generate.py uses by default).
-
-    python -m minimedusa.tree_search --heads DIR --data data/distill      # calibrate + tune
+    python -m minimedusa.tree_search --heads DIR --data data/distill      # calibrate + time
     python -m minimedusa.tree_search --heads DIR --budget 16 --out t.json  # one fixed size
 
 Shapes: M rows, K heads, V vocab, R ranks calibrated (top-R guesses per head).
 """
 import argparse
-import heapq
 import json
-import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from minimedusa.acceptance import greedy
-from minimedusa.cli import (TREES, add_device_arguments, decoding_heads, decoding_model,
-                            device_and_dtype, device_key)
-from minimedusa.decoding import decode_step, medusa_step, new_cache, prefill
+from minimedusa.budget import (CALIBRATION, SIZES, expected_length, grow_tree, latency_key,
+                               nested_trees, pick_budget, read_calibration, step_latency,
+                               write_cached)
+from minimedusa.cli import add_device_arguments, decoding_heads, decoding_model, device_and_dtype
 from minimedusa.default_model import ensure_default_model
-from minimedusa.device import device_name
+from minimedusa.device import machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import IGNORE, Rows, read_rows
-from minimedusa.tree import build_tree
-
-CALIBRATION = "calibration.json"
 
 
-# --- 1. calibration ---------------------------------------------------------------------------
+# --- calibration ---------------------------------------------------------------------------------
 
 @torch.no_grad()
 def head_accuracies(heads, lm_head, rows: Rows, ranks: int = 10,
@@ -62,94 +51,6 @@ def head_accuracies(heads, lm_head, rows: Rows, ranks: int = 10,
     return hits / counted.clamp(min=1)
 
 
-# --- 2. greedy growth ---------------------------------------------------------------------------
-
-def grow_tree(accuracy: torch.Tensor, budget: int) -> tuple[list[tuple], list[float]]:
-    """The `budget` most probable node paths, in the order added, and each one's probability.
-
-    accuracy (K, R): a_k^(i). Every prefix of the returned list is the best tree of its size.
-    """
-    a = accuracy.tolist()
-    K, R = len(a), len(a[0])
-    frontier = [(-a[0][i], (i,)) for i in range(R)]  # (-probability, path): children of the root
-    heapq.heapify(frontier)
-    nodes, probs = [], []
-    while frontier and len(nodes) < budget:
-        neg_p, path = heapq.heappop(frontier)  # ties: the shorter/lower-ranked path, a parent
-        nodes.append(path)
-        probs.append(-neg_p)
-        if len(path) < K:  # its children: the guesses of the next head
-            for i in range(R):
-                heapq.heappush(frontier, (neg_p * a[len(path)][i], path + (i,)))
-    return nodes, probs
-
-
-def expected_length(probs: list[float]) -> float:
-    """Expected tokens per step of a tree whose nodes have these probabilities."""
-    return 1.0 + sum(probs)
-
-
-def expected_length_of(nodes, accuracy: torch.Tensor) -> float:
-    """Expected tokens per step of any tree (node paths), under the same independence; a
-    guess ranked past the calibrated ones counts as never right."""
-    a, R = accuracy.tolist(), accuracy.shape[1]
-    probs = [math.prod(a[j][i] if i < R else 0.0 for j, i in enumerate(path)) for path in nodes]
-    return expected_length(probs)
-
-
-# --- 3. the budget --------------------------------------------------------------------------------
-
-def step_latency(model, heads, sizes: list[int], nodes: list[tuple], prompt_len: int = 256,
-                 repeats: int = 8) -> dict[int, float]:
-    """Seconds per Medusa step with the first n grown nodes, for each n in sizes (0: a plain
-    decoding step). Sizes are timed round-robin so that machine noise hits all of them alike;
-    the median of `repeats` rounds is kept. Every step starts from the same cached prefix of
-    prompt_len tokens (at most half the context)."""
-    device = model.embed.weight.device
-    prompt_len = min(prompt_len, model.config.max_position_embeddings // 2)
-    trees = {n: build_tree(nodes[:n], heads.config.medusa_num_heads, device=device)
-             for n in sizes if n > 0}
-    cache = new_cache(model, prompt_len, 1, margin=max(sizes) + 1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device,
-                           generator=torch.Generator(device).manual_seed(0))
-    _, hidden = prefill(model, cache, prompt)
-    with torch.inference_mode():
-        head_logits = heads(hidden[0], model.lm_head)  # (K, V)
-    times = {n: [] for n in sizes}
-    for r in range(repeats + 1):  # round 0 warms up
-        for n in sizes:
-            cache.rewind(prompt_len)  # forget the last step: every size starts from the prompt
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            if n == 0:
-                logits, _ = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
-                                                                  device=device))
-                logits.argmax().item()  # the host sync a plain step makes too
-            else:
-                medusa_step(model, heads, trees[n], cache, 0, head_logits, greedy(), None)
-            if r > 0:
-                times[n].append(time.perf_counter() - start)
-    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
-
-
-def pick_budget(probs: list[float], latency: dict[int, float]) -> tuple[int, dict]:
-    """(the size with the most expected tokens/s, a table of every size's estimate)."""
-    table = {}
-    for n, seconds in sorted(latency.items()):
-        length = expected_length(probs[:n])
-        table[n] = {"expected_length": round(length, 4), "step_ms": round(1000 * seconds, 3),
-                    "tokens_per_s": round(length / seconds, 2)}
-    best = max((n for n in table if n > 0), key=lambda n: table[n]["tokens_per_s"])
-    return best, table
-
-
-def read_calibration(heads_dir: Path) -> torch.Tensor | None:
-    """The heads' a_k^(i) (K, R) from their calibration.json, or None if not calibrated."""
-    path = Path(heads_dir) / CALIBRATION
-    return torch.tensor(json.loads(path.read_text())["accuracy"]) if path.is_file() else None
-
-
 # --- the files beside the heads --------------------------------------------------------------
 
 def write_json(path: Path, obj) -> None:
@@ -159,17 +60,49 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def default_sizes(limit: int) -> list[int]:
-    return [0] + [n for n in (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 80, 96, 128)
-                  if n <= limit]
+def calibrate(args, heads, model, folder: Path) -> torch.Tensor:
+    """a_k^(i) (K, R): measured on --data's held-out answers and saved, or read back."""
+    calibration = args.heads / CALIBRATION
+    if args.data is None:
+        if (accuracy := read_calibration(args.heads)) is None:
+            raise UserError(f"{calibration} does not exist: calibrate first with --data")
+        return accuracy
+    _, val = read_rows(args.data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
+                       model.config.vocab_size)
+    print(f"calibrating on {val.targets.shape[0]} held-out positions", file=sys.stderr)
+    accuracy = head_accuracies(heads, model.lm_head, val, args.ranks)
+    write_json(calibration, {"data": str(args.data), "rows": val.targets.shape[0],
+                             "accuracy": [[round(x, 5) for x in row] for row in accuracy.tolist()]})
+    return accuracy
+
+
+def time_sizes(model, heads, nodes: list[tuple], probs: list[float], max_nodes: int) -> int:
+    """Time a step of every size here, cache the latencies for generate.py, print the table;
+    the size with the most expected tokens per second."""
+    weight = model.embed.weight
+    sizes = [n for n in SIZES if n <= min(max_nodes, len(nodes))]
+    trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
+                            model.config.vocab_size, weight.device)
+    print(f"timing steps of {sizes} nodes (and a plain step) on "
+          f"{machine_key(weight.device, weight.dtype)}", file=sys.stderr)
+    latency = step_latency(model, heads, trees)
+    write_cached(latency_key(model, heads, weight.device, weight.dtype), latency)
+    best, table = pick_budget(probs, latency)
+    plain_rate = 1000 / table[0]["step_ms"]
+    for n, row in table.items():
+        print(f"{n:4d} nodes: expected {row['expected_length']:.2f} tokens/step, "
+              f"{row['step_ms']:7.2f} ms/step, {row['tokens_per_s']:6.1f} tokens/s "
+              f"({row['tokens_per_s'] / plain_rate:.2f}x plain){'  <- best' * (n == best)}",
+              file=sys.stderr)
+    return best
 
 
 @entry_point
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Grow the candidate tree from the heads' measured "
-                                "accuracies (paper section 6) and pick its size from this "
-                                "device's step latency; writes calibration.json and trees.json "
-                                "beside the heads.")
+    p = argparse.ArgumentParser(description="Calibrate the heads, grow the candidate tree from "
+                                "their accuracies (paper section 6) and time each tree size on "
+                                "this machine; writes calibration.json beside the heads and "
+                                "caches the step latencies that generate.py starts from.")
     p.add_argument("--heads", type=Path, required=True, help="trained heads folder")
     p.add_argument("--data", type=Path, default=None,
                    help="self-distillation data to calibrate on (its held-out answers); "
@@ -184,55 +117,22 @@ def main(argv=None):
                    help="skip the latency measurement and take a tree of this many nodes")
     p.add_argument("--out", type=Path, default=None,
                    help="also write the chosen tree's node paths here (a --tree file)")
-    add_device_arguments(p)  # tune with the thread count you will decode with
+    add_device_arguments(p)  # time with the thread count you will decode with
     args = p.parse_args(argv)
 
     device, dtype = device_and_dtype(args)
     folder = args.model or ensure_default_model()
     model = decoding_model(folder, device, dtype)
     heads = decoding_heads(str(args.heads), model)
-    calibration = args.heads / CALIBRATION
-    if args.data is not None:
-        _, val = read_rows(args.data, heads.config.medusa_num_heads,
-                           tokenizer_fingerprint(folder), model.config.vocab_size)
-        print(f"calibrating on {val.targets.shape[0]} held-out positions", file=sys.stderr)
-        accuracy = head_accuracies(heads, model.lm_head, val, args.ranks)
-        write_json(calibration, {"data": str(args.data), "rows": val.targets.shape[0],
-                                 "accuracy": [[round(x, 5) for x in row]
-                                              for row in accuracy.tolist()]})
-    elif (accuracy := read_calibration(args.heads)) is None:
-        raise UserError(f"{calibration} does not exist: calibrate first with --data")
+    accuracy = calibrate(args, heads, model, folder)
     print("a_k^(i), head k per row, guess i per column:\n" + "\n".join(
         " ".join(f"{x:.3f}" for x in row) for row in accuracy.tolist()), file=sys.stderr)
-
     nodes, probs = grow_tree(accuracy, args.max_nodes)
-    if args.budget is not None:
-        chosen = nodes[:args.budget]
-        print(f"{len(chosen)} nodes, expected {expected_length(probs[:len(chosen)]):.3f} "
-              "tokens/step", file=sys.stderr)
-    else:
-        sizes = default_sizes(args.max_nodes)
-        print(f"timing steps of {sizes[1:]} nodes (and a plain step) on "
-              f"{device_key(device, dtype)}", file=sys.stderr)
-        best, table = pick_budget(probs, step_latency(model, heads, sizes, nodes))
-        plain_rate = 1 / table[0]["step_ms"] * 1000
-        for n, row in table.items():
-            print(f"{n:4d} nodes: expected {row['expected_length']:.2f} tokens/step, "
-                  f"{row['step_ms']:7.2f} ms/step, {row['tokens_per_s']:6.1f} tokens/s "
-                  f"({row['tokens_per_s'] / plain_rate:.2f}x plain){'  <- best' * (n == best)}",
-                  file=sys.stderr)
-        chosen = nodes[:best]
-        trees_path = args.heads / TREES
-        trees = json.loads(trees_path.read_text()) if trees_path.is_file() else {}
-        trees[device_key(device, dtype)] = {
-            "nodes": [list(n) for n in chosen], "expected_length": table[best]["expected_length"],
-            "threads": torch.get_num_threads(), "device_name": device_name(device),
-            "estimates": table}
-        write_json(trees_path, trees)
-        print(f"wrote the {best}-node tree for {device_key(device, dtype)} to {trees_path}",
-              file=sys.stderr)
+    size = args.budget or time_sizes(model, heads, nodes, probs, args.max_nodes)
+    print(f"{size} nodes, expected {expected_length(probs[:size]):.3f} tokens/step",
+          file=sys.stderr)
     if args.out:
-        write_json(args.out, [list(n) for n in chosen])
+        write_json(args.out, [list(n) for n in nodes[:size]])
 
 
 if __name__ == "__main__":

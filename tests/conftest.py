@@ -78,3 +78,10 @@ def tiny_setup(tmp_path_factory, default_model_dir):
                     for p, (a, h) in zip(prompts, rows)])
     (data / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(model_dir)}))
     return model_dir, data
+
+
+@pytest.fixture(autouse=True)
+def latency_cache(tmp_path_factory, monkeypatch):
+    """Step latencies measured by a test go to a fresh folder of its own, never to the user's
+    cache (budget.cache_file)."""
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path_factory.mktemp("cache")))

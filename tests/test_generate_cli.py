@@ -119,7 +119,7 @@ def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder):
                     "--heads", "untrained:3", "--tree", "chain3", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["mode"].startswith("medusa, chain3")
+    assert result["mode"].startswith("medusa, tree chain3 (3 nodes, --tree)")
     assert result["new_tokens"] == 12
     assert sum(int(n) * c for n, c in result["accepted_histogram"].items()) == 12
     assert result["acceleration_rate"] == pytest.approx(12 / result["steps"], abs=1e-3)
@@ -130,6 +130,23 @@ def test_medusa_greedy_cli_output_equals_baseline(tiny_folder):
     medusa = json.loads(generate(*args, "--heads", "untrained:4", "--tree", "cpu_8").stdout)
     plain = json.loads(generate(*args, "--heads", "untrained:4", "--baseline").stdout)
     assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
+
+
+def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder):
+    """Without --tree the budget picks each step's size (plain included) from latencies it
+    measured here at load time, which is reported apart from the decoding's seconds; the
+    output stays plain greedy's."""
+    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json",
+            "--heads", "untrained:4"]
+    done = generate(*args)
+    assert done.returncode == 0, done.stderr
+    medusa, plain = json.loads(done.stdout), json.loads(generate(*args, "--baseline").stdout)
+    assert medusa["output_ids"] == plain["output_ids"]
+    assert medusa["mode"].startswith("medusa, tree of ")
+    assert "steps by size: " in medusa["mode"] and "latencies measured here" in medusa["mode"]
+    assert medusa["load_seconds"] > 0 and "not counted" in done.stderr
+    again = json.loads(generate(*args).stdout)  # the second process reads the cache
+    assert "latencies cached" in again["mode"]
 
 
 def test_malformed_tree_file_gives_one_clear_line(tiny_folder, tmp_path):

@@ -12,8 +12,8 @@ from conftest import DEVICES, copycat_model, tiny_model
 from minimedusa.acceptance import greedy, typical
 from minimedusa.heads import MedusaHeads
 from minimedusa.kv_cache import KVCache
-from minimedusa.decoding import (StepStats, medusa_decode, medusa_step, new_cache, plain_decode,
-                                 prefill, tree_forward)
+from minimedusa.decoding import (StepStats, guess, medusa_decode, medusa_step, new_cache,
+                                 plain_decode, prefill, tree_forward)
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
@@ -110,12 +110,10 @@ def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(devi
     prompt = [3, 1, 4, 1, 5]
     cache = KVCache.for_model(model, capacity=len(prompt) + 5 * n_steps + tree.size)
     logits, hidden = prefill(model, cache, torch.tensor([prompt], device=device))
-    with torch.inference_mode():
-        head_logits = heads(hidden[0], model.lm_head)
-    sequence = prompt + [logits[0].argmax().item()]
+    sequence, hidden = prompt + [logits[0].argmax().item()], hidden[0]
     for _ in range(n_steps):
-        new, head_logits = medusa_step(model, heads, tree, cache, sequence[-1], head_logits,
-                                       greedy(), None)
+        new, _, hidden = medusa_step(model, tree, cache, sequence[-1],
+                                     guess(heads, model, hidden), greedy(), None)
         sequence += new
         n = len(sequence) - 1  # the cache holds all but the newest token (the next root)
         assert cache.length == n

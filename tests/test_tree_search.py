@@ -1,6 +1,6 @@
 """Tree search (paper section 6): calibration counts each guess rank, the greedy growth is the
-best tree of every size, the budget is the size with the most expected tokens/s, and the tuned
-tree is what decoding uses by default."""
+best tree of every size, the budget is the size with the most expected tokens/s, and decoding
+starts from the grown trees with latencies measured here."""
 import itertools
 import json
 
@@ -10,14 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from minimedusa.cli import TREES, decoding_tree, device_key
+from minimedusa import tree_search
+from minimedusa.budget import (CALIBRATION, SIZES, expected_length, expected_length_of,
+                               grow_tree, latency_key, nested_trees, pick_budget,
+                               read_cached, read_calibration, step_latency)
+from minimedusa.cli import decoding_budget, decoding_tree
 from minimedusa.heads import MedusaHeads
 from minimedusa.training import IGNORE, Rows
 from minimedusa.tree import build_tree, dense_tree
-from minimedusa.weights import save_heads
-from minimedusa import tree_search
-from minimedusa.tree_search import (expected_length, expected_length_of, grow_tree,
-                                    head_accuracies, pick_budget, step_latency)
+from minimedusa.tree_search import head_accuracies
+from minimedusa.weights import load_heads, save_heads
 
 
 def test_calibration_counts_each_rank_of_each_head():
@@ -78,49 +80,49 @@ def test_budget_is_the_size_with_most_expected_tokens_per_second():
     assert table[0]["tokens_per_s"] == pytest.approx(100.0)
 
 
-def test_step_latency_times_every_size_and_leaves_the_prompt_cached():
+def test_step_latency_times_every_size_and_plain_decoding():
     model = tiny_model(dtype=torch.float32)
     heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
     nodes, _ = grow_tree(torch.tensor([[0.5, 0.2], [0.3, 0.1]]), 6)
-    latency = step_latency(model, heads, [0, 1, 3, 6], nodes, prompt_len=10, repeats=2)
+    trees, _ = nested_trees(nodes, [1, 3, 6], 2, model.config.vocab_size, "cpu")
+    latency = step_latency(model, heads, trees, prompt_len=10, repeats=2)
     assert set(latency) == {0, 1, 3, 6} and all(s > 0 for s in latency.values())
 
 
-def test_tuned_tree_beside_the_heads_is_the_default_and_tree_flag_overrides(tmp_path):
+def test_calibrated_heads_get_nested_grown_trees_and_latencies_measured_once(tmp_path):
+    """The default decoding plan: the tree grown from calibration.json at every size, plain
+    included; the step latencies are measured on first use, then read from the cache."""
     model = tiny_model(dtype=torch.float32)
-    heads = MedusaHeads.for_model(model, 4, shared_lm_head=True).eval()
+    heads = MedusaHeads.for_model(model, 3, shared_lm_head=True).eval()
     save_heads(heads, tmp_path)
-    cpu = torch.device("cpu")
-    name, tree = decoding_tree(None, heads, model, str(tmp_path))
-    assert name == "cpu_8"  # nothing tuned yet
-    tuned = [[0], [0, 0], [1]]
-    (tmp_path / TREES).write_text(json.dumps({device_key(cpu, torch.float32): {"nodes": tuned}}))
-    name, tree = decoding_tree(None, heads, model, str(tmp_path))
-    assert name == f"tuned for {device_key(cpu, torch.float32)}"
-    assert set(tree.nodes[1:]) == {(0,), (0, 0), (1,)}
-    name, _ = decoding_tree(None, heads, model.to(torch.bfloat16), str(tmp_path))
-    assert name == "cpu_8"  # tuned for another dtype: not used
-    name, _ = decoding_tree("chain3", heads, model.float(), str(tmp_path))
-    assert name == "chain3"
-    other = "cpu/float32/Another CPU, 2 cores, 2 threads"
-    (tmp_path / TREES).write_text(json.dumps({other: {"nodes": tuned}}))
-    name, tree = decoding_tree(None, heads, model, str(tmp_path))
-    assert name.startswith(f"tuned for {other}, not this machine") and tree.size == 4
+    (tmp_path / CALIBRATION).write_text(json.dumps({"accuracy": [[0.6, 0.2], [0.4, 0.1],
+                                                                  [0.3, 0.1]]}))
+    trees, budget, why = decoding_budget(heads, model, str(tmp_path))
+    nodes, _ = grow_tree(read_calibration(tmp_path), 16)
+    assert sorted(trees) == [n for n in SIZES if n <= len(nodes)]
+    assert all(set(trees[n].nodes[1:]) == set(nodes[:n]) for n in trees)
+    assert budget.sizes == [0, *sorted(trees)] and why.endswith("latencies measured here")
+    assert decoding_budget(heads, model, str(tmp_path))[2].endswith("latencies cached")
 
 
-def test_default_tree_is_cut_to_the_paths_fewer_heads_can_read(tmp_path):
-    """Heads with no tuned tree fall back to the device's named tree, made for any heads: its
+def test_uncalibrated_heads_get_the_default_tree_cut_to_their_depth_or_plain(tmp_path):
+    """Heads with no calibration fall back to the device's named tree, made for any heads: its
     paths deeper than these heads are dropped (what is left is still a tree: every path's
-    prefixes are shorter), rather than refusing heads that are fine."""
+    prefixes are shorter), rather than refusing heads that are fine; plain steps remain the
+    other choice."""
     model = tiny_model(dtype=torch.float32)
     heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
     save_heads(heads, tmp_path)
-    name, tree = decoding_tree(None, heads, model, str(tmp_path))
-    assert name.startswith("cpu_8 (cut to its paths of at most 2 nodes")
+    trees, budget, why = decoding_budget(heads, model, str(tmp_path))
+    assert why.startswith("cpu_8 (cut to its paths of at most 2 nodes")
+    (tree,) = trees.values()
     assert set(tree.nodes[1:]) == {(0,), (1,), (0, 0), (0, 1), (1, 0)}
+    assert budget.sizes == [0, 5]
+    name, tree = decoding_tree("dense:2,1", heads, model)  # --tree: that tree, every step
+    assert name == "dense:2,1" and tree.size == 5
 
 
-def test_tree_search_cli_calibrates_and_writes_a_tree_decoding_accepts(tiny_setup, tmp_path):
+def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     model = tiny_model(7, dtype=torch.float32)
     save_heads(MedusaHeads.for_model(model, 3, shared_lm_head=True), tmp_path)
@@ -128,11 +130,13 @@ def test_tree_search_cli_calibrates_and_writes_a_tree_decoding_accepts(tiny_setu
                       "--max-nodes", "6", "--device", "cpu", "--out", str(tmp_path / "t.json")])
     calibration = json.loads((tmp_path / "calibration.json").read_text())
     assert len(calibration["accuracy"]) == 3 and len(calibration["accuracy"][0]) == 10
-    entry = json.loads((tmp_path / TREES).read_text())[device_key(torch.device("cpu"),
-                                                                   torch.float32)]
-    assert entry["nodes"] == json.loads((tmp_path / "t.json").read_text())
-    assert set(entry["estimates"]) == {"0", "1", "2", "3", "4", "6"}
-    build_tree(entry["nodes"], num_heads=3)
+    nodes, _ = grow_tree(read_calibration(tmp_path), 6)
+    chosen = [tuple(p) for p in json.loads((tmp_path / "t.json").read_text())]
+    assert chosen == nodes[:len(chosen)]
+    build_tree(chosen, num_heads=3)
+    heads = load_heads(tmp_path, model)
+    cached = read_cached(latency_key(model, heads, torch.device("cpu"), torch.float32))
+    assert set(cached) == {0, 1, 2, 3, 4, 6}
 
 
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):

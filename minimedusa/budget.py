@@ -1,0 +1,263 @@
+"""The tree budget (paper section 6, its last step), chosen on the machine that decodes.
+
+A bigger tree accepts more tokens per step, but each step costs more; where the balance lies is
+a fact of the machine (its vector units, memory bandwidth, caches), not of its name: the 4-node
+tree tuned on one 2-core "AMD EPYC" ran at 0.97x plain decoding on another that reports the same
+name but has AVX2 only. So nothing here is assumed from elsewhere:
+1. The step latency of each tree size, plain decoding (size 0) included, is measured at first
+   use on this machine (a few seconds) and cached per machine key (device.machine_key) under
+   the user's cache folder, never in the repository.
+2. During decoding a Budget keeps measuring: every step's time, and for every smaller size
+   nested in the tree it ran, how many tokens that size would have yielded. It runs the size
+   with the most tokens per second, plain decoding being one of the choices, and tries each
+   neighbouring size once, so a wrong prior (latencies measured on another machine, or under
+   other load) costs a handful of steps, not the run.
+The sizes are nested trees: the first n nodes of the tree grown from the heads' calibration
+(tree_search.py), so a step of n nodes also shows what every size below n would have accepted.
+"""
+import heapq
+import json
+import math
+import os
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from minimedusa.acceptance import greedy
+from minimedusa.decoding import decode_step, guess, medusa_step, new_cache, prefill
+from minimedusa.device import machine_key
+from minimedusa.tree import MedusaTree, build_tree
+
+CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (tree_search.py measures it)
+
+# the tree sizes worth a step-latency measurement: beyond 64 nodes the paper's GPU was already
+# compute bound, and a CPU long before
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def read_calibration(heads_dir: Path) -> torch.Tensor | None:
+    """The heads' a_k^(i) (K, R) from their calibration.json, or None if not calibrated."""
+    path = Path(heads_dir) / CALIBRATION
+    return torch.tensor(json.loads(path.read_text())["accuracy"]) if path.is_file() else None
+
+
+# --- the tree: grown from the calibration ---------------------------------------------------------
+
+def grow_tree(accuracy: torch.Tensor, budget: int) -> tuple[list[tuple], list[float]]:
+    """The `budget` most probable node paths, in the order added, and each one's probability.
+
+    accuracy (K, R): a_k^(i). Every prefix of the returned list is the best tree of its size.
+    """
+    a = accuracy.tolist()
+    K, R = len(a), len(a[0])
+    frontier = [(-a[0][i], (i,)) for i in range(R)]  # (-probability, path): children of the root
+    heapq.heapify(frontier)
+    nodes, probs = [], []
+    while frontier and len(nodes) < budget:
+        neg_p, path = heapq.heappop(frontier)  # ties: the shorter/lower-ranked path, a parent
+        nodes.append(path)
+        probs.append(-neg_p)
+        if len(path) < K:  # its children: the guesses of the next head
+            for i in range(R):
+                heapq.heappush(frontier, (neg_p * a[len(path)][i], path + (i,)))
+    return nodes, probs
+
+
+def expected_length(probs: list[float]) -> float:
+    """Expected tokens per step of a tree whose nodes have these probabilities."""
+    return 1.0 + sum(probs)
+
+
+def expected_length_of(nodes, accuracy: torch.Tensor) -> float:
+    """Expected tokens per step of any tree (node paths), under the same independence; a
+    guess ranked past the calibrated ones counts as never right."""
+    a, R = accuracy.tolist(), accuracy.shape[1]
+    probs = [math.prod(a[j][i] if i < R else 0.0 for j, i in enumerate(path)) for path in nodes]
+    return expected_length(probs)
+
+
+def pick_budget(probs: list[float], latency: dict[int, float]) -> tuple[int, dict]:
+    """(the size with the most expected tokens/s, a table of every size's estimate)."""
+    table = {}
+    for n, seconds in sorted(latency.items()):
+        length = expected_length(probs[:n])
+        table[n] = {"expected_length": round(length, 4), "step_ms": round(1000 * seconds, 3),
+                    "tokens_per_s": round(length / seconds, 2)}
+    best = max((n for n in table if n > 0), key=lambda n: table[n]["tokens_per_s"])
+    return best, table
+
+
+# --- the budget, adapted step by step ------------------------------------------------------------
+
+class Budget:
+    """Chooses each step's tree size from the steps so far. sizes: the choices (0 = plain);
+    expected: prior tokens per step of each size (from the calibration; None: unknown, so the
+    size is tried); latency: prior seconds per step of each size; rank: each node path's place
+    in the nested trees (size n holds the paths of rank <= n)."""
+
+    def __init__(self, sizes, expected: dict, latency: dict, rank: dict, prior_steps: int = 8,
+                 window: int = 16):
+        self.sizes = sorted(sizes)
+        self.expected, self.latency, self.rank = expected, latency, rank
+        self.prior_steps = prior_steps  # how many steps' worth of evidence the prior counts for
+        self.tokens = {n: 0 for n in self.sizes}  # tokens size n would have yielded so far ...
+        self.steps = {n: 0 for n in self.sizes}  # ... over this many steps
+        self.seconds = {n: deque(maxlen=window) for n in self.sizes}  # recent step times
+        self.used = {n: 0 for n in self.sizes}  # steps run at each size
+
+    def tokens_per_step(self, n: int) -> float | None:
+        if n == 0:
+            return 1.0
+        prior = self.expected.get(n)
+        weight = self.prior_steps if prior is not None else 0
+        if self.steps[n] + weight == 0:
+            return None
+        return (self.tokens[n] + weight * (prior or 0.0)) / (self.steps[n] + weight)
+
+    def seconds_per_step(self, n: int) -> float:
+        """The median of the recent measured steps of size n. A size not measured yet: its
+        prior, rescaled by how far off the prior was at the nearest measured size (a prior
+        from another machine or another load is often off by one factor across the board)."""
+        if self.seconds[n]:
+            return statistics.median(self.seconds[n])
+        measured = [m for m in self.sizes if self.seconds[m]]
+        if not measured:
+            return self.latency[n]
+        i = self.sizes.index(n)
+        nearest = min(measured, key=lambda m: (abs(self.sizes.index(m) - i), m))
+        return self.latency[n] * statistics.median(self.seconds[nearest]) / self.latency[nearest]
+
+    def rate(self, n: int) -> float:
+        """Estimated tokens per second at size n; an untried size of unknown acceptance is
+        infinitely promising, so that it is tried."""
+        tokens = self.tokens_per_step(n)
+        return float("inf") if tokens is None else tokens / self.seconds_per_step(n)
+
+    def best(self) -> int:
+        return max(self.sizes, key=lambda n: (self.rate(n), -n))  # ties: the smaller tree
+
+    def choose(self) -> int:
+        """The best size, unless one of its neighbours has not been measured in this run yet:
+        then that neighbour, once (the rate over the sizes is hill-shaped, so the best size's
+        neighbours are where a wrong prior shows)."""
+        best = self.best()
+        i = self.sizes.index(best)
+        for j in (i + 1, i - 1):
+            if 0 <= j < len(self.sizes) and not self.seconds[self.sizes[j]]:
+                return self.sizes[j]
+        return best
+
+    def record(self, n: int, seconds: float, accepted: list[tuple]) -> None:
+        """A step at size n took `seconds` and accepted these node paths (root excluded)."""
+        self.seconds[n].append(seconds)
+        self.used[n] += 1
+        for m in self.sizes:
+            if 0 < m <= n:  # what the nested tree of m nodes would have accepted in this step
+                self.tokens[m] += 1 + sum(self.rank[p] <= m for p in accepted)
+                self.steps[m] += 1
+
+    def summary(self) -> str:
+        """"4 nodes (steps by size: 4:120 6:1 3:1)": the size used most, and every size used."""
+        used = {n: c for n, c in self.used.items() if c}
+        if not used:
+            return "no step"
+        most = max(used, key=used.get)
+        by_size = " ".join(f"{n}:{c}" for n, c in sorted(used.items()))
+        return f"{most or 'plain, 0'} nodes (steps by size: {by_size})"
+
+
+def nested_trees(nodes: list[tuple], sizes, num_heads: int, vocab_size: int, device):
+    """{n: the tree of the first n grown nodes} for each size n > 0, and each path's rank."""
+    trees = {n: build_tree(nodes[:n], num_heads, vocab_size, device) for n in sizes if n > 0}
+    return trees, {path: i + 1 for i, path in enumerate(nodes)}
+
+
+# --- step latency, measured here and cached -----------------------------------------------------
+
+def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 256,
+                 repeats: int = 8) -> dict[int, float]:
+    """Seconds per step for each tree of `trees` and for a plain step (size 0). Sizes are timed
+    round-robin so that machine noise hits all of them alike; the median of `repeats` rounds is
+    kept. Every step starts from the same cached prefix of prompt_len random tokens."""
+    device = model.embed.weight.device
+    prompt_len = min(prompt_len, model.config.max_position_embeddings // 2)
+    cache = new_cache(model, prompt_len, 1, margin=max(trees, default=0) + 1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device,
+                           generator=torch.Generator(device).manual_seed(0))
+    _, hidden = prefill(model, cache, prompt)
+    times = {n: [] for n in [0, *trees]}
+    for r in range(repeats + 1):  # round 0 warms up: the first product of a shape is slow
+        for n in times:
+            cache.rewind(prompt_len)  # every size starts from the same prefix
+            times_one_step(model, heads, trees.get(n), cache, hidden[0], times[n], r > 0)
+    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+
+
+def times_one_step(model, heads, tree, cache, hidden, times: list, keep: bool) -> None:
+    """Time one step (the heads and the tree forward, or a plain step) into `times`."""
+    if model.embed.weight.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    if tree is None:
+        logits, _ = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
+                                                          device=cache.k.device))
+        logits.argmax().item()  # the host sync a plain step makes too
+    else:
+        medusa_step(model, tree, cache, 0, guess(heads, model, hidden), greedy(), None)
+    if keep:
+        times.append(time.perf_counter() - start)
+
+
+def cache_file() -> Path:
+    """Where measured step latencies are kept: $MINIMEDUSA_CACHE, else the user's cache
+    folder ($XDG_CACHE_HOME or ~/.cache)/minimedusa."""
+    root = os.environ.get("MINIMEDUSA_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimedusa"
+    return Path(root) / "step_latency.json"
+
+
+def latency_key(model, heads, device, dtype) -> str:
+    """The machine, and the shapes that set a step's cost: the model's and the heads'."""
+    m, h = model.config, heads.config
+    return (f"{machine_key(device, dtype)} | model {m.num_hidden_layers}x{m.hidden_size}"
+            f"x{m.intermediate_size}, vocab {m.vocab_size} | heads {h.medusa_num_heads}x"
+            f"{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}")
+
+
+def read_cached(key: str) -> dict[int, float]:
+    path = cache_file()
+    try:
+        entry = json.loads(path.read_text()).get(key, {}) if path.is_file() else {}
+    except json.JSONDecodeError:  # a damaged cache is measured again, never trusted
+        entry = {}
+    return {int(n): s for n, s in entry.items()}
+
+
+def write_cached(key: str, latency: dict[int, float]) -> None:
+    """Merge into the cache file, written beside its final name and renamed."""
+    path = cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        cached = {}
+    cached[key] = {**cached.get(key, {}), **{str(n): s for n, s in latency.items()}}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cached, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def machine_latency(model, heads, trees: dict[int, MedusaTree], repeats: int = 3):
+    """(seconds per step of each size, "cached" or "measured here"): measured once per machine
+    (a few seconds), then read from the cache."""
+    weight = model.embed.weight
+    key = latency_key(model, heads, weight.device, weight.dtype)
+    cached = read_cached(key)
+    if all(n in cached for n in [0, *trees]):
+        return {n: cached[n] for n in [0, *trees]}, "cached"
+    latency = step_latency(model, heads, trees, repeats=repeats)
+    write_cached(key, latency)
+    return latency, "measured here"

@@ -1,0 +1,115 @@
+"""The tree budget adapts to the machine it runs on: from a wrong prior (latencies measured
+elsewhere) the steps end on the size the true latencies favour, plain decoding when no tree
+pays; a step tells what every smaller nested tree would have accepted; and switching sizes
+mid-run never changes the greedy output."""
+import random
+
+import pytest
+import torch
+
+from conftest import copycat_model
+from minimedusa.acceptance import greedy
+from minimedusa.budget import Budget, nested_trees
+from minimedusa.decoding import adaptive_decode, plain_decode
+from minimedusa.device import machine_key
+from minimedusa.heads import MedusaHeads
+from minimedusa.sampling import Sampling
+
+SIZES = [0, 1, 2, 4, 8, 16]
+# a simulated machine and heads: the accepted chain of a step is the first d nodes of a spine
+# whose nodes were grown 1st, 3rd, 6th and 12th; P(d >= k) = 0.7, 0.5, 0.3, 0.15
+SPINE = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
+RANK = {(0,): 1, (1,): 2, (0, 0): 3, (2,): 4, (1, 0): 5, (0, 0, 0): 6,
+        **{(9, i): 6 + i for i in range(1, 6)}, (0, 0, 0, 0): 12,
+        **{(8, i): 12 + i for i in range(1, 5)}}
+DEPTH_AT_LEAST = [1.0, 0.7, 0.5, 0.3, 0.15]
+EXPECTED = {n: 1 + sum(p for rank, p in zip((1, 3, 6, 12), DEPTH_AT_LEAST[1:]) if rank <= n)
+            for n in SIZES if n}  # the calibration's expectation, here exactly right
+TRUE_LATENCY = {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.5}  # best rate: 4 nodes
+
+
+def simulate(budget: Budget, steps: int, seed: int = 0) -> list[int]:
+    """Run the budget on the simulated machine (5% timing noise); the sizes it chose."""
+    rng, chosen = random.Random(seed), []
+    for _ in range(steps):
+        n = budget.choose()
+        u = rng.random()
+        depth = sum(u < p for p in DEPTH_AT_LEAST[1:])
+        accepted = [p for p in SPINE[:depth] if RANK[p] <= n]
+        budget.record(n, TRUE_LATENCY[n] * rng.uniform(0.95, 1.05), accepted)
+        chosen.append(n)
+    return chosen
+
+
+def true_best() -> int:
+    rate = {n: (EXPECTED.get(n, 1.0)) / TRUE_LATENCY[n] for n in SIZES}
+    return max(rate, key=rate.get)
+
+
+@pytest.mark.parametrize("prior", [
+    {0: 3.0, 1: 3.0, 2: 3.0, 4: 3.0, 8: 3.0, 16: 1.0},  # "16 nodes cost no more than plain"
+    {0: 1.0, 1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0},  # "every tree costs 10 steps"
+    {0: 0.1, 1: 0.3, 2: 0.3, 4: 0.9, 8: 0.12, 16: 0.9},  # off everywhere, and 8 looks best
+])
+def test_a_wrong_latency_prior_recovers_to_the_size_true_latencies_favour(prior):
+    budget = Budget(SIZES, EXPECTED, prior, RANK)
+    chosen = simulate(budget, 300)
+    assert true_best() == 4
+    assert budget.best() == 4
+    assert chosen[-100:].count(4) >= 95  # settled: the probes are over
+
+
+def test_when_no_tree_pays_the_steps_are_plain():
+    slow = {0: 1.0, **{n: 1.0 + 0.8 * n for n in SIZES if n}}  # every tree step costs > 1.8x
+    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), RANK)
+    rng = random.Random(1)
+    for _ in range(200):
+        n = budget.choose()
+        depth = sum(rng.random() < p for p in DEPTH_AT_LEAST[1:2])
+        budget.record(n, slow[n], [p for p in SPINE[:depth] if RANK[p] <= n])
+    assert budget.best() == 0
+    assert sum(c for n, c in budget.used.items() if n) <= 10  # a few probes, then plain
+
+
+def test_a_step_counts_what_every_smaller_nested_tree_would_have_accepted():
+    budget = Budget(SIZES, {}, dict(TRUE_LATENCY), RANK)
+    budget.record(16, 2.5, SPINE)  # the whole spine: ranks 1, 3, 6, 12
+    assert {n: budget.tokens[n] for n in SIZES[1:]} == {1: 2, 2: 2, 4: 3, 8: 4, 16: 5}
+    budget.record(4, 1.2, SPINE[:1])
+    assert budget.tokens[8] == 4 and budget.steps[8] == 1  # a 4-node step says nothing of 8
+    assert budget.tokens[4] == 5 and budget.steps[4] == 2
+
+
+def test_unknown_acceptance_is_tried_before_it_is_judged():
+    budget = Budget([0, 7], {}, {0: 1.0, 7: 5.0}, {})
+    for _ in range(10):
+        n = budget.choose()
+        budget.record(n, {0: 1.0, 7: 5.0}[n], [])  # the tree accepts nothing, at 5x the cost
+    assert budget.used == {0: 9, 7: 1}  # no calibration: tried once, however slow it looked
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_switching_tree_sizes_mid_run_keeps_greedy_output_identical_to_plain(seed):
+    model = copycat_model(seed)
+    heads = MedusaHeads.for_model(model, 4, shared_lm_head=True).eval()
+    for p in heads.parameters():
+        p.data += 0.02 * torch.randn_like(p)
+    nodes = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0), (0, 0, 0, 0)]
+    sizes = [1, 2, 4, 8]
+    trees, rank = nested_trees(nodes, sizes, 4, model.config.vocab_size, "cpu")
+    rng = random.Random(seed)  # a prior that makes the budget wander over every size
+    budget = Budget([0, *sizes], {n: rng.uniform(1, 3) for n in sizes},
+                    {n: rng.uniform(0.5, 2) for n in [0, *sizes]}, rank)
+    prompt = [3, 5, 7, 3, 5]
+    flat = lambda steps: [t for step in steps for t in step]  # noqa: E731
+    medusa = flat(adaptive_decode(model, heads, trees, budget, prompt, 60, greedy(), set(),
+                                  clock=lambda: rng.random()))  # a clock that lies
+    assert medusa == flat(plain_decode(model, prompt, 60, Sampling(), set()))
+    assert len([n for n, c in budget.used.items() if c]) >= 2  # it did switch
+
+
+def test_the_machine_key_names_the_vector_features_not_only_the_cpu():
+    key = machine_key(torch.device("cpu"), torch.float32)
+    assert key.startswith("cpu/float32/") and f"{torch.get_num_threads()} threads, " in key
+    features = key.rsplit(", ", 1)[1]
+    assert features  # e.g. "avx2+fma" or "avx2+fma+avx512f+amx_tile"
