@@ -7,15 +7,18 @@
     python train.py --data data/distill --out data/medusa2 --init-heads weights/my-heads  # Medusa-2
 
 Medusa-1 (paper section 4): loss sum_k 0.8^k CE(head k, token t+k+1) over answer tokens only,
-on hidden states stored with the data. Medusa-2 (sections 4-5, minimedusa/joint_training.py):
-LoRA adapters on the backbone and the heads train together on KL(original || tuned) + lambda_0
-* the heads' loss, then the adapters are merged into a plain HF-layout backbone, and a quality
-guard measures how far the tuned model moved from the original.
-Both: AdamW, cosine schedule with warm-up, gradient clipping and accumulation, bf16 autocast on
-CUDA, a validation split, per-head loss and top-1/top-5 accuracy. A checkpoint is written
-atomically every --save-every steps and at the end; --resume continues exactly where it
-stopped. Under torchrun, every process takes its share of each batch and
-DistributedDataParallel averages the gradients.
+on hidden states stored with the data; a batch is --batch-size answer positions, the heads learn
+at --lr. Medusa-2 (sections 4-5, minimedusa/joint_training.py): LoRA adapters on the backbone
+and the heads train together on KL(original || tuned) + lambda_0 * the heads' loss; a batch is
+--answers-per-batch whole answers, the adapters learn at --lora-lr and the heads at
+--heads-lr-ratio times it. Then the adapters are merged into a plain HF-layout backbone, and a
+quality guard measures how far the tuned model moved from the original.
+One loop, train_loop, runs both: AdamW, cosine schedule with warm-up, gradient clipping and
+accumulation, bf16 autocast on CUDA, a validation split, per-head loss and top-1/top-5 accuracy.
+The two modes differ only in what learns, the loss and what is validated and saved: the
+Medusa1 and Medusa2 dataclasses hold that. A checkpoint is written atomically every
+--save-every steps and at the end; --resume continues exactly where it stopped. Under torchrun,
+every process takes its share of each batch and DistributedDataParallel averages the gradients.
 """
 import argparse
 import copy
@@ -26,6 +29,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,14 +40,15 @@ from safetensors.torch import save_file
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.device import pick_device
 from minimedusa.heads import MedusaHeads
-from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, joint_optimizer,
-                                       lambda0, make_batch, mean_kl, original_in_bfloat16,
-                                       state_rows, teacher_log_probs)
+from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, joint_metrics,
+                                       joint_optimizer, lambda0, make_batch, mean_kl,
+                                       original_in_bfloat16, state_rows, teacher_log_probs)
 from minimedusa.lora import (adapter_state, adapters_off, add_adapters, load_adapter_state,
                              merge_adapters)
+from minimedusa.model import Llama
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import (DataError, Rows, cosine_lr, medusa_loss, read_answers,
-                                 read_rows, split_validation, topk_hits)
+from minimedusa.training import (DataError, Rows, cosine_lr, head_metrics, medusa_loss,
+                                 read_answers, read_rows, split_validation)
 from minimedusa.tree_search import CALIBRATION, head_accuracies, write_json
 from minimedusa.errors import UserError, entry_point
 from minimedusa.weights import load_heads, load_model, save_heads, save_model
@@ -56,7 +61,8 @@ def parse_args(argv=None):
         description="Train Medusa heads on self-distilled data: with --frozen the backbone "
         "stays frozen and only the heads learn (Medusa-1); without it the backbone is tuned "
         "too, through LoRA adapters, with a KL self-distillation loss that keeps it close to "
-        "the original model (Medusa-2).")
+        "the original model (Medusa-2). Each mode has its own batch size and learning rate "
+        "flags, in its group below.")
     p.add_argument("--frozen", action="store_true",
                    help="Medusa-1: freeze the backbone, train the heads (from scratch, or on "
                    "from --init-heads). Without "
@@ -68,21 +74,14 @@ def parse_args(argv=None):
                    "(Medusa-2 adds the merged backbone in OUT/model and OUT/adapters.safetensors)")
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder the data was made with (default: the default model)")
-    p.add_argument("--heads", type=int, default=4, help="Medusa-1: number of heads K "
-                   "(default: 4; Medusa-2 keeps the form of --init-heads)")
-    p.add_argument("--layers", type=int, default=1,
-                   help="Medusa-1: residual blocks per head (default: 1)")
-    p.add_argument("--shared", action="store_true",
-                   help="Medusa-1: heads share the backbone's LM head instead of own projections")
+    p.add_argument("--init-heads", type=Path, default=None,
+                   help="trained heads to start from. Medusa-1: train them further on --data "
+                   "(their form replaces --heads/--layers/--shared; default: fresh heads). "
+                   "Medusa-2: the paper's heads warm-up (default: the shipped heads when "
+                   "training the default model)")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default: 1)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="per optimizer step: answer positions for Medusa-1 (default: 256), "
-                   "whole answers for Medusa-2 (default: 8)")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="split each batch into this many micro-batches (default: 1)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate: the heads' for "
-                   "Medusa-1 (default: 1e-3), the adapters' for Medusa-2 (default: 5e-4, the "
-                   "paper's; the heads get --heads-lr-ratio times it)")
     p.add_argument("--warmup", type=int, default=50, help="warm-up steps (default: 50)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (default: 1.0)")
@@ -97,19 +96,28 @@ def parse_args(argv=None):
                    help="bfloat16 autocast for the matrix products (default: on for CUDA, off "
                    "for the CPU; on this project's AMX-capable 2-core CPU a Medusa-1 step of "
                    "256 rows x 5 shared heads took 1.1 s with it, 1.6 s without)")
-    p.add_argument("--init-heads", type=Path, default=None,
-                   help="trained heads to start from. Medusa-1: train them further on --data "
-                   "(their form replaces --heads/--layers/--shared; default: fresh heads). "
-                   "Medusa-2: the paper's heads warm-up (default: the shipped heads when "
-                   "training the default model)")
+    m1 = p.add_argument_group("Medusa-1 (with --frozen)")
+    m1.add_argument("--heads", type=int, default=4, help="number of heads K (default: 4; "
+                    "Medusa-2 keeps the form of --init-heads)")
+    m1.add_argument("--layers", type=int, default=1, help="residual blocks per head (default: 1)")
+    m1.add_argument("--shared", action="store_true",
+                    help="heads share the backbone's LM head instead of own projections")
+    m1.add_argument("--batch-size", type=int, default=256,
+                    help="answer positions per optimizer step (default: 256)")
+    m1.add_argument("--lr", type=float, default=1e-3,
+                    help="the heads' peak learning rate (default: 1e-3)")
     m2 = p.add_argument_group("Medusa-2 (without --frozen)")
+    m2.add_argument("--answers-per-batch", type=int, default=8,
+                    help="whole answers per optimizer step (default: 8)")
+    m2.add_argument("--lora-lr", type=float, default=5e-4,
+                    help="the adapters' peak learning rate (default: 5e-4, the paper's)")
+    m2.add_argument("--heads-lr-ratio", type=float, default=4.0,
+                    help="the heads' learning rate over the adapters' (default: 4, the paper's)")
     m2.add_argument("--lora-rank", type=int, default=32, help="adapter rank r (default: 32)")
     m2.add_argument("--lora-alpha", type=float, default=16.0,
                     help="adapter scale alpha; the update is alpha/r B A (default: 16)")
     m2.add_argument("--lora-dropout", type=float, default=0.05,
                     help="dropout on the adapters' input (default: 0.05)")
-    m2.add_argument("--heads-lr-ratio", type=float, default=4.0,
-                    help="the heads' learning rate over the adapters' (default: 4, the paper's)")
     m2.add_argument("--lambda0", type=float, default=0.01,
                     help="peak weight of the heads' loss beside the KL (default: 0.01, the "
                     "paper's value with self-distillation)")
@@ -127,12 +135,19 @@ def parse_args(argv=None):
     m2.add_argument("--guard-prompts", type=int, default=32,
                     help="held-out prompts for the greedy agreement check (default: 32)")
     args = p.parse_args(argv)
-    if args.batch_size is None:
-        args.batch_size = 256 if args.frozen else 8
-    if args.lr is None:
-        args.lr = 1e-3 if args.frozen else 5e-4
+    # note: each mode ignores the other's flags. Both modes have a batch size and a learning
+    # rate, so these two, given to the wrong mode, are refused rather than ignored without a word.
+    if args.frozen:
+        theirs, hint = ["answers_per_batch", "lora_lr"], "Medusa-1's are --batch-size and --lr"
+    else:
+        theirs, hint = ["batch_size", "lr"], "Medusa-2's are --answers-per-batch and --lora-lr"
+    for name in theirs:
+        if getattr(args, name) != p.get_default(name):
+            p.error(f"--{name.replace('_', '-')} belongs to the other mode ({hint})")
     return args
 
+
+# --- the loop both modes share -------------------------------------------------------------
 
 def setup_distributed(device_name: str) -> tuple[int, int, torch.device]:
     """(rank, world size, device): one process per GPU under torchrun, else a single process."""
@@ -144,6 +159,12 @@ def setup_distributed(device_name: str) -> tuple[int, int, torch.device]:
     rank = dist.get_rank()
     device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}") if cuda else torch.device("cpu")
     return rank, world, device
+
+
+def distributed(module: torch.nn.Module, world: int) -> torch.nn.Module:
+    """The module to train through: under torchrun wrapped, so that backward averages every
+    process's gradients; else the module itself."""
+    return torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,31 +180,12 @@ def batch_rows(n_rows: int, step: int, batch_size: int, seed: int) -> torch.Tens
     return epoch_order(n_rows, seed, epoch)[i * batch_size:(i + 1) * batch_size]
 
 
-def total_steps(args, n_rows: int) -> tuple[int, int]:
+def total_steps(args, n_rows: int, batch_size: int) -> tuple[int, int]:
     """(steps the schedule spans, the step this run stops at)."""
-    total = math.ceil(args.epochs * (n_rows // args.batch_size))
+    total = math.ceil(args.epochs * (n_rows // batch_size))
     if total == 0:
-        raise DataError(f"{args.data} has fewer rows than one batch of {args.batch_size}")
+        raise DataError(f"{args.data} has fewer rows than one batch of {batch_size}")
     return total, min(total, args.max_steps or total)
-
-
-@torch.no_grad()
-def evaluate(heads, lm_head, rows: Rows, device, batch_size=1024) -> dict:
-    """Per-head validation loss and top-1 / top-5 accuracy."""
-    K = rows.targets.shape[1]
-    ce_sum, n, top1, top5 = torch.zeros(K), torch.zeros(K), torch.zeros(K), torch.zeros(K)
-    for a in range(0, rows.targets.shape[0], batch_size):
-        hidden = rows.hidden[a:a + batch_size].to(device, lm_head.weight.dtype)
-        targets = rows.targets[a:a + batch_size].to(device)
-        logits = heads(hidden, lm_head)  # (K, B, V)
-        _, ce, counted = medusa_loss(logits, targets)
-        ce_sum += (ce * counted).cpu()
-        n += counted.cpu()
-        top1 += topk_hits(logits, targets, 1).cpu()
-        top5 += topk_hits(logits, targets, 5).cpu()
-    n = n.clamp(min=1)
-    return {"loss": (ce_sum / n).tolist(), "top1": (top1 / n).tolist(),
-            "top5": (top5 / n).tolist()}
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -193,10 +195,15 @@ def save_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, device) -> dict:
+def resume(mode, path: Path, device, say) -> tuple[int, list]:
+    """Restore the mode's tensors and its optimizer from the checkpoint: (step, log so far)."""
     if not path.is_file():
         raise UserError(f"--resume: no checkpoint at {path}")
-    return torch.load(path, map_location=device, weights_only=True)
+    state = torch.load(path, map_location=device, weights_only=True)
+    mode.load_state(state)
+    mode.optimizer.load_state_dict(state["optimizer"])
+    say(f"resumed at step {state['step']}")
+    return state["step"], json.loads(state["log"])
 
 
 def progress(say, step: int, total: int, last: int, rate: float, loss: float, ce, lr: float,
@@ -214,7 +221,70 @@ def accuracy_line(metrics: dict) -> str:
             f"top-5 {[round(x, 3) for x in metrics['top5']]}")
 
 
+@dataclass
+class Losses:
+    """One micro-batch's losses: the one minimised and what the progress line and log show."""
+    total: torch.Tensor  # scalar: what the optimizer minimises
+    ce: torch.Tensor  # (K,) per-head CE
+    log: dict  # the mode's own numbers for train_log.json (Medusa-2: KL and lambda_0)
+    text: str  # the same for the progress line
+
+
+def train_step(mode, args, step: int, total: int, index: torch.Tensor, autocast) -> Losses:
+    """One optimizer step on this process's rows `index` of the step's batch, in --grad-accum
+    micro-batches. Returns the last micro-batch's losses."""
+    for group, peak in zip(mode.optimizer.param_groups, mode.peak_lrs()):
+        group["lr"] = cosine_lr(step, total, args.warmup, peak)
+    torch.manual_seed(args.seed * 1_000_003 + step)  # dropout: a resumed run draws the same
+    mode.optimizer.zero_grad(set_to_none=True)
+    for micro in index.chunk(args.grad_accum):
+        with autocast():
+            losses = mode.loss(step, micro)
+        (losses.total / args.grad_accum).backward()
+    params = [p for group in mode.optimizer.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(params, args.clip)
+    mode.optimizer.step()
+    return losses
+
+
+def train_loop(mode, args, rank: int, world: int, device, say) -> int:
+    """Train `mode` (a Medusa1 or a Medusa2) from step 0 or the checkpoint to the last step,
+    validating every --eval-every steps and checkpointing every --save-every; returns the step
+    it stopped at. The mode brings its optimizer, loss, evaluate, state and load_state."""
+    total, last = total_steps(args, mode.rows(), mode.batch_size())
+    step, log = resume(mode, args.out / CHECKPOINT, device, say) if args.resume else (0, [])
+    args.out.mkdir(parents=True, exist_ok=True)
+    say(f"{mode.intro}, {total} steps of {mode.batch_size()}, {world} process(es) on {device}")
+    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=bf16)
+    start, first = time.time(), step
+    while step < last:
+        index = batch_rows(mode.rows(), step, mode.batch_size(), args.seed)[rank::world]
+        losses = train_step(mode, args, step, total, index, autocast)
+        step += 1
+        progress(say, step, total, last, (step - first) / max(time.time() - start, 1e-9),
+                 losses.total.item(), losses.ce, mode.optimizer.param_groups[0]["lr"],
+                 losses.text)  # group 0: the heads (Medusa-1), the adapters (Medusa-2)
+        if step % args.eval_every == 0 or step == last:
+            metrics, line = mode.evaluate()
+            log.append({"step": step, "train_loss": losses.total.item(), **losses.log, **metrics})
+            say(f"  validation {line}")
+        if rank == 0 and (step % args.save_every == 0 or step == last):
+            save_checkpoint(args.out / CHECKPOINT, {**mode.state(), "step": step,
+                                                    "optimizer": mode.optimizer.state_dict(),
+                                                    "log": json.dumps(log)})
+    if rank == 0:
+        (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    return step
+
+
 # --- Medusa-1: frozen backbone -------------------------------------------------------------
+
+def check_out_is_not(out: Path, init: Path) -> None:
+    if out.resolve() == init.resolve():
+        raise UserError(f"--out {out} is the --init-heads folder: training writes a new "
+                        "folder and never overwrites the heads it starts from")
+
 
 def medusa1_heads(args, model) -> MedusaHeads:
     """Fresh heads in the paper's initialisation or, with --init-heads, trained heads to train
@@ -225,15 +295,55 @@ def medusa1_heads(args, model) -> MedusaHeads:
     return load_heads(args.init_heads, model).requires_grad_(True)
 
 
-def check_out_is_not(out: Path, init: Path) -> None:
-    if out.resolve() == init.resolve():
-        raise UserError(f"--out {out} is the --init-heads folder: training writes a new "
-                                "folder and never overwrites the heads it starts from")
+@dataclass
+class Medusa1:
+    """The heads learn alone, on hidden states stored with the data: the backbone is frozen, so
+    they are the states it would compute. A row is one answer position."""
+    args: argparse.Namespace
+    device: torch.device
+    folder: Path  # the backbone's
+    intro: str  # the run's first line
+    model: Llama
+    heads: MedusaHeads
+    trained: torch.nn.Module  # the heads, wrapped under torchrun (distributed)
+    train_rows: Rows
+    val_rows: Rows
+    optimizer: torch.optim.Optimizer
+
+    def rows(self) -> int:
+        return self.train_rows.targets.shape[0]
+
+    def batch_size(self) -> int:
+        return self.args.batch_size
+
+    def peak_lrs(self) -> list[float]:
+        return [self.args.lr]
+
+    def loss(self, step: int, index: torch.Tensor) -> Losses:
+        hidden = self.train_rows.hidden[index].to(self.device, torch.float32)  # (B, C)
+        targets = self.train_rows.targets[index].to(self.device)  # (B, K)
+        loss, ce, _ = medusa_loss(self.trained(hidden, self.model.lm_head), targets)
+        return Losses(loss, ce, {}, "")
+
+    def evaluate(self) -> tuple[dict, str]:
+        metrics = head_metrics(self.heads.eval(), self.model.lm_head, self.val_rows, self.device)
+        self.heads.train()
+        return metrics, accuracy_line(metrics)
+
+    def state(self) -> dict:
+        return {"heads": self.heads.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        self.heads.load_state_dict(state["heads"])
+
+    def finish(self, step: int, say) -> bool:
+        """Save the heads; True: there is no quality guard, the backbone is untouched."""
+        save_heads(self.heads.eval(), self.args.out, {"base_model_name_or_path": str(self.folder),
+                                                      "trained_steps": step})
+        return True
 
 
-def train_frozen(args) -> dict:
-    rank, world, device = setup_distributed(args.device)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+def medusa1(args, device, world: int) -> Medusa1:
     folder = args.model or ensure_default_model()
     model = load_model(folder, device, torch.float32)  # frozen: no gradient anywhere in it
     torch.manual_seed(args.seed)
@@ -242,56 +352,11 @@ def train_frozen(args) -> dict:
     train_rows, val_rows = read_rows(args.data, cfg.medusa_num_heads,
                                      tokenizer_fingerprint(folder), model.config.vocab_size)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    n_rows = train_rows.targets.shape[0]
-    total, last = total_steps(args, n_rows)
-    step, log = 0, []
-    ckpt = args.out / CHECKPOINT
-    if args.resume:
-        state = load_checkpoint(ckpt, device)
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, log = state["step"], json.loads(state["log"])
-        say(f"resumed at step {step}")
-    ddp_heads = torch.nn.parallel.DistributedDataParallel(heads) if world > 1 else heads
-    args.out.mkdir(parents=True, exist_ok=True)
-    say(f"training {cfg.medusa_num_heads} heads ({'shared' if cfg.shared_lm_head else 'own'} "
-        f"projection{', from ' + str(args.init_heads) if args.init_heads else ''}) on "
-        f"{n_rows} positions ({val_rows.targets.shape[0]} held out), "
-        f"{total} steps of {args.batch_size}, {world} process(es) on {device}")
-    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
-    start, first = time.time(), step
-    while step < last:
-        lr = cosine_lr(step, total, args.warmup, args.lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        index = batch_rows(n_rows, step, args.batch_size, args.seed)[rank::world]
-        optimizer.zero_grad(set_to_none=True)
-        for micro in index.chunk(args.grad_accum):
-            hidden = train_rows.hidden[micro].to(device, torch.float32)
-            targets = train_rows.targets[micro].to(device)
-            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-                loss, ce, _ = medusa_loss(ddp_heads(hidden, model.lm_head), targets)
-            (loss / args.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(heads.parameters(), args.clip)
-        optimizer.step()
-        step += 1
-        progress(say, step, total, last, (step - first) / max(time.time() - start, 1e-9),
-                 loss.item(), ce, lr)
-        if step % args.eval_every == 0 or step == last:
-            metrics = evaluate(heads.eval(), model.lm_head, val_rows, device)
-            heads.train()
-            log.append({"step": step, "train_loss": loss.item(), **metrics})
-            say(f"  validation {accuracy_line(metrics)}")
-        if rank == 0 and (step % args.save_every == 0 or step == last):
-            save_checkpoint(ckpt, {"heads": heads.state_dict(), "step": step,
-                                   "optimizer": optimizer.state_dict(), "log": json.dumps(log)})
-    if rank == 0:
-        save_heads(heads.eval(), args.out, {"base_model_name_or_path": str(folder),
-                                            "trained_steps": step})
-        (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
-    if world > 1:
-        dist.destroy_process_group()
-    return log[-1] if log else {}
+    intro = (f"training {cfg.medusa_num_heads} heads ({'shared' if cfg.shared_lm_head else 'own'}"
+             f" projection{', from ' + str(args.init_heads) if args.init_heads else ''}) on "
+             f"{train_rows.targets.shape[0]} positions ({val_rows.targets.shape[0]} held out)")
+    return Medusa1(args, device, folder, intro, model, heads, distributed(heads, world),
+                   train_rows, val_rows, optimizer)
 
 
 # --- Medusa-2: joint training --------------------------------------------------------------
@@ -308,12 +373,105 @@ def starting_heads(args) -> Path:
     return init
 
 
-@torch.no_grad()
-def validate_joint(model, heads, answers, teacher: Rows, device) -> dict:
-    """Heads' loss and accuracy on the tuned backbone's states, and the KL from the original."""
-    student = state_rows(model, answers, heads.config.medusa_num_heads)
-    return {**evaluate(heads, model.lm_head, student, device),
-            "kl": mean_kl(model.lm_head, teacher, student)}, student
+@dataclass
+class Medusa2:
+    """The adapters and the heads learn together on the backbone's live states. A row is one
+    whole answer (with its prompt): the backbone runs over the sequence."""
+    args: argparse.Namespace
+    device: torch.device
+    world: int
+    folder: Path  # the original backbone's
+    intro: str  # the run's first line
+    model: Llama  # with adapters; switched off, it is the original model (the teacher)
+    heads: MedusaHeads
+    init_heads: MedusaHeads
+    trained: torch.nn.Module  # JointModel(model, heads), wrapped under torchrun (distributed)
+    train_answers: list[tuple]
+    val_answers: list[tuple]
+    probe: list[tuple]  # the held-out answers of the periodic validation
+    probe_teacher: Rows  # the original model's states at them
+    optimizer: torch.optim.Optimizer
+    lambda_warmup: int
+
+    def rows(self) -> int:
+        return len(self.train_answers)
+
+    def batch_size(self) -> int:
+        return self.args.answers_per_batch
+
+    def peak_lrs(self) -> list[float]:
+        return [group["peak_lr"] for group in self.optimizer.param_groups]
+
+    def loss(self, step: int, index: torch.Tensor) -> Losses:
+        """KL(original || tuned) + lambda_0 * the heads' loss, at the answers' positions."""
+        lam = lambda0(step, self.lambda_warmup, self.args.lambda0)
+        batch = make_batch([self.train_answers[i] for i in index.tolist()],
+                           self.heads.config.medusa_num_heads, self.device)
+        teacher = teacher_log_probs(self.model, batch)
+        logits, head_logits = self.trained(batch)
+        kl = distill_kl(teacher, logits)
+        heads_loss, ce, _ = medusa_loss(head_logits, batch.targets)
+        return Losses(kl + lam * heads_loss, ce, {"train_kl": kl.item(), "lambda0": lam},
+                      f" KL {kl.item():.4f} lambda0 {lam:.4f}")
+
+    def evaluate(self) -> tuple[dict, str]:
+        self.model.eval()
+        metrics, _ = joint_metrics(self.model, self.heads.eval(), self.probe, self.probe_teacher,
+                                   self.device)
+        self.model.train(), self.heads.train()
+        return metrics, (f"({len(self.probe)} answers) KL {metrics['kl']:.4f} "
+                         f"{accuracy_line(metrics)}")
+
+    def state(self) -> dict:
+        return {"adapters": adapter_state(self.model), "heads": self.heads.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        load_adapter_state(self.model, state["adapters"])
+        self.heads.load_state_dict(state["heads"])
+
+    def finish(self, step: int, say) -> bool:
+        """The final validation and the quality guard, then the merged backbone, the heads and
+        the reports; returns whether the guard passed."""
+        self.model.eval(), self.heads.eval()
+        if self.device.type == "cpu":  # the other processes are done: rank 0 may use their cores
+            torch.set_num_threads(min(os.cpu_count(), self.world * torch.get_num_threads()))
+        say(f"final validation on {len(self.val_answers)} held-out answers and the quality guard")
+        report = quality_report(self.model, self.heads, self.init_heads, self.val_answers,
+                                self.args, self.device)
+        save_joint(self.model, self.heads, self.folder, self.args.out, report, self.args, step)
+        m1, m2, out = report["medusa1_heads_original_backbone"], report["medusa2"], self.args.out
+        say(f"Medusa-1 heads, original backbone: {accuracy_line(m1)}")
+        say(f"Medusa-2 heads, tuned backbone:    {accuracy_line(m2)}")
+        say(f"wrote {out}/model (merged backbone), the heads and adapters.safetensors; "
+            f"generate with: python generate.py --model {out}/model --heads {out}")
+        say(quality_verdict(report))
+        return report["good"]
+
+
+def medusa2(args, device, world: int) -> Medusa2:
+    folder = args.model or ensure_default_model()
+    init = starting_heads(args)
+    model = load_model(folder, device, torch.float32)
+    heads = load_heads(init, model).train()
+    init_heads = copy.deepcopy(heads).eval()  # the Medusa-1 heads, for the side-by-side report
+    K = heads.config.medusa_num_heads
+    train_answers, val_answers = split_validation(read_answers(
+        args.data, tokenizer_fingerprint(folder), model.config.vocab_size, with_hidden=False))
+    torch.manual_seed(args.seed)
+    adapters = add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_dropout)
+    optimizer = joint_optimizer(adapters, heads, args.lora_lr, args.weight_decay,
+                                args.heads_lr_ratio)
+    total, _ = total_steps(args, len(train_answers), args.answers_per_batch)
+    probe = val_answers[:args.eval_answers]
+    with torch.no_grad(), adapters_off(model):
+        probe_teacher = state_rows(model, probe, K)
+    intro = (f"Medusa-2: LoRA r={args.lora_rank} on {len(adapters) // 2} layers "
+             f"({sum(p.numel() for p in adapters) / 1e6:.1f}M parameters) + {K} heads from "
+             f"{init}, {len(train_answers)} answers ({len(val_answers)} held out)")
+    model.train()  # the adapters' dropout
+    return Medusa2(args, device, world, folder, intro, model, heads, init_heads,
+                   distributed(JointModel(model, heads), world), train_answers, val_answers,
+                   probe, probe_teacher, optimizer, args.lambda0_warmup or max(1, total // 2))
 
 
 def quality_report(model, heads, init_heads, val_answers, args, device) -> dict:
@@ -322,8 +480,8 @@ def quality_report(model, heads, init_heads, val_answers, args, device) -> dict:
     K = heads.config.medusa_num_heads
     with adapters_off(model):
         teacher = state_rows(model, val_answers, K)
-    medusa1 = evaluate(init_heads, model.lm_head, teacher, device)
-    medusa2, student = validate_joint(model, heads, val_answers, teacher, device)
+    medusa1 = head_metrics(init_heads, model.lm_head, teacher, device)
+    medusa2, student = joint_metrics(model, heads, val_answers, teacher, device)
     prompts = [p.tolist() for p, _, _ in val_answers[:args.guard_prompts]]
     agreement = greedy_agreement(model, prompts)
     bf16 = original_in_bfloat16(model)  # the yardstick: the same model, rounded differently
@@ -358,98 +516,6 @@ def save_joint(model, heads, folder: Path, out: Path, report: dict, args, step: 
     write_json(out / "quality.json", report)
 
 
-def train_joint(args) -> dict:
-    rank, world, device = setup_distributed(args.device)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
-    folder = args.model or ensure_default_model()
-    init = starting_heads(args)
-    model = load_model(folder, device, torch.float32)
-    heads = load_heads(init, model).train()
-    init_heads = copy.deepcopy(heads).eval()  # the Medusa-1 heads, for the side-by-side report
-    K = heads.config.medusa_num_heads
-    train_answers, val_answers = split_validation(read_answers(
-        args.data, tokenizer_fingerprint(folder), model.config.vocab_size, with_hidden=False))
-    torch.manual_seed(args.seed)
-    adapters = add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_dropout)
-    optimizer = joint_optimizer(adapters, heads, args.lr, args.weight_decay, args.heads_lr_ratio)
-    total, last = total_steps(args, len(train_answers))
-    lambda_warmup = args.lambda0_warmup or max(1, total // 2)
-    step, log = 0, []
-    ckpt = args.out / CHECKPOINT
-    if args.resume:
-        state = load_checkpoint(ckpt, device)
-        load_adapter_state(model, state["adapters"])
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, log = state["step"], json.loads(state["log"])
-        say(f"resumed at step {step}")
-    joint = JointModel(model, heads)
-    ddp = torch.nn.parallel.DistributedDataParallel(joint) if world > 1 else joint
-    params = adapters + list(heads.parameters())
-    probe = val_answers[:args.eval_answers]
-    with torch.no_grad(), adapters_off(model):
-        probe_teacher = state_rows(model, probe, K)
-    args.out.mkdir(parents=True, exist_ok=True)
-    say(f"Medusa-2: LoRA r={args.lora_rank} on {len(adapters) // 2} layers "
-        f"({sum(p.numel() for p in adapters) / 1e6:.1f}M parameters) + {K} heads from {init}, "
-        f"{len(train_answers)} answers ({len(val_answers)} held out), {total} steps of "
-        f"{args.batch_size}, {world} process(es) on {device}")
-    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
-    start, first = time.time(), step
-    model.train()  # the adapters' dropout
-    while step < last:
-        for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, total, args.warmup, group["peak_lr"])
-        lam = lambda0(step, lambda_warmup, args.lambda0)
-        torch.manual_seed(args.seed * 1_000_003 + step)  # dropout: a resumed run draws the same
-        index = batch_rows(len(train_answers), step, args.batch_size, args.seed)[rank::world]
-        optimizer.zero_grad(set_to_none=True)
-        for micro in index.chunk(args.grad_accum):
-            batch = make_batch([train_answers[i] for i in micro.tolist()], K, device)
-            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-                teacher = teacher_log_probs(model, batch)
-                logits, head_logits = ddp(batch)
-                kl = distill_kl(teacher, logits)
-                heads_loss, ce, _ = medusa_loss(head_logits, batch.targets)
-                loss = kl + lam * heads_loss
-            (loss / args.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(params, args.clip)
-        optimizer.step()
-        step += 1
-        progress(say, step, total, last, (step - first) / max(time.time() - start, 1e-9),
-                 loss.item(), ce, optimizer.param_groups[0]["lr"],
-                 f" KL {kl.item():.4f} lambda0 {lam:.4f}")
-        if step % args.eval_every == 0 or step == last:
-            model.eval()
-            metrics, _ = validate_joint(model, heads.eval(), probe, probe_teacher, device)
-            model.train(), heads.train()
-            log.append({"step": step, "train_loss": loss.item(), "train_kl": kl.item(),
-                        "lambda0": lam, **metrics})
-            say(f"  validation ({len(probe)} answers) KL {metrics['kl']:.4f} "
-                f"{accuracy_line(metrics)}")
-        if rank == 0 and (step % args.save_every == 0 or step == last):
-            save_checkpoint(ckpt, {"adapters": adapter_state(model), "heads": heads.state_dict(),
-                                   "optimizer": optimizer.state_dict(), "step": step,
-                                   "log": json.dumps(log)})
-    report = {}
-    if rank == 0:
-        model.eval(), heads.eval()
-        if device.type == "cpu":  # the other processes are done: rank 0 may use their cores
-            torch.set_num_threads(min(os.cpu_count(), world * torch.get_num_threads()))
-        say(f"final validation on {len(val_answers)} held-out answers and the quality guard")
-        report = quality_report(model, heads, init_heads, val_answers, args, device)
-        (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
-        save_joint(model, heads, folder, args.out, report, args, step)
-        m1, m2 = report["medusa1_heads_original_backbone"], report["medusa2"]
-        say(f"Medusa-1 heads, original backbone: {accuracy_line(m1)}")
-        say(f"Medusa-2 heads, tuned backbone:    {accuracy_line(m2)}")
-        say(f"wrote {args.out}/model (merged backbone), the heads and adapters.safetensors; "
-            f"generate with: python generate.py --model {args.out}/model --heads {args.out}")
-    if world > 1:
-        dist.destroy_process_group()
-    return report
-
-
 def quality_verdict(report: dict) -> str:
     """One line: the quality guard's numbers and whether the run may be called good."""
     agree, bf16 = report["greedy_agreement_64"], report["greedy_agreement_64_original_in_bfloat16"]
@@ -467,15 +533,15 @@ def quality_verdict(report: dict) -> str:
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
-    if args.frozen:
-        train_frozen(args)
-        return
-    report = train_joint(args)
-    if report:
-        verdict = quality_verdict(report)
-        print(verdict, file=sys.stderr)
-        if not report["good"]:
-            sys.exit(2)
+    rank, world, device = setup_distributed(args.device)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    mode = medusa1(args, device, world) if args.frozen else medusa2(args, device, world)
+    step = train_loop(mode, args, rank, world, device, say)
+    good = mode.finish(step, say) if rank == 0 else True
+    if world > 1:
+        dist.destroy_process_group()
+    if not good:
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ faster than the adapters (differential learning rates).
 Unlike Medusa-1, the hidden states change as the backbone learns, so they cannot be read from
 the data: every step runs the backbone over whole sequences (prompt + answer), twice (teacher
 without gradient, student with), and the losses are taken at the answer positions only.
+Here: the batches, the losses, the optimizer and the quality guard's measures; the training loop,
+shared with Medusa-1, is train.py's.
 
 Shapes: B sequences, T padded length, N answer positions in the batch, C model dim, K heads,
 V vocab.
@@ -28,7 +30,7 @@ from minimedusa.lora import adapters_off, remove_adapters
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.self_distill import answer_batch
-from minimedusa.training import Rows, head_targets
+from minimedusa.training import Rows, head_metrics, head_targets
 
 
 @dataclass
@@ -128,6 +130,15 @@ def mean_kl(lm_head, teacher: Rows, student: Rows, student_head=None, batch_size
         total += distill_kl(logp, student_head(student.hidden[a:a + batch_size].to(
             student_head.weight.device, student_head.weight.dtype))).item() * logp.shape[0]
     return total / teacher.hidden.shape[0]
+
+
+@torch.no_grad()
+def joint_metrics(model, heads, answers: list[tuple], teacher: Rows, device) -> tuple[dict, Rows]:
+    """(the heads' loss and accuracy on the tuned backbone's states with the KL from the original,
+    those states as rows). teacher: the original model's states at the same rows."""
+    student = state_rows(model, answers, heads.config.medusa_num_heads)
+    return {**head_metrics(heads, model.lm_head, student, device),
+            "kl": mean_kl(model.lm_head, teacher, student)}, student
 
 
 def original_in_bfloat16(model):

@@ -8,7 +8,8 @@ the heads (and, in the shared form, the frozen LM head they project with). Every
 one position t: its hidden state and the K tokens its heads must predict. Positions are
 independent for the heads, so rows are shuffled freely. Only answer tokens are rows: the
 prompt and the padding carry no loss by construction.
-Medusa-2, which tunes the backbone too, is joint_training.py.
+Here: the rows, the loss, its validation metrics and the learning-rate schedule; the training
+loop, shared with Medusa-2 (joint_training.py, which tunes the backbone too), is train.py's.
 
 Shapes: M rows (answer positions), C model dim, K heads, V vocab, B batch rows.
 """
@@ -121,6 +122,25 @@ def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch
     top = head_logits.topk(k, dim=-1).indices  # (K, B, k)
     hit = (top == targets.T.unsqueeze(-1)).any(dim=-1) & (targets.T != IGNORE)  # (K, B)
     return hit.sum(dim=1)
+
+
+@torch.no_grad()
+def head_metrics(heads, lm_head, rows: Rows, device, batch_size: int = 1024) -> dict:
+    """Per-head validation loss and top-1 / top-5 accuracy over all `rows`."""
+    K = rows.targets.shape[1]
+    ce_sum, n, top1, top5 = torch.zeros(K), torch.zeros(K), torch.zeros(K), torch.zeros(K)
+    for a in range(0, rows.targets.shape[0], batch_size):
+        hidden = rows.hidden[a:a + batch_size].to(device, lm_head.weight.dtype)  # (B, C)
+        targets = rows.targets[a:a + batch_size].to(device)  # (B, K)
+        logits = heads(hidden, lm_head)  # (K, B, V)
+        _, ce, counted = medusa_loss(logits, targets)
+        ce_sum += (ce * counted).cpu()
+        n += counted.cpu()
+        top1 += topk_hits(logits, targets, 1).cpu()
+        top5 += topk_hits(logits, targets, 5).cpu()
+    n = n.clamp(min=1)
+    return {"loss": (ce_sum / n).tolist(), "top1": (top1 / n).tolist(),
+            "top5": (top5 / n).tolist()}
 
 
 def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:

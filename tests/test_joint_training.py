@@ -33,9 +33,9 @@ def medusa1_heads(tiny_setup, tmp_path_factory):
 def run_joint(tiny_setup, heads_dir, out, *extra):
     model_dir, data = tiny_setup
     train.main(["--model", str(model_dir), "--data", str(data), "--out", str(out),
-                "--init-heads", str(heads_dir), "--batch-size", "4", "--warmup", "2",
+                "--init-heads", str(heads_dir), "--answers-per-batch", "4", "--warmup", "2",
                 "--eval-every", "3", "--save-every", "2", "--lora-rank", "4",
-                "--lr", "3e-3", "--lambda0", "1.0", "--guard-prompts", "4", *extra])
+                "--lora-lr", "3e-3", "--lambda0", "1.0", "--guard-prompts", "4", *extra])
     return json.loads((out / "quality.json").read_text())
 
 

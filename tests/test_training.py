@@ -1,6 +1,7 @@
 """Medusa-1 training on a tiny model: head k learns token t+k+1, only answer tokens carry loss,
 the backbone gets no gradient, the loss falls, resume == uninterrupted, checkpoints survive a
-kill mid-write, and bad data is a clear error."""
+kill mid-write, each mode has its own batch and learning-rate flags, and bad data is a clear
+error."""
 import json
 import shutil
 import subprocess
@@ -115,6 +116,25 @@ def test_init_heads_are_trained_further_not_replaced(tiny_setup, tmp_path):
     assert any(a[k].abs().sum() > 0 for k in a)  # trained, so not the fresh identity blocks
     with pytest.raises(SystemExit, match="never overwrites"):
         run_train(model_dir, data, tmp_path / "first", "--init-heads", str(tmp_path / "first"))
+
+
+def test_each_mode_has_its_own_batch_size_and_learning_rate(capsys):
+    """No default is filled in behind the user's back: --help shows each mode's flags with their
+    defaults, and one given to the other mode is refused rather than ignored."""
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    entries = " ".join(capsys.readouterr().out.split()).split(" --")  # one per flag
+    for flag, default in [("batch-size", "256"), ("lr", "1e-3"), ("answers-per-batch", "8"),
+                          ("lora-lr", "5e-4")]:
+        assert any(e.startswith(flag + " ") and f"(default: {default}" in e for e in entries)
+    medusa1 = train.parse_args(["--frozen", "--data", "d", "--out", "o"])
+    medusa2 = train.parse_args(["--data", "d", "--out", "o"])
+    assert (medusa1.batch_size, medusa1.lr, medusa2.answers_per_batch, medusa2.lora_lr) == \
+        (256, 1e-3, 8, 5e-4)
+    for wrong in (["--lr", "3e-3"], ["--frozen", "--answers-per-batch", "4"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--data", "d", "--out", "o", *wrong])
+        assert f"{wrong[-2]} belongs to the other mode" in capsys.readouterr().err
 
 
 def test_checkpoint_survives_a_kill_mid_write(tiny_setup, tmp_path, monkeypatch):
