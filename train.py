@@ -37,8 +37,10 @@ import torch.distributed as dist
 
 from safetensors.torch import save_file
 
+from minimedusa.budget import CALIBRATION
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.device import pick_device
+from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import MedusaHeads
 from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, joint_metrics,
                                        joint_optimizer, lambda0, make_batch, mean_kl,
@@ -49,8 +51,7 @@ from minimedusa.model import Llama
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import (DataError, Rows, cosine_lr, head_metrics, medusa_loss,
                                  read_answers, read_rows, split_validation)
-from minimedusa.tree_search import CALIBRATION, head_accuracies, write_json
-from minimedusa.errors import UserError, entry_point
+from minimedusa.tree_search import head_accuracies, write_json
 from minimedusa.weights import load_heads, load_model, save_heads, save_model
 
 CHECKPOINT = "checkpoint.pt"

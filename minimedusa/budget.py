@@ -1,6 +1,12 @@
-"""The tree budget (paper section 6, its last step), chosen on the machine that decodes.
+"""The tree and its size for these heads on this machine (paper section 6, steps 2 and 3).
 
-A bigger tree accepts more tokens per step, but each step costs more; where the balance lies is
+The tree is grown from the heads' calibration (tree_search.py measures it): assuming the heads
+err independently, the node [i_1, ..., i_k] is accepted with probability prod_j a_j^(i_j), and
+a step yields 1 + the sum of its nodes' probabilities tokens on average. Adding the most
+probable node that hangs off the tree, repeatedly, gives the best tree of EVERY size at once
+(a child is never more probable than its parent): its first n nodes.
+
+The size, the budget: a bigger tree accepts more tokens per step, but each step costs more; where the balance lies is
 a fact of the machine (its vector units, memory bandwidth, caches), not of its name: the 4-node
 tree tuned on one 2-core "AMD EPYC" ran at 0.97x plain decoding on another that reports the same
 name but has AVX2 only. So nothing here is assumed from elsewhere:
@@ -12,8 +18,10 @@ name but has AVX2 only. So nothing here is assumed from elsewhere:
    with the most tokens per second, plain decoding being one of the choices, and tries each
    neighbouring size once, so a wrong prior (latencies measured on another machine, or under
    other load) costs a handful of steps, not the run.
-The sizes are nested trees: the first n nodes of the tree grown from the heads' calibration
-(tree_search.py), so a step of n nodes also shows what every size below n would have accepted.
+The sizes are nested trees, the first n grown nodes, so a step of n nodes also shows what
+every size below n would have accepted.
+
+Shapes: K heads, R ranks calibrated (top-R guesses per head).
 """
 import heapq
 import json
@@ -151,7 +159,12 @@ class Budget:
         return best
 
     def record(self, n: int, seconds: float, accepted: list[tuple]) -> None:
-        """A step at size n took `seconds` and accepted these node paths (root excluded)."""
+        """A step at size n took `seconds` and accepted these node paths (root excluded).
+
+        note: the accepted paths form one chain from the root, and a smaller nested tree holds
+        a prefix of it; under greedy and rejection-sampling acceptance (one draw per node) that
+        prefix is exactly what the smaller tree would have accepted; under typical acceptance
+        it is a lower bound (another path of the smaller tree might have passed)."""
         self.seconds[n].append(seconds)
         self.used[n] += 1
         for m in self.sizes:
@@ -160,13 +173,14 @@ class Budget:
                 self.steps[m] += 1
 
     def summary(self) -> str:
-        """"4 nodes (steps by size: 4:120 6:1 3:1)": the size used most, and every size used."""
+        """"4 nodes (steps by size: 0:1 3:1 4:120 6:1)": the size used most (0: plain
+        steps), and the steps run at every size."""
         used = {n: c for n, c in self.used.items() if c}
         if not used:
             return "no step"
         most = max(used, key=used.get)
         by_size = " ".join(f"{n}:{c}" for n, c in sorted(used.items()))
-        return f"{most or 'plain, 0'} nodes (steps by size: {by_size})"
+        return f"{most} nodes (steps by size: {by_size})"
 
 
 def nested_trees(nodes: list[tuple], sizes, num_heads: int, vocab_size: int, device):

@@ -167,10 +167,24 @@ def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids
                   seed: int | None = None) -> Iterator[list[int]]:
     """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
     first the prefill's token, then each step's accepted candidates + the next token."""
+    def step(cache, root, hidden, generator):
+        new, _, hidden = medusa_step(model, tree, cache, root, guess(heads, model, hidden),
+                                     acceptance, generator)
+        return new, hidden
+    # the margin: a step writes all N tree tokens before compaction drops the rejected ones
+    return step_by_step(model, prompt_ids, max_new_tokens, tree.size, acceptance, stop_ids,
+                        seed, step)
+
+
+def step_by_step(model: Llama, prompt_ids: list[int], max_new_tokens: int, margin: int,
+                 acceptance: Acceptance, stop_ids: set[int], seed: int | None,
+                 step) -> Iterator[list[int]]:
+    """The loop around Medusa's steps: prefill, the first token (drawn as acceptance draws
+    each step's last one), then step(cache, root, hidden (C,), generator) -> (new tokens,
+    hidden (C,) at the last one fed), yielded step by step, cut at a stop id or the limit."""
     device = model.embed.weight.device
     generator = make_generator(device, seed)
-    # the margin: a step writes all N tree tokens before compaction drops the rejected ones
-    cache = new_cache(model, len(prompt_ids), max_new_tokens, margin=tree.size)
+    cache = new_cache(model, len(prompt_ids), max_new_tokens, margin)
     logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
     new, hidden = [acceptance.first(logits[0], generator).item()], hidden[0]
     produced = 0
@@ -180,8 +194,7 @@ def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids
         yield new
         if stop or produced == max_new_tokens:
             return
-        new, _, hidden = medusa_step(model, tree, cache, new[-1], guess(heads, model, hidden),
-                                     acceptance, generator)
+        new, hidden = step(cache, new[-1], hidden, generator)
 
 
 def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -189,24 +202,6 @@ def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int
     new = new[:room]
     stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
     return (new, False) if stop is None else (new[:stop + 1], True)
-
-
-@dataclass
-class StepStats:
-    """What a decoding run's steps yielded: the numbers that show whether Medusa pays off."""
-    steps: int = 0
-    tokens: int = 0
-    histogram: Counter = field(default_factory=Counter)  # tokens yielded by a step -> steps
-
-    def record(self, n_tokens: int) -> None:
-        self.steps += 1
-        self.tokens += n_tokens
-        self.histogram[n_tokens] += 1
-
-    @property
-    def acceleration_rate(self) -> float:
-        """Tokens per step (paper, appendix B); 1.0 for plain decoding."""
-        return self.tokens / max(self.steps, 1)
 
 
 # --- Medusa decoding with a budget that adapts: the tree's size chosen step by step ------------
@@ -227,23 +222,34 @@ def adaptive_decode(model: Llama, heads: MedusaHeads, trees: dict[int, MedusaTre
     """medusa_decode, but each step's tree is trees[n] for the size n that `budget` chooses
     (budget.py), 0 being a plain step; every step's time and accepted path go back to the budget.
     Lossless as medusa_decode is: which tree verifies a step never changes what is accepted."""
-    device = model.embed.weight.device
-    generator = make_generator(device, seed)
-    cache = new_cache(model, len(prompt_ids), max_new_tokens, margin=max(trees))
-    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
-    new, hidden = [acceptance.first(logits[0], generator).item()], hidden[0]
-    produced = 0
-    while True:
-        new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
-        produced += len(new)
-        yield new
-        if stop or produced == max_new_tokens:
-            return
+    def step(cache, root, hidden, generator):
         n, start = budget.choose(), clock()
         if n == 0:
-            new, _, hidden = root_step(model, cache, new[-1], acceptance, generator)
+            new, _, hidden = root_step(model, cache, root, acceptance, generator)
             budget.record(0, clock() - start, [])
-            continue
-        new, nodes, hidden = medusa_step(model, trees[n], cache, new[-1],
+            return new, hidden
+        new, nodes, hidden = medusa_step(model, trees[n], cache, root,
                                          guess(heads, model, hidden), acceptance, generator)
         budget.record(n, clock() - start, [trees[n].nodes[i] for i in nodes[1:]])
+        return new, hidden
+    margin = max(tree.size for tree in trees.values())
+    return step_by_step(model, prompt_ids, max_new_tokens, margin, acceptance, stop_ids, seed,
+                        step)
+
+
+@dataclass
+class StepStats:
+    """What a decoding run's steps yielded: the numbers that show whether Medusa pays off."""
+    steps: int = 0
+    tokens: int = 0
+    histogram: Counter = field(default_factory=Counter)  # tokens yielded by a step -> steps
+
+    def record(self, n_tokens: int) -> None:
+        self.steps += 1
+        self.tokens += n_tokens
+        self.histogram[n_tokens] += 1
+
+    @property
+    def acceleration_rate(self) -> float:
+        """Tokens per step (paper, appendix B); 1.0 for plain decoding."""
+        return self.tokens / max(self.steps, 1)

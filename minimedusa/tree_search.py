@@ -94,6 +94,9 @@ def time_sizes(model, heads, nodes: list[tuple], probs: list[float], max_nodes: 
               f"{row['step_ms']:7.2f} ms/step, {row['tokens_per_s']:6.1f} tokens/s "
               f"({row['tokens_per_s'] / plain_rate:.2f}x plain){'  <- best' * (n == best)}",
               file=sys.stderr)
+    if table[best]["tokens_per_s"] < plain_rate:
+        print("no tree beats plain decoding on this machine: generate.py will decode plainly "
+              "after a few probing steps", file=sys.stderr)
     return best
 
 
