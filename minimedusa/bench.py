@@ -1,7 +1,9 @@
 """Benchmark: decoding speed on MT-Bench first turns, engines interleaved in one process.
 
 Engines: this project's plain decoding; Medusa with the given heads, verified greedily and (at
---temperature) by typical acceptance and by rejection sampling; optionally Medusa with trees
+--temperature) by typical acceptance and by rejection sampling, its tree's size adapted step by
+step as generate.py does (budget.py; the steps run at each size are reported), or with a fixed
+--tree; optionally Medusa with trees
 of several sizes grown from the heads' calibration (--sizes, the paper's Fig. 4); and
 (optional, imported lazily) the transformers library's `generate` on the same weights, the
 baseline the paper compares with. Reported in the paper's terms (section 7), per category and
@@ -18,6 +20,7 @@ alike. Report ratios from one run, not absolute numbers from different runs.
 import argparse
 import copy
 import json
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -260,6 +263,56 @@ def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> 
     return "\n".join(tables)
 
 
+def model_flags(args) -> list[str]:
+    """The benchmark's model, device, dtype and threads, as generate.py's flags."""
+    flags = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    return flags + (["--model", str(args.model)] if args.model is not None else [])
+
+
+def generate_processes(args, questions: list[dict]) -> dict:
+    """generate.py as a user runs it: one process per question, its default flags against
+    --baseline, alternating which goes first, for --rounds rounds. Each process's own
+    tokens/s (the prompt to the last token) and its wall time, loading included, are summed."""
+    script = Path(__file__).resolve().parent.parent / "generate.py"
+    totals = {mode: {"tokens": 0, "seconds": 0.0, "wall_seconds": 0.0, "modes": []}
+              for mode in ("default", "baseline")}
+    for r in range(args.rounds):
+        for i, q in enumerate(questions):
+            order = ["default", "baseline"] if (i + r) % 2 == 0 else ["baseline", "default"]
+            for mode in order:
+                cmd = [sys.executable, str(script), "--json", "--prompt", q["prompt"],
+                       "--max-new-tokens", str(args.max_new_tokens), "--heads", args.heads[0],
+                       *model_flags(args)] + (["--baseline"] if mode == "baseline" else [])
+                start = time.perf_counter()
+                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                result, t = json.loads(done.stdout), totals[mode]
+                t["wall_seconds"] += time.perf_counter() - start
+                t["tokens"] += result["new_tokens"]
+                t["seconds"] += result["seconds"]
+                t["modes"].append(result["mode"])
+            print(f"[round {r + 1}, {i + 1}/{len(questions)}] {q['category']}", file=sys.stderr,
+                  flush=True)
+    for t in totals.values():
+        t["tokens_per_s"] = round(t["tokens"] / t["seconds"], 2)
+    totals["speedup"] = round(totals["default"]["tokens_per_s"] /
+                              totals["baseline"]["tokens_per_s"], 3)
+    totals["wall_ratio"] = round(totals["baseline"]["wall_seconds"] /
+                                 totals["default"]["wall_seconds"], 3)
+    return totals
+
+
+def report_generate_processes(args, questions: list[dict], machine: str) -> None:
+    """--generate: print (and with --out save) generate_processes' totals."""
+    result = {"machine": machine, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+              "questions": len(questions), **generate_processes(args, questions)}
+    shown = {k: v for k, v in result.items() if k not in ("default", "baseline")}
+    for mode in ("default", "baseline"):
+        shown[mode] = {k: v for k, v in result[mode].items() if k != "modes"}
+    print(json.dumps(shown, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Decoding speed on MT-Bench first turns: this "
                                 "project's plain decoding, Medusa (greedy, typical and "
@@ -277,8 +330,8 @@ def parse_args(argv=None):
                    help="Medusa heads to time: a folder, untrained:K or untrained-shared:K; "
                    "repeat to compare several (default: the default model's trained heads)")
     p.add_argument("--tree", default=None,
-                   help="candidate tree for the Medusa engines (default: as generate.py, the "
-                   "tree tuned for this device beside the heads)")
+                   help="a fixed candidate tree for the Medusa engines (default: as "
+                   "generate.py, the tree's size adapted step by step on this machine)")
     p.add_argument("--sizes", default="",
                    help="also time greedy Medusa with the best tree of each of these sizes, "
                    "grown from the heads' calibration, e.g. 1,2,4,8,16,32,64 (tokens/s "
@@ -295,6 +348,11 @@ def parse_args(argv=None):
                    help="HF Llama folder (default: the default model in weights/)")
     p.add_argument("--questions", type=Path, default=MT_BENCH,
                    help="MT-Bench questions JSONL (default: ../shared/data/...)")
+    p.add_argument("--generate", action="store_true",
+                   help="instead of the in-process benchmark, run generate.py once per question "
+                   "and round, its default flags against --baseline (as a user runs it)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="with --generate: passes over the questions (default: %(default)s)")
     p.add_argument("--profile", action="store_true",
                    help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
                    "the first question (torch.profiler, operators by their own time)")
@@ -321,6 +379,9 @@ def main(argv=None):
     folder = args.model or ensure_default_model(DEFAULT_MODEL_DIR)
     tokenizer = Tokenizer.from_folder(folder)
     questions = first_turns(args.questions, args.per_category)
+    if args.generate:
+        report_generate_processes(args, questions, machine_key(device, dtype))
+        return
     model = decoding_model(folder, device, dtype)
     if args.profile:
         heads = decoding_heads(args.heads[0], model)

@@ -41,9 +41,9 @@ from minimedusa.tree import MedusaTree, build_tree
 
 CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (tree_search.py measures it)
 
-# the tree sizes worth a step-latency measurement: beyond 64 nodes the paper's GPU was already
-# compute bound, and a CPU long before
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# the tree sizes to choose from, doubling (few sizes: few probing steps): beyond 64 nodes the
+# paper's GPU was already compute bound, and a CPU long before
+SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def read_calibration(heads_dir: Path) -> torch.Tensor | None:
@@ -102,19 +102,24 @@ def pick_budget(probs: list[float], latency: dict[int, float]) -> tuple[int, dic
 
 class Budget:
     """Chooses each step's tree size from the steps so far. sizes: the choices (0 = plain);
-    expected: prior tokens per step of each size (from the calibration; None: unknown, so the
+    expected: prior tokens per step of each size (from the calibration; missing: unknown, so the
     size is tried); latency: prior seconds per step of each size; rank: each node path's place
     in the nested trees (size n holds the paths of rank <= n)."""
 
     def __init__(self, sizes, expected: dict, latency: dict, rank: dict, prior_steps: int = 8,
-                 window: int = 16):
+                 window: int = 16, trusted: int = 3, margin: float = 0.03):
         self.sizes = sorted(sizes)
         self.expected, self.latency, self.rank = expected, latency, rank
         self.prior_steps = prior_steps  # how many steps' worth of evidence the prior counts for
+        self.trusted = trusted  # steps of a size before its own timing replaces the prior: one
+        # step's time is noise (and a shape's first product is slow), the median of 3 is not
+        self.margin = margin  # another size must promise this much more to be switched to, so
+        # that timing noise does not make the steps wander between sizes of equal worth
         self.tokens = {n: 0 for n in self.sizes}  # tokens size n would have yielded so far ...
         self.steps = {n: 0 for n in self.sizes}  # ... over this many steps
         self.seconds = {n: deque(maxlen=window) for n in self.sizes}  # recent step times
         self.used = {n: 0 for n in self.sizes}  # steps run at each size
+        self.current = None  # the size settled on (probes aside)
 
     def tokens_per_step(self, n: int) -> float | None:
         if n == 0:
@@ -125,13 +130,16 @@ class Budget:
             return None
         return (self.tokens[n] + weight * (prior or 0.0)) / (self.steps[n] + weight)
 
+    def measured(self, n: int) -> bool:
+        return len(self.seconds[n]) >= self.trusted
+
     def seconds_per_step(self, n: int) -> float:
-        """The median of the recent measured steps of size n. A size not measured yet: its
-        prior, rescaled by how far off the prior was at the nearest measured size (a prior
-        from another machine or another load is often off by one factor across the board)."""
-        if self.seconds[n]:
+        """The median of the recent steps of size n once there are enough. Before: its prior,
+        rescaled by how far off the prior was at the nearest measured size (a prior from
+        another machine or another load is often off by one factor across the board)."""
+        if self.measured(n):
             return statistics.median(self.seconds[n])
-        measured = [m for m in self.sizes if self.seconds[m]]
+        measured = [m for m in self.sizes if self.measured(m)]
         if not measured:
             return self.latency[n]
         i = self.sizes.index(n)
@@ -145,18 +153,24 @@ class Budget:
         return float("inf") if tokens is None else tokens / self.seconds_per_step(n)
 
     def best(self) -> int:
-        return max(self.sizes, key=lambda n: (self.rate(n), -n))  # ties: the smaller tree
+        """The size of the highest rate, unless it beats the current size by less than the
+        margin (ties go to the smaller tree)."""
+        best = max(self.sizes, key=lambda n: (self.rate(n), -n))
+        if self.current is not None and self.rate(best) <= (1 + self.margin) * \
+                self.rate(self.current):
+            return self.current
+        return best
 
     def choose(self) -> int:
-        """The best size, unless one of its neighbours has not been measured in this run yet:
-        then that neighbour, once (the rate over the sizes is hill-shaped, so the best size's
+        """The best size, unless one of its neighbours is not measured yet in this run: then
+        that neighbour, for a step (the rate over the sizes is hill-shaped, so the best size's
         neighbours are where a wrong prior shows)."""
-        best = self.best()
-        i = self.sizes.index(best)
+        self.current = self.best()
+        i = self.sizes.index(self.current)
         for j in (i + 1, i - 1):
-            if 0 <= j < len(self.sizes) and not self.seconds[self.sizes[j]]:
+            if 0 <= j < len(self.sizes) and not self.measured(self.sizes[j]):
                 return self.sizes[j]
-        return best
+        return self.current
 
     def record(self, n: int, seconds: float, accepted: list[tuple]) -> None:
         """A step at size n took `seconds` and accepted these node paths (root excluded).

@@ -55,7 +55,7 @@ def cpu_model() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """The hardware, in words, for benchmark reports and tuned trees' keys."""
+    """The hardware, in words, for benchmark reports and the machine key."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{cpu_model()}, {os.cpu_count()} cores"

@@ -52,3 +52,28 @@ def test_bad_tree_is_one_line_not_a_traceback(tiny_folder):
     with pytest.raises(SystemExit, match="^error: unknown tree 'bogus'"):
         bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
                     "--tree", "bogus", "--threads", "1"])
+
+
+def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path, tiny_folder):
+    """Without --tree the Medusa engines decode as generate.py does, the budget choosing each
+    step's size; still lossless, and the report says which sizes ran how often."""
+    bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
+                "--no-sampling", "--threads", "1", "--out", str(tmp_path / "b.json")])
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["totals"]["medusa greedy"]["identical"] == 8
+    steps = result["steps_by_tree_size"]["medusa greedy"]
+    assert sum(steps.values()) == result["totals"]["medusa greedy"]["steps"] - 8  # - prefills
+    assert result["machine"].startswith("cpu/float32/")
+
+
+def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
+    """--generate: generate.py as a user runs it, once per question, both ways, interleaved."""
+    args = bench.parse_args(["--generate", "--rounds", "1", "--max-new-tokens", "6",
+                             "--model", str(tiny_folder), "--heads", "untrained-shared:3",
+                             "--threads", "1"])
+    question = {"id": 1, "category": "writing", "prompt": "Hi"}
+    totals = bench.generate_processes(args, [question])
+    assert totals["default"]["tokens"] == totals["baseline"]["tokens"] == 6
+    assert totals["default"]["modes"][0].startswith("medusa, tree of ")
+    assert totals["baseline"]["modes"] == ["plain"]
+    assert totals["speedup"] > 0 and totals["wall_ratio"] > 0

@@ -56,7 +56,7 @@ def test_a_wrong_latency_prior_recovers_to_the_size_true_latencies_favour(prior)
     chosen = simulate(budget, 300)
     assert true_best() == 4
     assert budget.best() == 4
-    assert chosen[-100:].count(4) >= 95  # settled: the probes are over
+    assert chosen[-100:].count(4) == 100  # settled: the probes are over
 
 
 def test_when_no_tree_pays_the_steps_are_plain():
@@ -68,7 +68,9 @@ def test_when_no_tree_pays_the_steps_are_plain():
         depth = sum(rng.random() < p for p in DEPTH_AT_LEAST[1:2])
         budget.record(n, slow[n], [p for p in SPINE[:depth] if RANK[p] <= n])
     assert budget.best() == 0
-    assert sum(c for n, c in budget.used.items() if n) <= 10  # a few probes, then plain
+    # the prior said trees were cheap: a few sizes get 3 timed steps each, then plain only
+    assert sum(c for n, c in budget.used.items() if n) <= 15
+    assert budget.used[0] >= 185
 
 
 def test_a_step_counts_what_every_smaller_nested_tree_would_have_accepted():
@@ -85,7 +87,8 @@ def test_unknown_acceptance_is_tried_before_it_is_judged():
     for _ in range(10):
         n = budget.choose()
         budget.record(n, {0: 1.0, 7: 5.0}[n], [])  # the tree accepts nothing, at 5x the cost
-    assert budget.used == {0: 9, 7: 1}  # no calibration: tried once, however slow it looked
+    assert budget.used == {0: 7, 7: 3}  # no calibration: tried (3 timed steps) however slow
+    # it looked, then dropped
 
 
 @pytest.mark.parametrize("seed", range(6))
