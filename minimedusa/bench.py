@@ -290,8 +290,9 @@ def generate_processes(args, questions: list[dict]) -> dict:
                 t["tokens"] += result["new_tokens"]
                 t["seconds"] += result["seconds"]
                 t["modes"].append(result["mode"])
-            print(f"[round {r + 1}, {i + 1}/{len(questions)}] {q['category']}", file=sys.stderr,
-                  flush=True)
+            rates = {m: f"{t['tokens'] / t['seconds']:.2f}" for m, t in totals.items()}
+            print(f"[round {r + 1}, {i + 1}/{len(questions)}] {q['category']:<10} tokens/s so "
+                  f"far: {rates}", file=sys.stderr, flush=True)
     for t in totals.values():
         t["tokens_per_s"] = round(t["tokens"] / t["seconds"], 2)
     totals["speedup"] = round(totals["default"]["tokens_per_s"] /

@@ -107,19 +107,20 @@ class Budget:
     in the nested trees (size n holds the paths of rank <= n)."""
 
     def __init__(self, sizes, expected: dict, latency: dict, rank: dict, prior_steps: int = 8,
-                 window: int = 16, trusted: int = 3, margin: float = 0.03):
+                 window: int = 16, trusted: int = 3, margin: float = 0.05):
         self.sizes = sorted(sizes)
         self.expected, self.latency, self.rank = expected, latency, rank
         self.prior_steps = prior_steps  # how many steps' worth of evidence the prior counts for
         self.trusted = trusted  # steps of a size before its own timing replaces the prior: one
         # step's time is noise (and a shape's first product is slow), the median of 3 is not
         self.margin = margin  # another size must promise this much more to be switched to, so
-        # that timing noise does not make the steps wander between sizes of equal worth
+        # that timing noise does not make the steps wander between sizes of equal worth, and a
+        # tree must promise it over plain decoding, where every run starts: "never slower"
         self.tokens = {n: 0 for n in self.sizes}  # tokens size n would have yielded so far ...
         self.steps = {n: 0 for n in self.sizes}  # ... over this many steps
         self.seconds = {n: deque(maxlen=window) for n in self.sizes}  # recent step times
         self.used = {n: 0 for n in self.sizes}  # steps run at each size
-        self.current = None  # the size settled on (probes aside)
+        self.current = 0  # the size settled on (probes aside): plain steps, until a tree pays
 
     def tokens_per_step(self, n: int) -> float | None:
         if n == 0:
@@ -153,11 +154,10 @@ class Budget:
         return float("inf") if tokens is None else tokens / self.seconds_per_step(n)
 
     def best(self) -> int:
-        """The size of the highest rate, unless it beats the current size by less than the
+        """The size of the highest rate, unless it beats the current size by no more than the
         margin (ties go to the smaller tree)."""
         best = max(self.sizes, key=lambda n: (self.rate(n), -n))
-        if self.current is not None and self.rate(best) <= (1 + self.margin) * \
-                self.rate(self.current):
+        if self.rate(best) <= (1 + self.margin) * self.rate(self.current):
             return self.current
         return best
 
