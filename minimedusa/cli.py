@@ -1,4 +1,5 @@
-"""From command-line flags to what decoding needs: the device, the model, the heads, the tree and
+"""From command-line flags to what decoding needs: the device, the model, the heads, the tree (a
+fixed --tree, or by default budget.py's nested trees and the Budget that picks among them) and
 the acceptance rule, decided here once for generate.py, bench and tree_search alike.
 
 Also the named trees: the paper's 63-node tree and small ones for a CPU.
@@ -77,9 +78,9 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
                         "bfloat16 on CUDA), float32, bfloat16, float16")
+    default = threads_default or "torch's choice, one per core"
     parser.add_argument("--threads", type=positive_int, default=threads_default,
-                        help="CPU threads for torch (default: "
-                        f"{threads_default or 'torch’s choice, one per core'})")
+                        help=f"CPU threads for torch (default: {default})")
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
