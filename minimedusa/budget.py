@@ -6,18 +6,19 @@ a step yields 1 + the sum of its nodes' probabilities tokens on average. Adding 
 probable node that hangs off the tree, repeatedly, gives the best tree of EVERY size at once
 (a child is never more probable than its parent): its first n nodes.
 
-The size, the budget: a bigger tree accepts more tokens per step, but each step costs more; where the balance lies is
-a fact of the machine (its vector units, memory bandwidth, caches), not of its name: the 4-node
-tree tuned on one 2-core "AMD EPYC" ran at 0.97x plain decoding on another that reports the same
-name but has AVX2 only. So nothing here is assumed from elsewhere:
+The size, the budget: a bigger tree accepts more tokens per step, but each step costs more;
+where the balance lies is a fact of the machine (its vector units, memory bandwidth, caches),
+not of its name: the 4-node tree tuned on one 2-core "AMD EPYC" ran at 0.97x plain decoding on
+another that reports the same name but has AVX2 only. So nothing here is assumed from elsewhere:
 1. The step latency of each tree size, plain decoding (size 0) included, is measured at first
    use on this machine (a few seconds) and cached per machine key (device.machine_key) under
    the user's cache folder, never in the repository.
 2. During decoding a Budget keeps measuring: every step's time, and for every smaller size
    nested in the tree it ran, how many tokens that size would have yielded. It runs the size
-   with the most tokens per second, plain decoding being one of the choices, and tries each
-   neighbouring size once, so a wrong prior (latencies measured on another machine, or under
-   other load) costs a handful of steps, not the run.
+   with the most tokens per second, plain decoding being one of the choices (a run starts
+   there, and moves only for a clear gain), and times each neighbouring size for a few steps,
+   so a wrong prior (latencies measured on another machine, or under other load) costs a
+   handful of steps, not the run.
 The sizes are nested trees, the first n grown nodes, so a step of n nodes also shows what
 every size below n would have accepted.
 

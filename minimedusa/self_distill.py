@@ -13,7 +13,8 @@ with `--prompts model`, user turns the model writes itself: it samples what foll
 `<|im_start|>user` in its own chat template. Templated prompts are many but alike, and heads
 trained on their answers learn the templates' answers: on unseen seed prompts the shipped heads'
 first guess was accepted 56% of the time, on MT-Bench only 24%. Heads calibrated on answers to
-model-written turns predict their MT-Bench acceptance within a few percent (weights/RESULTS.md, "Speed").
+model-written turns predict their MT-Bench acceptance within a few percent (weights/RESULTS.md,
+"Speed").
 
 Output: a folder of shards (shard-00000.safetensors, ...) plus meta.json; the run resumes by
 skipping finished shards. Each shard holds, for its prompts, the token ids and for every answer

@@ -43,15 +43,37 @@ class HeadsError(UserError):
 
 # --- the model ---------------------------------------------------------------------------------
 
+def rope_theta(hf: dict) -> dict:
+    """{"rope_theta": theta} from transformers 4's top-level key or transformers 5's
+    rope_parameters (or {} for the default). A RoPE scaling or a partial rotary factor is
+    refused, never ignored: ignoring it would change every logit without a word."""
+    params = hf.get("rope_parameters") or {}
+    for key, source in (("rope_parameters", params), ("rope_scaling", hf.get("rope_scaling"))):
+        kind = (source or {}).get("rope_type", (source or {}).get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"config.json's {key} asks for RoPE scaling {kind!r}, which "
+                              "minimedusa's Llama does not implement")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConfigError(f"config.json sets partial_rotary_factor={partial}, which "
+                          "minimedusa's Llama does not implement")
+    top, nested = hf.get("rope_theta"), params.get("rope_theta")
+    if top is not None and nested is not None and top != nested:
+        raise ConfigError(f"config.json sets rope_theta={top} and rope_parameters.rope_theta="
+                          f"{nested}: which one the model was trained with is unclear")
+    theta = nested if nested is not None else top
+    return {} if theta is None else {"rope_theta": theta}
+
+
 def config_from_hf(hf: dict) -> LlamaConfig:
-    """Read an HF-style config.json dict; unknown keys are ignored, missing ones are an error."""
+    """Read an HF-style config.json dict (transformers 4 or 5); keys that do not change the
+    computation are ignored, missing ones and ones that would are an error."""
     architectures = hf.get("architectures") or ["LlamaForCausalLM"]
     model_type = hf.get("model_type", "llama")
     if model_type != "llama" or "LlamaForCausalLM" not in architectures:
         raise ConfigError(f"config.json describes model_type={model_type!r} "
                           f"architectures={architectures}, but minimedusa only runs Llama")
-    unsupported = {"rope_scaling": hf.get("rope_scaling"),
-                   "attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias"),
+    unsupported = {"attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias"),
                    "hidden_act": hf.get("hidden_act", "silu") != "silu" and hf["hidden_act"]}
     for key, value in unsupported.items():
         if value:
@@ -63,8 +85,9 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     if hf["num_attention_heads"] % hf["num_key_value_heads"]:
         raise ConfigError(f"num_attention_heads={hf['num_attention_heads']} is not a multiple "
                           f"of num_key_value_heads={hf['num_key_value_heads']}")
-    known = {f.name for f in fields(LlamaConfig)}
-    return LlamaConfig(**{k: v for k, v in hf.items() if k in known and v is not None})
+    known = {f.name for f in fields(LlamaConfig)} - {"rope_theta"}
+    return LlamaConfig(**{k: v for k, v in hf.items() if k in known and v is not None},
+                       **rope_theta(hf))
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from minimedusa.default_model import unpermute_qk
+from minimedusa.model import causal_mask
 from minimedusa.weights import ConfigError, WeightsError, load_model, save_model
 
 
@@ -93,6 +94,14 @@ def test_missing_weights_file_is_a_clear_error(tmp_path):
     (lambda c: c.pop("hidden_size"), "missing required field.*hidden_size"),
     (lambda c: c.update(model_type="mistral", architectures=["MistralForCausalLM"]),
      "only runs Llama"),
+    (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "rope_scaling asks for RoPE scaling 'llama3'"),
+    (lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": 2.0}),
+     "rope_parameters asks for RoPE scaling 'linear'"),
+    (lambda c: c.update(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5"),
+    (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+     "rope_theta=10000.0 and rope_parameters.rope_theta=500000.0"),
 ])
 def test_bad_config_is_a_clear_error(tmp_path, edit, message):
     save_model(tiny_model(), tmp_path)
@@ -101,6 +110,22 @@ def test_bad_config_is_a_clear_error(tmp_path, edit, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
         load_model(tmp_path)
+
+
+def test_transformers_5_rope_parameters_set_rope_theta(tmp_path):
+    """transformers 5 writes rope_theta inside rope_parameters: read there, not left at the
+    default, the logits are those of the model with that theta."""
+    model = tiny_model(rope_theta=500000.0)
+    save_model(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_model(tmp_path, dtype=torch.float64)
+    assert loaded.config.rope_theta == 500000.0
+    tokens = torch.randint(0, 64, (1, 12))
+    positions, mask = torch.arange(12)[None], causal_mask(0, 12)
+    torch.testing.assert_close(loaded(tokens, positions, mask)[0],
+                               model(tokens, positions, mask)[0], rtol=0, atol=0)
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
