@@ -1,21 +1,22 @@
-"""Text <-> token ids: byte-level BPE (the `tokenizers` library), the ChatML chat template in
-plain Python, and a streaming decoder that turns ids into text as they are accepted.
+"""Text <-> token ids: the model folder's tokenizer.json (the `tokenizers` library), its own chat
+template (jinja2, sandboxed), and a streaming decoder that turns ids into text as they are
+accepted.
 
-SmolLM2's pre-tokenizer splits every digit on its own before GPT-2's byte-level split; the BPE
-itself comes from the GGUF's vocabulary and merges. Left out: jinja (the template is ChatML,
-written out below) and tokenizers other than byte-level BPE.
+For the default model, byte_level_bpe builds SmolLM2's tokenizer from the GGUF's vocabulary and
+merges (its pre-tokenizer splits every digit on its own before GPT-2's byte-level split).
+Left out: tokenizers' own chat-template helpers (they live in transformers).
 """
 import json
-import re
 from pathlib import Path
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from minimedusa.errors import UserError
 
-# The ChatML frame every turn is wrapped in, and the marker an assistant turn starts with.
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SYSTEM_IN_TEMPLATE = re.compile(re.escape(IM_START) + r"system\n(.*?)" + re.escape(IM_END), re.S)
+# the tokens a chat template may name (tokenizer_config.json: a string or {"content": ...})
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def byte_level_bpe(tokens: list[str], merges: list[str], special_ids: list[int]) -> HFTokenizer:
@@ -36,33 +37,47 @@ def byte_level_bpe(tokens: list[str], merges: list[str], special_ids: list[int])
     return tk
 
 
-def render_chat(messages: list[dict], default_system: str | None) -> str:
-    """ChatML, as SmolLM2's template renders it with add_generation_prompt=True.
+def render_chat(template: str, messages: list[dict], special_tokens: dict) -> str:
+    """The chat as the model's own template (jinja, from its tokenizer_config.json) renders it,
+    with add_generation_prompt=True, as transformers' apply_chat_template does: trimmed blocks,
+    and the template's raise_exception. In jinja2's sandbox: a template is code from the
+    model's folder, and the sandbox lets it format strings, nothing else.
 
-    >>> render_chat([{"role": "user", "content": "Hi"}], "Be nice.")
-    '<|im_start|>system\\nBe nice.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
+    >>> render_chat("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    ...             "{% if add_generation_prompt %}<assistant>{% endif %}",
+    ...             [{"role": "user", "content": "Hi"}], {})
+    '<user>Hi<assistant>'
     """
-    turns = []
-    if messages and messages[0]["role"] != "system" and default_system is not None:
-        turns.append({"role": "system", "content": default_system})
-    turns += messages
-    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in turns)
-    return text + f"{IM_START}assistant\n"
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = template_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                **special_tokens)
+    except jinja2.TemplateError as e:
+        raise UserError(f"the model's chat template failed to render: {e}") from None
+
+
+def template_exception(message: str):
+    raise jinja2.TemplateError(message)
 
 
 class Tokenizer:
-    def __init__(self, tk: HFTokenizer, chat_template: str | None):
+    def __init__(self, tk: HFTokenizer, chat_template: str | None, special_tokens: dict):
         self.tk = tk
-        self.chat_template = chat_template  # the jinja source, kept only to read it (below)
+        self.chat_template = chat_template  # the jinja source, or None
+        self.special_tokens = special_tokens  # e.g. {"bos_token": "<|im_start|>", ...}
 
     @classmethod
     def from_folder(cls, folder) -> "Tokenizer":
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise UserError(f"no tokenizer.json in {folder}")
-        config = folder / "tokenizer_config.json"
-        template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-        return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")), template)
+        path = folder / "tokenizer_config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        special = {k: v.get("content") if isinstance(v, dict) else v
+                   for k, v in config.items() if k in SPECIAL_TOKENS}
+        return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")),
+                   config.get("chat_template"), special)
 
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
@@ -70,21 +85,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special)
 
-    def default_system_prompt(self) -> str | None:
-        """The system turn the template inserts when the chat has none (SmolLM2 has one)."""
-        match = SYSTEM_IN_TEMPLATE.search(self.chat_template or "")
-        return match.group(1) if match else None
-
     def chat_prompt(self, messages: list[dict]) -> str:
-        if self.chat_template is None or IM_START not in self.chat_template:
-            raise UserError("this model has no ChatML chat template; pass the prompt with --raw")
-        return render_chat(messages, self.default_system_prompt())
+        if not isinstance(self.chat_template, str):  # absent, or a list of named templates
+            raise UserError("this model's tokenizer_config.json has no chat_template to render "
+                            "the chat with; pass the prompt with --raw")
+        return render_chat(self.chat_template, messages, self.special_tokens)
 
     def user_turn_opening(self) -> str:
-        """The chat up to where a user's words begin (system turn, then `<|im_start|>user\n`):
-        what the model continues when it writes a user turn itself."""
-        text = self.chat_prompt([{"role": "user", "content": ""}])
-        return text[:text.rindex(f"{IM_END}\n{IM_START}assistant\n")]
+        """The chat up to where a user's words begin (SmolLM2: its system turn, then
+        `<|im_start|>user\n`): what the model continues when it writes a user turn itself."""
+        marker = "\x00user words\x00"  # text no template writes by itself
+        text = self.chat_prompt([{"role": "user", "content": marker}])
+        return text[:text.index(marker)]
 
 
 class StreamDecoder:
