@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from minimedusa.acceptance import greedy, rejection, typical
-from minimedusa.budget import expected_length, expected_length_of, grow_tree, read_calibration
+from minimedusa.budget import (expected_length, expected_length_of, grow_tree, nested_trees,
+                               read_calibration)
 from minimedusa.cli import (add_device_arguments, decoding_budget, decoding_heads, decoding_model,
                             decoding_tree, device_and_dtype)
 from minimedusa.decoding import adaptive_decode, medusa_decode, plain_decode
@@ -38,7 +39,6 @@ from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import Tokenizer
-from minimedusa.tree import build_tree
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
     "mt_bench_questions.jsonl"
@@ -112,16 +112,15 @@ def transformers_engine(hf_model):
     return run
 
 
-def rule_engines(label, spec, model, heads, args, usage: dict) -> dict:
-    """Greedy, and at --temperature typical and rejection sampling: with the --tree for every
-    step, or by default with the tree's size adapted (usage[name]: the steps at each size)."""
+def rule_engines(label, spec, model, heads, tree, args, usage: dict) -> dict:
+    """Greedy, and at --temperature typical and rejection sampling: with `tree` (the --tree)
+    for every step, or without one with the tree's size adapted (usage[name]: the steps at each
+    size)."""
     rules = {"greedy": greedy()}
     if args.temperature > 0:
         T = args.temperature
         rules.update({f"typical T={T}": typical(T), f"rejection T={T}": rejection(T)})
-    if args.tree is not None:
-        tree_name, tree = decoding_tree(args.tree, heads, model)
-        print(f"{label.strip()}: tree {tree_name} ({tree.size - 1} nodes)", file=sys.stderr)
+    if tree is not None:
         return {label + r: medusa_engine(model, heads, tree, a) for r, a in rules.items()}
     trees, budget, why = decoding_budget(heads, model, spec)
     print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
@@ -137,21 +136,23 @@ def medusa_engines(args, model, device, usage: dict) -> tuple[dict, dict]:
         heads = decoding_heads(spec, model)
         accuracy = read_calibration(Path(spec)) if Path(spec).is_dir() else None
         label = f"medusa {Path(spec).name} " if len(args.heads) > 1 else "medusa "
-        engines.update(rule_engines(label, spec, model, heads, args, usage))
-        if accuracy is not None and args.tree is not None:
-            expected[label + "greedy"] = expected_length_of(
-                decoding_tree(args.tree, heads, model)[1].nodes[1:], accuracy)
+        tree = None
+        if args.tree is not None:
+            tree_name, tree = decoding_tree(args.tree, heads, model)
+            print(f"{label.strip()}: tree {tree_name} ({tree.size - 1} nodes)", file=sys.stderr)
+            if accuracy is not None:
+                expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
+        engines.update(rule_engines(label, spec, model, heads, tree, args, usage))
         if args.sizes:
             if accuracy is None:
                 raise UserError(f"--sizes grows trees from {spec}/calibration.json, "
                                  "which does not exist (run python -m minimedusa.tree_search)")
             nodes, probs = grow_tree(accuracy, max(args.sizes))
-            for n in args.sizes:
-                name = label + f"greedy {n} nodes"
-                engines[name] = medusa_engine(model, heads, build_tree(
-                    nodes[:n], heads.config.medusa_num_heads, model.config.vocab_size, device),
-                    greedy())
-                expected[name] = expected_length(probs[:n])
+            trees, _ = nested_trees(nodes, args.sizes, heads.config.medusa_num_heads,
+                                    model.config.vocab_size, device)
+            for n, sized in trees.items():
+                engines[label + f"greedy {n} nodes"] = medusa_engine(model, heads, sized, greedy())
+                expected[label + f"greedy {n} nodes"] = expected_length(probs[:n])
     return engines, expected
 
 

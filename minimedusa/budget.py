@@ -221,12 +221,14 @@ def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 2
     for r in range(repeats + 1):  # round 0 warms up: the first product of a shape is slow
         for n in times:
             cache.rewind(prompt_len)  # every size starts from the same prefix
-            times_one_step(model, heads, trees.get(n), cache, hidden[0], times[n], r > 0)
+            seconds = time_one_step(model, heads, trees.get(n), cache, hidden[0])
+            if r > 0:
+                times[n].append(seconds)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
-def times_one_step(model, heads, tree, cache, hidden, times: list, keep: bool) -> None:
-    """Time one step (the heads and the tree forward, or a plain step) into `times`."""
+def time_one_step(model, heads, tree, cache, hidden) -> float:
+    """Seconds of one step: the heads and the tree forward, or (tree None) a plain step."""
     if model.embed.weight.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -236,8 +238,7 @@ def times_one_step(model, heads, tree, cache, hidden, times: list, keep: bool) -
         logits.argmax().item()  # the host sync a plain step makes too
     else:
         medusa_step(model, tree, cache, 0, guess(heads, model, hidden), greedy(), None)
-    if keep:
-        times.append(time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
 def cache_file() -> Path:
@@ -256,23 +257,24 @@ def latency_key(model, heads, device, dtype) -> str:
             f"{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}")
 
 
-def read_cached(key: str) -> dict[int, float]:
+def read_cache_file() -> dict:
+    """Every cached entry; a damaged cache file reads as empty: measured again, never trusted."""
     path = cache_file()
     try:
-        entry = json.loads(path.read_text()).get(key, {}) if path.is_file() else {}
-    except json.JSONDecodeError:  # a damaged cache is measured again, never trusted
-        entry = {}
-    return {int(n): s for n, s in entry.items()}
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def read_cached(key: str) -> dict[int, float]:
+    return {int(n): s for n, s in read_cache_file().get(key, {}).items()}
 
 
 def write_cached(key: str, latency: dict[int, float]) -> None:
     """Merge into the cache file, written beside its final name and renamed."""
     path = cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        cached = json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        cached = {}
+    cached = read_cache_file()
     cached[key] = {**cached.get(key, {}), **{str(n): s for n, s in latency.items()}}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cached, indent=1) + "\n")

@@ -12,7 +12,7 @@ and worse the more rows. Measured on a 2-core AMD EPYC with AVX-512 (torch 2.13)
 
 With the weights read once whatever the rows, a small tree's step costs little more than a plain
 step: what Medusa relies on. The gain is a fact of that machine; the tree budget is measured on
-the machine that decodes (tree_search.py), never assumed.
+the machine that decodes (budget.py), never assumed.
 
 torch.ops.mkldnn is torch's internal interface to oneDNN (its compiler uses it): builds without
 it keep nn.Linear. The packed copy is made once, when the layer is swapped in, so the weights must
