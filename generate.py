@@ -16,10 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from minimedusa.cli import (NAMED_TREES, Parser, add_device_arguments, decoding_acceptance,
-                            decoding_budget, decoding_heads, decoding_model, decoding_tree,
-                            device_and_dtype, non_negative, positive_int, probability)
-from minimedusa.decoding import StepStats, adaptive_decode, medusa_decode, plain_decode
+from minimedusa.cli import (NAMED_TREES, Parser, add_device_arguments, add_draft_vocab_argument,
+                            decoding_acceptance, decoding_budget, decoding_heads, decoding_model,
+                            decoding_tree, device_and_dtype, non_negative, positive_int,
+                            probability, ranked_size, ranked_vocab_size)
+from minimedusa.decoding import (StepStats, adaptive_decode, medusa_decode, plain_decode,
+                                 ranked_decode)
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
@@ -50,12 +52,14 @@ def parse_args(argv=None):
                    help="Medusa heads folder (config.json + medusa_lm_head.safetensors; "
                    "default: the trained heads in weights/ for the default model, none for "
                    "--model); "
-                   "'untrained:K' / 'untrained-shared:K' make K heads in the paper's "
-                   "initialisation, own / shared projection (they only guess repeats: for "
-                   "trying the machinery, not for speed)")
+                   "'untrained:K' / 'untrained-shared:K' / 'untrained-hydra:K' make K heads in "
+                   "the paper's initialisation, own / shared projection / Hydra's (they only "
+                   "guess repeats: for trying the machinery, not for speed)")
+    add_draft_vocab_argument(p)
     p.add_argument("--tree", default=None,
                    help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
-                   "of head k), or a JSON file of node paths, used for every step (default: "
+                   "of head k), or a JSON file of node paths, used for every step; or ranked:N, "
+                   "each step's N nodes of highest path probability under the heads (default: "
                    "the tree grown from the heads' calibration, its size chosen step by step "
                    "from step latencies measured on this machine, plain steps included)")
     p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection"],
@@ -103,15 +107,21 @@ def decoder(args, model):
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         return lambda: "plain", lambda ids: plain_decode(model, ids, n, sampling, stops)
-    heads = decoding_heads(args.heads, model)
+    heads = decoding_heads(args.heads, model, args.draft_vocab)
+    kind = heads.config.head_kind + (f" heads (draft vocabulary {ranked_vocab_size(heads, model)})"
+                                     if heads.vocabulary is not None else " heads")
     accept = decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps,
                                  args.delta)
+    if args.tree is not None and args.tree.startswith("ranked:"):
+        size = ranked_size(args.tree)
+        return (lambda: f"{kind}, confidence-ranked tree of {size} nodes (--tree), {accept.name}",
+                lambda ids: ranked_decode(model, heads, size, ids, n, accept, stops, args.seed))
     if args.tree is not None:
         name, tree = decoding_tree(args.tree, heads, model)
-        return (lambda: f"medusa, tree {name} ({tree.size - 1} nodes, --tree), {accept.name}",
+        return (lambda: f"{kind}, tree {name} ({tree.size - 1} nodes, --tree), {accept.name}",
                 lambda ids: medusa_decode(model, heads, tree, ids, n, accept, stops, args.seed))
     trees, budget, why = decoding_budget(heads, model, args.heads)
-    return (lambda: f"medusa, tree of {budget.summary()}: {why}, {accept.name}",
+    return (lambda: f"{kind}, tree of {budget.summary()}: {why}, {accept.name}",
             lambda ids: adaptive_decode(model, heads, trees, budget, ids, n, accept, stops,
                                         args.seed))
 

@@ -42,6 +42,7 @@ from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.device import pick_device
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import MedusaHeads
+from minimedusa.hydra import HydraHeads
 from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, joint_metrics,
                                        joint_optimizer, lambda0, make_batch, mean_kl,
                                        original_in_bfloat16, state_rows, teacher_log_probs)
@@ -49,10 +50,11 @@ from minimedusa.lora import (adapter_state, adapters_off, add_adapters, load_ada
                              merge_adapters)
 from minimedusa.model import Llama
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import (DataError, Rows, cosine_lr, head_metrics, medusa_loss,
-                                 read_answers, read_rows, split_validation)
+from minimedusa.training import (DataError, Rows, cosine_lr, head_logits, head_metrics,
+                                 medusa_loss, read_answers, read_rows, split_validation)
 from minimedusa.tree_search import head_accuracies, write_json
-from minimedusa.weights import load_heads, load_model, save_heads, save_model
+from minimedusa.weights import (load_heads, load_model, save_draft_vocab, save_heads,
+                                save_model)
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -98,6 +100,10 @@ def parse_args(argv=None):
                    "for the CPU; on this project's AMX-capable 2-core CPU a Medusa-1 step of "
                    "256 rows x 5 shared heads took 1.1 s with it, 1.6 s without)")
     m1 = p.add_argument_group("Medusa-1 (with --frozen)")
+    m1.add_argument("--kind", choices=("medusa", "hydra"), default="medusa",
+                    help="medusa: the paper's heads, each reads h_t alone (default); hydra: "
+                    "each also reads the tokens drafted before it (minimedusa/hydra.py; always "
+                    "with the shared LM head)")
     m1.add_argument("--heads", type=int, default=4, help="number of heads K (default: 4; "
                     "Medusa-2 keeps the form of --init-heads)")
     m1.add_argument("--layers", type=int, default=1, help="residual blocks per head (default: 1)")
@@ -290,6 +296,8 @@ def check_out_is_not(out: Path, init: Path) -> None:
 def medusa1_heads(args, model) -> MedusaHeads:
     """Fresh heads in the paper's initialisation or, with --init-heads, trained heads to train
     further (e.g. on new data: heads trained on templated prompts, then on model-written ones)."""
+    if args.init_heads is None and args.kind == "hydra":
+        return HydraHeads.for_model(model, args.heads, args.layers)
     if args.init_heads is None:
         return MedusaHeads.for_model(model, args.heads, args.layers, args.shared)
     check_out_is_not(args.out, args.init_heads)
@@ -305,7 +313,7 @@ class Medusa1:
     folder: Path  # the backbone's
     intro: str  # the run's first line
     model: Llama
-    heads: MedusaHeads
+    heads: MedusaHeads | HydraHeads
     trained: torch.nn.Module  # the heads, wrapped under torchrun (distributed)
     train_rows: Rows
     val_rows: Rows
@@ -323,11 +331,12 @@ class Medusa1:
     def loss(self, step: int, index: torch.Tensor) -> Losses:
         hidden = self.train_rows.hidden[index].to(self.device, torch.float32)  # (B, C)
         targets = self.train_rows.targets[index].to(self.device)  # (B, K)
-        loss, ce, _ = medusa_loss(self.trained(hidden, self.model.lm_head), targets)
+        tokens = self.train_rows.tokens[index].to(self.device)  # (B, K): read by Hydra heads
+        loss, ce, _ = medusa_loss(head_logits(self.trained, hidden, tokens, self.model), targets)
         return Losses(loss, ce, {}, "")
 
     def evaluate(self) -> tuple[dict, str]:
-        metrics = head_metrics(self.heads.eval(), self.model.lm_head, self.val_rows, self.device)
+        metrics = head_metrics(self.heads.eval(), self.model, self.val_rows, self.device)
         self.heads.train()
         return metrics, accuracy_line(metrics)
 
@@ -338,9 +347,11 @@ class Medusa1:
         self.heads.load_state_dict(state["heads"])
 
     def finish(self, step: int, say) -> bool:
-        """Save the heads; True: there is no quality guard, the backbone is untouched."""
+        """Save the heads and the training answers' token counts (their draft vocabulary); True:
+        there is no quality guard, the backbone is untouched."""
         save_heads(self.heads.eval(), self.args.out, {"base_model_name_or_path": str(self.folder),
                                                       "trained_steps": step})
+        save_draft_vocab(self.args.out, [self.train_rows.tokens[:, 0]])  # every answer token once
         return True
 
 
@@ -353,7 +364,8 @@ def medusa1(args, device, world: int) -> Medusa1:
     train_rows, val_rows = read_rows(args.data, cfg.medusa_num_heads,
                                      tokenizer_fingerprint(folder), model.config.vocab_size)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    intro = (f"training {cfg.medusa_num_heads} heads ({'shared' if cfg.shared_lm_head else 'own'}"
+    intro = (f"training {cfg.medusa_num_heads} {cfg.head_kind} heads "
+             f"({'shared' if cfg.shared_lm_head else 'own'}"
              f" projection{', from ' + str(args.init_heads) if args.init_heads else ''}) on "
              f"{train_rows.targets.shape[0]} positions ({val_rows.targets.shape[0]} held out)")
     return Medusa1(args, device, folder, intro, model, heads, distributed(heads, world),
@@ -454,6 +466,9 @@ def medusa2(args, device, world: int) -> Medusa2:
     init = starting_heads(args)
     model = load_model(folder, device, torch.float32)
     heads = load_heads(init, model).train()
+    if heads.config.head_kind != "medusa":
+        raise UserError(f"{init} holds {heads.config.head_kind} heads: Medusa-2 tunes the "
+                        "paper's heads with the backbone; train these with --frozen")
     init_heads = copy.deepcopy(heads).eval()  # the Medusa-1 heads, for the side-by-side report
     K = heads.config.medusa_num_heads
     train_answers, val_answers = split_validation(read_answers(
@@ -481,7 +496,7 @@ def quality_report(model, heads, init_heads, val_answers, args, device) -> dict:
     K = heads.config.medusa_num_heads
     with adapters_off(model):
         teacher = state_rows(model, val_answers, K)
-    medusa1 = head_metrics(init_heads, model.lm_head, teacher, device)
+    medusa1 = head_metrics(init_heads, model, teacher, device)
     medusa2, student = joint_metrics(model, heads, val_answers, teacher, device)
     prompts = [p.tolist() for p, _, _ in val_answers[:args.guard_prompts]]
     agreement = greedy_agreement(model, prompts)
@@ -494,7 +509,7 @@ def quality_report(model, heads, init_heads, val_answers, args, device) -> dict:
             "greedy_agreement_64": agreement,
             "greedy_agreement_64_original_in_bfloat16": bf16_agreement,
             "good": medusa2["kl"] <= args.max_kl,
-            "calibration": head_accuracies(heads, model.lm_head, student)}
+            "calibration": head_accuracies(heads, model, student)}
 
 
 def save_joint(model, heads, folder: Path, out: Path, report: dict, args, step: int) -> None:

@@ -32,8 +32,8 @@ from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.budget import (expected_length, expected_length_of, grow_tree, nested_trees,
                                read_calibration)
 from minimedusa.cli import (add_device_arguments, decoding_budget, decoding_heads, decoding_model,
-                            decoding_tree, device_and_dtype)
-from minimedusa.decoding import adaptive_decode, medusa_decode, plain_decode
+                            decoding_tree, device_and_dtype, ranked_vocab_size)
+from minimedusa.decoding import adaptive_decode, medusa_decode, plain_decode, ranked_decode
 from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensure_default_model
 from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
@@ -130,30 +130,46 @@ def rule_engines(label, spec, model, heads, tree, args, usage: dict) -> dict:
 
 
 def medusa_engines(args, model, device, usage: dict) -> tuple[dict, dict]:
-    """(name -> engine, name -> expected tokens/step from the heads' calibration, if any)."""
+    """(name -> engine, name -> expected tokens/step from the heads' calibration, if any): for
+    every --heads, and for each of them every --draft-vocab."""
     engines, expected = {}, {}
     for spec in args.heads:
-        heads = decoding_heads(spec, model)
-        accuracy = read_calibration(Path(spec)) if Path(spec).is_dir() else None
-        label = f"medusa {Path(spec).name} " if len(args.heads) > 1 else "medusa "
-        tree = None
-        if args.tree is not None:
-            tree_name, tree = decoding_tree(args.tree, heads, model)
-            print(f"{label.strip()}: tree {tree_name} ({tree.size - 1} nodes)", file=sys.stderr)
-            if accuracy is not None:
-                expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
-        engines.update(rule_engines(label, spec, model, heads, tree, args, usage))
-        if args.sizes:
-            if accuracy is None:
-                raise UserError(f"--sizes grows trees from {spec}/calibration.json, "
-                                 "which does not exist (run python -m minimedusa.tree_search)")
-            nodes, probs = grow_tree(accuracy, max(args.sizes))
-            trees, _ = nested_trees(nodes, args.sizes, heads.config.medusa_num_heads,
-                                    model.config.vocab_size, device)
-            for n, sized in trees.items():
-                engines[label + f"greedy {n} nodes"] = medusa_engine(model, heads, sized, greedy())
-                expected[label + f"greedy {n} nodes"] = expected_length(probs[:n])
+        for vocab in args.draft_vocab:
+            heads = decoding_heads(spec, model, vocab)
+            label = (f"{heads.config.head_kind} {Path(spec).name} " if len(args.heads) > 1
+                     else f"{heads.config.head_kind} ")
+            if len(args.draft_vocab) > 1:
+                label += f"V'={ranked_vocab_size(heads, model)} "
+            heads_engines(engines, expected, label, spec, heads, model, device, args, usage)
     return engines, expected
+
+
+def heads_engines(engines, expected, label, spec, heads, model, device, args, usage) -> None:
+    """One heads' engines (the acceptance rules, and --sizes' fixed trees), into engines."""
+    accuracy = read_calibration(Path(spec)) if Path(spec).is_dir() else None
+    tree = None
+    if args.tree is not None:
+        tree_name, tree = decoding_tree(args.tree, heads, model)
+        print(f"{label.strip()}: tree {tree_name} ({tree.size - 1} nodes)", file=sys.stderr)
+        if accuracy is not None:
+            expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
+    engines.update(rule_engines(label, spec, model, heads, tree, args, usage))
+    if args.sizes:
+        if accuracy is None:
+            raise UserError(f"--sizes grows trees from {spec}/calibration.json, "
+                            "which does not exist (run python -m minimedusa.tree_search)")
+        nodes, probs = grow_tree(accuracy, max(args.sizes))
+        trees, _ = nested_trees(nodes, args.sizes, heads.config.medusa_num_heads,
+                                ranked_vocab_size(heads, model), device)
+        for n, sized in trees.items():
+            engines[label + f"greedy {n} nodes"] = medusa_engine(model, heads, sized, greedy())
+            expected[label + f"greedy {n} nodes"] = expected_length(probs[:n])
+    for n in args.ranked:
+        engines[label + f"greedy ranked {n} nodes"] = ranked_engine(model, heads, n)
+
+
+def ranked_engine(model, heads, size: int):
+    return lambda ids, n, seed: timed(ranked_decode(model, heads, size, ids, n, greedy(), set()))
 
 
 def summarize(rows: list[dict], engines: list[str]) -> dict:
@@ -208,7 +224,8 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return
-    sized = {int(n.split()[-2]): t for n, t in result["totals"].items() if n.endswith(" nodes")}
+    sized = {int(n.split()[-2]): t for n, t in result["totals"].items()
+             if n.endswith(" nodes") and " ranked " not in n}
     fig, axes = plt.subplots(1, 2 if sized else 1, figsize=(12 if sized else 7, 4), squeeze=False)
     ax = axes[0][0]
     categories = list(result["per_category"])
@@ -329,8 +346,13 @@ def parse_args(argv=None):
                    help="smoke test: 1 question per category, 32 tokens, no transformers, "
                    "no --sizes (under 3 minutes on a 2-core CPU)")
     p.add_argument("--heads", action="append", default=None,
-                   help="Medusa heads to time: a folder, untrained:K or untrained-shared:K; "
+                   help="heads to time: a folder, untrained:K, untrained-shared:K or "
+                   "untrained-hydra:K; "
                    "repeat to compare several (default: the default model's trained heads)")
+    p.add_argument("--draft-vocab", type=int, nargs="+", default=[None], metavar="N",
+                   help="the heads rank only their N most frequent tokens (0: the whole "
+                   "vocabulary; several values: one engine each; default: the heads' own "
+                   "draft_vocab_size, if set)")
     p.add_argument("--tree", default=None,
                    help="a fixed candidate tree for the Medusa engines (default: as "
                    "generate.py, the tree's size adapted step by step on this machine)")
@@ -338,6 +360,9 @@ def parse_args(argv=None):
                    help="also time greedy Medusa with the best tree of each of these sizes, "
                    "grown from the heads' calibration, e.g. 1,2,4,8,16,32,64 (tokens/s "
                    "against tree size, the paper's Fig. 4)")
+    p.add_argument("--ranked", default="",
+                   help="also time greedy Medusa with confidence-ranked trees of these sizes "
+                   "(ranked_tree.py), e.g. 4,8,16, beside --sizes' static trees")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="temperature of the typical and rejection sampling engines "
                    "(default: %(default)s, the paper's)")
@@ -363,8 +388,10 @@ def parse_args(argv=None):
                    help="write a PNG plot here (needs matplotlib, which is optional)")
     args = p.parse_args(argv)
     if args.quick:
-        args.per_category, args.max_new_tokens, args.no_transformers, args.sizes = 1, 32, True, ""
+        args.per_category, args.max_new_tokens, args.no_transformers = 1, 32, True
+        args.sizes = args.ranked = ""
     args.sizes = [int(n) for n in args.sizes.split(",") if n]
+    args.ranked = [int(n) for n in args.ranked.split(",") if n]
     if args.no_sampling:
         args.temperature = 0.0
     if args.heads is None:

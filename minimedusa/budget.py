@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from minimedusa.acceptance import greedy
-from minimedusa.decoding import decode_step, guess, medusa_step, new_cache, prefill
+from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
 from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
 
@@ -237,7 +237,7 @@ def time_one_step(model, heads, tree, cache, hidden) -> float:
                                                           device=cache.k.device))
         logits.argmax().item()  # the host sync a plain step makes too
     else:
-        medusa_step(model, tree, cache, 0, guess(heads, model, hidden), greedy(), None)
+        medusa_step(model, tree, cache, draft(heads, model, tree, 0, hidden), greedy(), None)
     return time.perf_counter() - start
 
 
@@ -250,11 +250,14 @@ def cache_file() -> Path:
 
 
 def latency_key(model, heads, device, dtype) -> str:
-    """The machine, and the shapes that set a step's cost: the model's and the heads'."""
+    """The machine, and the shapes that set a step's cost: the model's and the heads' (their
+    kind, and how many tokens they rank)."""
     m, h = model.config, heads.config
+    vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     return (f"{machine_key(device, dtype)} | model {m.num_hidden_layers}x{m.hidden_size}"
-            f"x{m.intermediate_size}, vocab {m.vocab_size} | heads {h.medusa_num_heads}x"
-            f"{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}")
+            f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
+            f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
+            f"{vocab}")
 
 
 def read_cache_file() -> dict:

@@ -15,11 +15,13 @@ from minimedusa.budget import (SIZES, Budget, expected_length, grow_tree, machin
                                nested_trees, read_calibration)
 from minimedusa.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
-from minimedusa.heads import MedusaHeads
+from minimedusa.heads import DraftVocabulary, MedusaHeads
+from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
 from minimedusa.packed_linear import can_pack, pack_linear_layers
 from minimedusa.tree import MedusaTree, TreeError, build_tree, dense_tree
-from minimedusa.weights import HeadsError, load_heads, load_model
+from minimedusa.weights import (DRAFT_VOCAB_FILE, HeadsError, load_heads, load_model,
+                                read_draft_vocab)
 
 # The paper's 63-node sparse tree for Vicuna-7B (the reference implementation's mc_sim_7b_63):
 # its 63 node paths plus the root make 64 tree tokens, reading 4 heads' top-10.
@@ -103,26 +105,62 @@ def decoding_model(folder: Path, device, dtype) -> Llama:
     return model
 
 
-def decoding_heads(spec: str, model: Llama) -> MedusaHeads:
-    """A heads folder, or 'untrained:K' / 'untrained-shared:K': K fresh heads (own / shared
-    projection) in the paper's initialisation, for trying the machinery without training.
-    Packed like the model's layers when the model's are."""
-    heads = None
-    for prefix, shared in (("untrained:", False), ("untrained-shared:", True)):
+def add_draft_vocab_argument(parser) -> None:
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="the heads rank only the N tokens most frequent in their training "
+                        "answers, reading N rows of the LM head instead of all (output "
+                        "unchanged: the model still verifies over the whole vocabulary); 0 = "
+                        "the whole vocabulary (default: the heads' draft_vocab_size, if their "
+                        "config.json sets one)")
+
+
+def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
+    """A heads folder, or 'untrained:K' / 'untrained-shared:K' / 'untrained-hydra:K': K fresh
+    heads (own / shared projection / Hydra's) in the paper's initialisation, for trying the
+    machinery without training. With a draft vocabulary of draft_vocab tokens (None: the
+    folder's default), and packed like the model's layers when the model's are."""
+    heads, config = None, {}
+    for prefix in ("untrained:", "untrained-shared:", "untrained-hydra:"):
         if spec.startswith(prefix):
             count = spec.removeprefix(prefix)
             if not count.isdigit() or int(count) < 1:
                 raise HeadsError(f"bad heads {spec!r}: use {prefix}K with K >= 1")
-            heads = MedusaHeads.for_model(model, int(count), shared_lm_head=shared) \
-                .eval().requires_grad_(False)
+            heads = (HydraHeads.for_model(model, int(count)) if prefix == "untrained-hydra:" else
+                     MedusaHeads.for_model(model, int(count),
+                                           shared_lm_head=prefix == "untrained-shared:"))
+            heads.eval().requires_grad_(False)
     if heads is None:
         if not Path(spec).is_dir():
             raise HeadsError(f"heads folder {spec} does not exist")
         heads = load_heads(spec, model)
+        config = json.loads((Path(spec) / "config.json").read_text())
+    size = config.get("draft_vocab_size", 0) if draft_vocab is None else draft_vocab
+    if size:
+        heads.vocabulary = draft_vocabulary(spec, heads, model, size)
     weight = model.embed.weight
     if can_pack(weight.device, weight.dtype):
         pack_linear_layers(heads)
     return heads
+
+
+def draft_vocabulary(spec: str, heads, model: Llama, size: int) -> DraftVocabulary:
+    """The `size` tokens most frequent in the heads' training answers (weights.save_draft_vocab)."""
+    if not heads.config.shared_lm_head:
+        raise HeadsError("a draft vocabulary cuts the shared LM head: these heads have their "
+                         "own projections (use --draft-vocab 0)")
+    counted = read_draft_vocab(spec) if Path(spec).is_dir() else None
+    if counted is None:
+        raise HeadsError(f"--draft-vocab: the heads {spec} have no {DRAFT_VOCAB_FILE} (train.py "
+                         "writes it); use --draft-vocab 0")
+    ids, _ = counted
+    if not 0 < size <= model.config.vocab_size:
+        raise UserError(f"--draft-vocab must be in 1..{model.config.vocab_size}, got {size}")
+    return DraftVocabulary(ids[:size].sort().values, model.lm_head)
+
+
+def ranked_vocab_size(heads, model: Llama) -> int:
+    """How many tokens the heads rank: their draft vocabulary's, else the model's."""
+    return model.config.vocab_size if heads.vocabulary is None else heads.vocabulary.ids.numel()
 
 
 # --- the tree -----------------------------------------------------------------------------------
@@ -151,7 +189,15 @@ def tree_choices(spec: str) -> list:
         raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
 
 
-def decoding_tree(spec: str | None, heads: MedusaHeads, model: Llama) -> tuple[str, MedusaTree]:
+def ranked_size(spec: str) -> int:
+    """N of a --tree ranked:N (ranked_tree.py: each step's N most probable nodes)."""
+    size = spec.removeprefix("ranked:")
+    if not size.isdigit() or int(size) < 1:
+        raise TreeError(f"bad tree {spec!r}: use ranked:N with N >= 1 nodes")
+    return int(size)
+
+
+def decoding_tree(spec: str | None, heads, model: Llama) -> tuple[str, MedusaTree]:
     """(name, tree) for a --tree value, checked against the heads it will read and the
     vocabulary they rank; without one, the device's default named tree without the paths
     deeper than the heads."""
@@ -164,11 +210,11 @@ def decoding_tree(spec: str | None, heads: MedusaHeads, model: Llama) -> tuple[s
         choices = [path for path in every if len(path) <= depth]
         if len(choices) < len(every):
             name += f" (cut to its paths of at most {depth} nodes: {depth} heads)"
-    return name, build_tree(choices, heads.config.medusa_num_heads, model.config.vocab_size,
-                            device)
+    return name, build_tree(choices, heads.config.medusa_num_heads,
+                            ranked_vocab_size(heads, model), device)
 
 
-def decoding_budget(heads: MedusaHeads, model: Llama, heads_spec: str):
+def decoding_budget(heads, model: Llama, heads_spec: str):
     """(trees by size, the Budget that picks among them and plain steps, why these): the tree
     grown from the heads' calibration at every size up to 16 nodes on a CPU (where a 16-node
     step already cost 1.5-2x a plain one on the 2-core machines measured) or 64 on a GPU; for
@@ -187,7 +233,7 @@ def decoding_budget(heads: MedusaHeads, model: Llama, heads_spec: str):
         expected = {n: expected_length(probs[:n]) for n in sizes}
         why = "grown from the heads' calibration"
     trees, rank = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
-                               model.config.vocab_size, weight.device)
+                               ranked_vocab_size(heads, model), weight.device)
     latency, source = machine_latency(model, heads, trees)
     return trees, Budget([0, *sizes], expected, latency, rank), f"{why}, latencies {source}"
 

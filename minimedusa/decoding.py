@@ -23,8 +23,10 @@ import torch
 from minimedusa.acceptance import Acceptance
 from minimedusa.errors import UserError
 from minimedusa.heads import MedusaHeads
+from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, causal_mask
+from minimedusa.ranked_tree import ranked_draft
 from minimedusa.sampling import Sampling, make_generator, next_token
 from minimedusa.tree import MedusaTree
 
@@ -93,12 +95,16 @@ def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampl
 
 # --- Medusa decoding: one forward of the candidate tree per step -------------------------------
 
-def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree) -> torch.Tensor:
+def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree,
+               ids: torch.Tensor | None = None) -> torch.Tensor:
     """The tree's tokens: (N,) int64, from the root token () and the heads' logits (K, V).
 
     The heads' top-k are laid out flat as [root, head 1's top-k, head 2's top-k, ...], and
-    tree.token_index says where each node's token sits in that list (tree.py)."""
+    tree.token_index says where each node's token sits in that list (tree.py). ids (V',): the
+    token of each column when the heads score a draft vocabulary (heads.DraftVocabulary)."""
     top = head_logits[:tree.num_heads].topk(tree.top_k, dim=-1).indices  # (D, top_k)
+    if ids is not None:
+        top = ids[top]
     flat = torch.cat([root.reshape(1), top.reshape(-1)])  # (1 + D * top_k,)
     return flat[tree.token_index]
 
@@ -139,16 +145,15 @@ def accepted_on_host(tree: MedusaTree, tokens, path, length, next_token):
     return nodes, host[1:length_i + 1] + [next_i]
 
 
-def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, root: int,
-                head_logits: torch.Tensor, acceptance: Acceptance, generator):
-    """One step from the root token (the last one emitted, not yet in the cache) and the heads'
-    logits (K, V) at the position before it.
+def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, tokens: torch.Tensor,
+                acceptance: Acceptance, generator):
+    """One step: verify the tree's candidate tokens (N,) (the root first: the last token
+    emitted, not yet in the cache) in one forward.
 
     Returns (the new tokens: the accepted candidates, then the next token drawn at the last
     accepted node; the accepted nodes' indices, root first; the hidden state (C,) at the last
     accepted node, from which the heads guess the next step's candidates).
     """
-    tokens = candidates(torch.tensor(root, device=head_logits.device), head_logits, tree)  # (N,)
     logits, hidden = tree_forward(model, cache, tree, tokens)  # (N, V), (N, C)
     path, length, next_token = acceptance.verify(logits, tree, tokens, generator)
     nodes, new_tokens = accepted_on_host(tree, tokens, path, length, next_token)
@@ -158,21 +163,48 @@ def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, root: int,
 
 @torch.inference_mode()
 def guess(heads: MedusaHeads, model: Llama, hidden: torch.Tensor) -> torch.Tensor:
-    """The heads' logits (K, V) at one position, from its hidden state (C,)."""
-    return heads(hidden, model.lm_head)
+    """The heads' logits (K, V) at one position, from its hidden state (C,) (V': over the
+    heads' draft vocabulary, when they have one)."""
+    vocabulary = heads.vocabulary
+    return heads(hidden, model.lm_head if vocabulary is None else vocabulary.lm_head)
 
 
-def medusa_decode(model: Llama, heads: MedusaHeads, tree: MedusaTree, prompt_ids: list[int],
-                  max_new_tokens: int, acceptance: Acceptance, stop_ids: set[int],
-                  seed: int | None = None) -> Iterator[list[int]]:
+def draft(heads: MedusaHeads | HydraHeads, model: Llama, tree: MedusaTree, root: int,
+          hidden: torch.Tensor) -> torch.Tensor:
+    """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
+    is hidden (C,). Medusa heads guess every depth at once from h_t alone; Hydra heads read the
+    draft's own tokens, so they guess depth by depth (hydra.py)."""
+    root = torch.tensor(root, device=hidden.device)
+    if isinstance(heads, HydraHeads):
+        return hydra_candidates(heads, model, hidden, root, tree, heads.vocabulary)
+    ids = None if heads.vocabulary is None else heads.vocabulary.ids
+    return candidates(root, guess(heads, model, hidden), tree, ids)
+
+
+def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads, tree: MedusaTree,
+                  prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
+                  stop_ids: set[int], seed: int | None = None) -> Iterator[list[int]]:
     """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
     first the prefill's token, then each step's accepted candidates + the next token."""
     def step(cache, root, hidden, generator):
-        new, _, hidden = medusa_step(model, tree, cache, root, guess(heads, model, hidden),
+        new, _, hidden = medusa_step(model, tree, cache, draft(heads, model, tree, root, hidden),
                                      acceptance, generator)
         return new, hidden
     # the margin: a step writes all N tree tokens before compaction drops the rejected ones
     return step_by_step(model, prompt_ids, max_new_tokens, tree.size, acceptance, stop_ids,
+                        seed, step)
+
+
+def ranked_decode(model: Llama, heads: MedusaHeads | HydraHeads, size: int,
+                  prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
+                  stop_ids: set[int], seed: int | None = None) -> Iterator[list[int]]:
+    """medusa_decode, but each step's tree is the `size` nodes the heads find most probable at
+    that step, built anew (ranked_tree.py), instead of one tree for every step."""
+    def step(cache, root, hidden, generator):
+        tree, tokens = ranked_draft(heads, model, root, hidden, size)
+        new, _, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
+        return new, hidden
+    return step_by_step(model, prompt_ids, max_new_tokens, size + 1, acceptance, stop_ids,
                         seed, step)
 
 
@@ -215,7 +247,7 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
     return [acceptance.first(logits[0], generator).item()], [0], hidden[0]
 
 
-def adaptive_decode(model: Llama, heads: MedusaHeads, trees: dict[int, MedusaTree], budget,
+def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree], budget,
                     prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
                     stop_ids: set[int], seed: int | None = None,
                     clock=time.perf_counter) -> Iterator[list[int]]:
@@ -228,8 +260,9 @@ def adaptive_decode(model: Llama, heads: MedusaHeads, trees: dict[int, MedusaTre
             new, _, hidden = root_step(model, cache, root, acceptance, generator)
             budget.record(0, clock() - start, [])
             return new, hidden
-        new, nodes, hidden = medusa_step(model, trees[n], cache, root,
-                                         guess(heads, model, hidden), acceptance, generator)
+        new, nodes, hidden = medusa_step(model, trees[n], cache,
+                                         draft(heads, model, trees[n], root, hidden), acceptance,
+                                         generator)
         budget.record(n, clock() - start, [trees[n].nodes[i] for i in nodes[1:]])
         return new, hidden
     margin = max(tree.size for tree in trees.values())

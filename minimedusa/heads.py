@@ -21,11 +21,13 @@ import torch.nn.functional as F
 
 @dataclass
 class MedusaConfig:
+    """The heads' config.json, for both kinds: the paper's heads and Hydra's (hydra.py)."""
     medusa_num_heads: int  # K
     medusa_num_layers: int  # L residual blocks per head
     hidden_size: int  # C: must equal the backbone's
     vocab_size: int  # V: must equal the backbone's
     shared_lm_head: bool = False  # True: heads reuse the backbone's LM head (no own W2)
+    head_kind: str = "medusa"  # "medusa": head k reads h_t; "hydra": also the draft's tokens
 
 
 class ResBlock(nn.Module):
@@ -54,6 +56,7 @@ class MedusaHeads(nn.Module):
 
         # note: a comprehension, not [head()] * K, which would repeat ONE head K times.
         self.heads = nn.ModuleList([head() for _ in range(cfg.medusa_num_heads)])
+        self.vocabulary = None  # a DraftVocabulary, set for decoding (cli.decoding_heads)
 
     @classmethod
     def for_model(cls, model, num_heads: int, num_layers: int = 1,
@@ -80,3 +83,23 @@ class MedusaHeads(nn.Module):
             # times, which is what makes this form cheap on bandwidth-bound hardware
             return lm_head(torch.stack([head(hidden) for head in self.heads]))
         return torch.stack([head(hidden) for head in self.heads])
+
+
+class DraftVocabulary(nn.Module):
+    """The shared LM head cut to the V' tokens the heads may guess (FR-Spec, EAGLE-3's draft
+    vocabulary): the V' most frequent tokens of the self-distilled answers.
+
+    Drafting reads V' rows of the V x C LM head instead of all V, the heads' biggest cost on a
+    CPU; the backbone still verifies over the whole vocabulary, so the output never changes: a
+    token outside V' is only never guessed. Logits (..., V') rank columns; ids maps a column
+    back to its token id.
+    """
+
+    def __init__(self, ids: torch.Tensor, lm_head: nn.Linear):
+        super().__init__()
+        self.register_buffer("ids", ids.to(lm_head.weight.device))  # (V',) int64
+        self.lm_head = nn.Linear(lm_head.in_features, len(ids), bias=False,
+                                 device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head.weight[self.ids])  # (V', C): the kept rows
+

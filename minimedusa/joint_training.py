@@ -137,7 +137,7 @@ def joint_metrics(model, heads, answers: list[tuple], teacher: Rows, device) -> 
     """(the heads' loss and accuracy on the tuned backbone's states with the KL from the original,
     those states as rows). teacher: the original model's states at the same rows."""
     student = state_rows(model, answers, heads.config.medusa_num_heads)
-    return {**head_metrics(heads, model.lm_head, student, device),
+    return {**head_metrics(heads, model, student, device),
             "kl": mean_kl(model.lm_head, teacher, student)}, student
 
 

@@ -34,6 +34,7 @@ class DataError(UserError):
 class Rows:
     hidden: torch.Tensor  # (M, C) bf16: h_t, the state that predicts answer token t+1
     targets: torch.Tensor  # (M, K) int64: targets[:, k-1] = y_{t+k+1} for head k, or IGNORE
+    tokens: torch.Tensor | None = None  # (M, K) int64: y_{t+1}..y_{t+K}, what Hydra heads read
 
 
 def head_targets(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -47,6 +48,17 @@ def head_targets(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
     padded = torch.cat([answer.long(), torch.full((num_heads,), IGNORE)])  # (n + K,)
     index = torch.arange(n).unsqueeze(1) + torch.arange(1, num_heads + 1)  # (n, K): i + k
     return padded[index]
+
+
+def head_inputs(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(n,) answer ids -> (n, K): row i holds answer[i + k - 1] for k = 1..K, the tokens a Hydra
+    head k reads beside h_t (hydra.py): the root y_{t+1} = answer[i], then the draft's tokens up
+    to y_{t+k}, one before its target answer[i + k]. Past the end: 0, where every target is
+    IGNORE.
+    """
+    n = answer.shape[0]
+    padded = torch.cat([answer.long(), torch.zeros(num_heads, dtype=torch.long)])  # (n + K,)
+    return padded[torch.arange(n).unsqueeze(1) + torch.arange(num_heads)]
 
 
 def read_meta(folder: Path) -> dict:
@@ -99,8 +111,19 @@ def read_rows(folder: Path, num_heads: int, tokenizer_fingerprint: str,
     """(train, validation) rows from every shard's stored hidden states."""
     answers = read_answers(folder, tokenizer_fingerprint, vocab_size)
     stack = lambda part: Rows(torch.cat([h for _, _, h in part]),  # noqa: E731
-                              torch.cat([head_targets(a, num_heads) for _, a, _ in part]))
+                              torch.cat([head_targets(a, num_heads) for _, a, _ in part]),
+                              torch.cat([head_inputs(a, num_heads) for _, a, _ in part]))
     return tuple(stack(part) for part in split_validation(answers))
+
+
+def head_logits(heads, hidden: torch.Tensor, tokens: torch.Tensor | None, model) -> torch.Tensor:
+    """Every head's logits (K, B, V) at B answer positions, h_t (B, C). Hydra heads are
+    teacher-forced: they read the answer's own tokens y_{t+1}..y_{t+K} (B, K), which is what a
+    correct draft holds. heads: the heads, or the heads wrapped by DistributedDataParallel."""
+    kind = getattr(heads, "module", heads).config.head_kind
+    if kind == "hydra":
+        return heads(hidden, tokens, model.embed, model.lm_head)
+    return heads(hidden, model.lm_head)
 
 
 def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float = 0.8):
@@ -125,14 +148,15 @@ def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch
 
 
 @torch.no_grad()
-def head_metrics(heads, lm_head, rows: Rows, device, batch_size: int = 1024) -> dict:
+def head_metrics(heads, model, rows: Rows, device, batch_size: int = 1024) -> dict:
     """Per-head validation loss and top-1 / top-5 accuracy over all `rows`."""
     K = rows.targets.shape[1]
     ce_sum, n, top1, top5 = torch.zeros(K), torch.zeros(K), torch.zeros(K), torch.zeros(K)
     for a in range(0, rows.targets.shape[0], batch_size):
-        hidden = rows.hidden[a:a + batch_size].to(device, lm_head.weight.dtype)  # (B, C)
+        hidden = rows.hidden[a:a + batch_size].to(device, model.lm_head.weight.dtype)  # (B, C)
         targets = rows.targets[a:a + batch_size].to(device)  # (B, K)
-        logits = heads(hidden, lm_head)  # (K, B, V)
+        tokens = None if rows.tokens is None else rows.tokens[a:a + batch_size].to(device)
+        logits = head_logits(heads, hidden, tokens, model)  # (K, B, V)
         _, ce, counted = medusa_loss(logits, targets)
         ce_sum += (ce * counted).cpu()
         n += counted.cpu()

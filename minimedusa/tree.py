@@ -43,6 +43,11 @@ class MedusaTree:
     # one sync the accepted nodes are looked up here without another device round trip
     top_k: int  # the most guesses read from any head: max rank + 1
     num_heads: int  # the heads the tree reads: its max depth
+    # for heads that draft depth by depth (hydra.py): each node's path, and per depth d = 1..D
+    # (the M nodes of depth d-1 with children, depth d's nodes, each one's parent among those M,
+    # its rank among its siblings' guesses)
+    ancestors: torch.Tensor  # (N, D + 1) int64: node indices root -> node, padded with 0
+    drafting: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
     @property
     def size(self) -> int:
@@ -52,7 +57,8 @@ class MedusaTree:
         move = lambda t: t.to(device)  # noqa: E731
         return MedusaTree(self.nodes, move(self.depth), move(self.mask), move(self.head),
                           move(self.rank), move(self.token_index), move(self.paths),
-                          move(self.path_valid), self.paths_host, self.top_k, self.num_heads)
+                          move(self.path_valid), self.paths_host, self.top_k, self.num_heads,
+                          move(self.ancestors), [tuple(map(move, d)) for d in self.drafting])
 
 
 def check_choices(choices, num_heads: int | None, vocab_size: int | None) -> list[tuple]:
@@ -103,13 +109,38 @@ def build_tree(choices, num_heads: int | None = None, vocab_size: int | None = N
     has_child = {p[:-1] for p in paths}
     leaves = [p for p in nodes if p not in has_child]
     rows = [[index[p[:d]] for d in range(len(p) + 1)] for p in leaves]
-    paths_t = torch.zeros(len(rows), depth_max + 1, dtype=torch.long)  # (P, D + 1)
-    valid = torch.zeros(len(rows), depth_max + 1, dtype=torch.bool)
-    for r, row in enumerate(rows):
-        paths_t[r, :len(row)] = torch.tensor(row)
-        valid[r, :len(row)] = True
+    paths_t, valid = padded(rows, depth_max + 1)  # (P, D + 1)
+    ancestors, _ = padded([[index[p[:d]] for d in range(len(p) + 1)] for p in nodes],
+                          depth_max + 1)  # (N, D + 1)
     return MedusaTree(nodes, torch.tensor([len(p) for p in nodes]), mask, head, rank, token_index,
-                      paths_t, valid, rows, top_k, depth_max).to(device)
+                      paths_t, valid, rows, top_k, depth_max, ancestors,
+                      drafting_order(nodes, index)).to(device)
+
+
+def padded(rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of node indices as one (len(rows), width) int64 tensor padded with 0, and where
+    it is not padding."""
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        out[r, :len(row)] = torch.tensor(row)
+        valid[r, :len(row)] = True
+    return out, valid
+
+
+def drafting_order(nodes: list[tuple], index: dict) -> list[tuple]:
+    """Per depth d = 1..D: (parents (M,), children (n_d,), slot (n_d,), rank (n_d,)): the
+    nodes of depth d-1 that have children, the nodes of depth d, which of those parents each
+    one hangs off and which of its parent's guesses it is."""
+    order = []
+    for d in range(1, max(len(p) for p in nodes) + 1):
+        children = [p for p in nodes if len(p) == d]
+        parents = sorted({index[p[:-1]] for p in children})
+        slot = {node: s for s, node in enumerate(parents)}
+        order.append((torch.tensor(parents), torch.tensor([index[p] for p in children]),
+                      torch.tensor([slot[index[p[:-1]]] for p in children]),
+                      torch.tensor([p[-1] for p in children])))
+    return order
 
 
 def dense_tree(top_s: list[int]) -> list[tuple]:

@@ -31,21 +31,25 @@ from minimedusa.default_model import ensure_default_model
 from minimedusa.device import machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import IGNORE, Rows, read_rows
+from minimedusa.training import IGNORE, Rows, head_logits, read_rows
 
 
 # --- calibration ---------------------------------------------------------------------------------
 
 @torch.no_grad()
-def head_accuracies(heads, lm_head, rows: Rows, ranks: int = 10,
+def head_accuracies(heads, model, rows: Rows, ranks: int = 10,
                     batch_size: int = 256) -> torch.Tensor:
-    """(K, R) float: a[k, i] = fraction of rows where head k's i-th best guess is its target."""
+    """(K, R) float: a[k, i] = fraction of rows where head k's i-th best guess is its target.
+    Hydra heads read the true tokens before their target: their a_k^(i) is the accuracy given
+    that the draft above them was right, which is when their guess can be accepted."""
     K = rows.targets.shape[1]
     hits, counted = torch.zeros(K, ranks), torch.zeros(K, 1)
+    weight = model.lm_head.weight
     for a in range(0, rows.targets.shape[0], batch_size):
-        hidden = rows.hidden[a:a + batch_size].to(lm_head.weight.device, lm_head.weight.dtype)
-        targets = rows.targets[a:a + batch_size].to(lm_head.weight.device).T  # (K, B)
-        top = heads(hidden, lm_head).topk(ranks, dim=-1).indices  # (K, B, R)
+        hidden = rows.hidden[a:a + batch_size].to(weight.device, weight.dtype)
+        targets = rows.targets[a:a + batch_size].to(weight.device).T  # (K, B)
+        tokens = None if rows.tokens is None else rows.tokens[a:a + batch_size].to(weight.device)
+        top = head_logits(heads, hidden, tokens, model).topk(ranks, dim=-1).indices  # (K, B, R)
         hits += (top == targets.unsqueeze(-1)).sum(dim=1).cpu()  # a target is in one rank at most
         counted += (targets != IGNORE).sum(dim=1, keepdim=True).cpu()
     return hits / counted.clamp(min=1)
@@ -70,7 +74,7 @@ def calibrate(args, heads, model, folder: Path) -> torch.Tensor:
     _, val = read_rows(args.data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
                        model.config.vocab_size)
     print(f"calibrating on {val.targets.shape[0]} held-out positions", file=sys.stderr)
-    accuracy = head_accuracies(heads, model.lm_head, val, args.ranks)
+    accuracy = head_accuracies(heads, model, val, args.ranks)
     write_json(calibration, {"data": str(args.data), "rows": val.targets.shape[0],
                              "accuracy": [[round(x, 5) for x in row] for row in accuracy.tolist()]})
     return accuracy

@@ -24,9 +24,12 @@ from safetensors.torch import save_file
 from minimedusa.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import MedusaConfig, MedusaHeads
+from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama, LlamaConfig
 
 HEADS_FILE = "medusa_lm_head.safetensors"
+HEAD_KINDS = {"medusa": MedusaHeads, "hydra": HydraHeads}  # config.json's head_kind -> class
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # token ids by frequency in the training answers
 
 
 class ConfigError(UserError):
@@ -256,7 +259,14 @@ def heads_config(raw: dict, state: dict, model_config) -> MedusaConfig:
                                         model_config.hidden_size)
     vocab = raw.get("vocab_size") or (projection.shape[0] if projection is not None else
                                       model_config.vocab_size)
-    return MedusaConfig(raw["medusa_num_heads"], L, hidden, vocab, bool(shared))
+    kind = raw.get("head_kind", "medusa")
+    if kind not in HEAD_KINDS:
+        raise HeadsError(f"unknown head_kind {kind!r} in the heads' config.json: "
+                         f"one of {', '.join(HEAD_KINDS)}")
+    if kind == "hydra" and not shared:
+        raise HeadsError("Hydra heads project with the backbone's LM head: their config.json "
+                         "must not say shared_lm_head false")
+    return MedusaConfig(raw["medusa_num_heads"], L, hidden, vocab, bool(shared), kind)
 
 
 def load_heads(folder, model) -> MedusaHeads:
@@ -269,7 +279,7 @@ def load_heads(folder, model) -> MedusaHeads:
     state = read_heads_state(folder)
     cfg = heads_config(json.loads(config_path.read_text()), state, model.config)
     check_heads_fit(cfg, model.config)
-    heads = MedusaHeads(cfg)
+    heads = HEAD_KINDS[cfg.head_kind](cfg)
     expected = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}
     missing = sorted(expected.keys() - state.keys())
     if missing:
@@ -285,11 +295,36 @@ def load_heads(folder, model) -> MedusaHeads:
     return heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
 
 
+def save_draft_vocab(folder, answers: list[torch.Tensor]) -> None:
+    """Every token id of the training answers, most frequent first, with its count: a draft
+    vocabulary of any size V' is then its first V' ids (heads.DraftVocabulary)."""
+    counts = torch.bincount(torch.cat(answers))
+    ids = counts.argsort(descending=True, stable=True)
+    ids = ids[counts[ids] > 0]
+    save_file({"ids": ids.contiguous(), "counts": counts[ids].contiguous()},
+              Path(folder) / DRAFT_VOCAB_FILE, metadata={"format": "pt"})
+
+
+def read_draft_vocab(folder) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(token ids most frequent first, their counts), or None when the heads have none."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, framework="pt", device="cpu") as st:
+            return st.get_tensor("ids"), st.get_tensor("counts")
+    except Exception as e:  # truncation/corruption surfaces with varied exception types
+        raise HeadsError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+
+
 def export_v1(heads: MedusaHeads, lm_head: nn.Linear, folder, base_model: str) -> None:
     """Write heads in the reference's "V1" layout that serving engines load: own projections
     (the shared form gets a copy of the LM head per head), medusa_lm_head.safetensors, and a
     config.json with medusa_num_heads, medusa_num_layers and base_model_name_or_path."""
     cfg = heads.config
+    if cfg.head_kind != "medusa":
+        raise HeadsError(f"{cfg.head_kind} heads have no V1 layout: the serving engines that "
+                         "load Medusa heads (vLLM, TensorRT-LLM, TGI) run the paper's kind only")
     own = MedusaHeads(MedusaConfig(cfg.medusa_num_heads, cfg.medusa_num_layers, cfg.hidden_size,
                                    cfg.vocab_size, shared_lm_head=False))
     state = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}

@@ -74,6 +74,6 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     question = {"id": 1, "category": "writing", "prompt": "Hi"}
     totals = bench.generate_processes(args, [question])
     assert totals["default"]["tokens"] == totals["baseline"]["tokens"] == 6
-    assert totals["default"]["modes"][0].startswith("medusa, tree of ")
+    assert totals["default"]["modes"][0].startswith("medusa heads, tree of ")
     assert totals["baseline"]["modes"] == ["plain"]
     assert totals["speedup"] > 0 and totals["wall_ratio"] > 0

@@ -119,7 +119,7 @@ def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder):
                     "--heads", "untrained:3", "--tree", "chain3", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["mode"].startswith("medusa, tree chain3 (3 nodes, --tree)")
+    assert result["mode"].startswith("medusa heads, tree chain3 (3 nodes, --tree)")
     assert result["new_tokens"] == 12
     assert sum(int(n) * c for n, c in result["accepted_histogram"].items()) == 12
     assert result["acceleration_rate"] == pytest.approx(12 / result["steps"], abs=1e-3)
@@ -142,7 +142,7 @@ def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder
     assert done.returncode == 0, done.stderr
     medusa, plain = json.loads(done.stdout), json.loads(generate(*args, "--baseline").stdout)
     assert medusa["output_ids"] == plain["output_ids"]
-    assert medusa["mode"].startswith("medusa, tree of ")
+    assert medusa["mode"].startswith("medusa heads, tree of ")
     assert "steps by size: " in medusa["mode"] and "latencies measured here" in medusa["mode"]
     assert medusa["load_seconds"] > 0 and "not counted" in done.stderr
     again = json.loads(generate(*args).stdout)  # the second process reads the cache

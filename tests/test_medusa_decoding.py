@@ -12,7 +12,7 @@ from conftest import DEVICES, copycat_model, tiny_model
 from minimedusa.acceptance import greedy, typical
 from minimedusa.heads import MedusaHeads
 from minimedusa.kv_cache import KVCache
-from minimedusa.decoding import (StepStats, guess, medusa_decode, medusa_step, new_cache,
+from minimedusa.decoding import (StepStats, draft, medusa_decode, medusa_step, new_cache,
                                  plain_decode, prefill, tree_forward)
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
@@ -112,8 +112,9 @@ def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(devi
     logits, hidden = prefill(model, cache, torch.tensor([prompt], device=device))
     sequence, hidden = prompt + [logits[0].argmax().item()], hidden[0]
     for _ in range(n_steps):
-        new, _, hidden = medusa_step(model, tree, cache, sequence[-1],
-                                     guess(heads, model, hidden), greedy(), None)
+        new, _, hidden = medusa_step(model, tree, cache,
+                                     draft(heads, model, tree, sequence[-1], hidden), greedy(),
+                                     None)
         sequence += new
         n = len(sequence) - 1  # the cache holds all but the newest token (the next root)
         assert cache.length == n

@@ -1,7 +1,7 @@
 """Rejection sampling is lossless: Medusa's continuations follow the same distribution as plain
 sampling from the model, at any temperature and top-p (seeded chi-square tests on a tiny model
 with a 5-token vocabulary, 3-token continuations). The same test rejects a deliberately wrong
-sampler, so it can fail."""
+sampler, so it can fail. Both kinds of heads: the paper's and Hydra's."""
 import functools
 from collections import Counter
 
@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_model
 from minimedusa.acceptance import Acceptance, pick_by_draws, rejection
 from minimedusa.heads import MedusaHeads
+from minimedusa.hydra import HydraHeads
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.sampling import Sampling, probabilities
 from minimedusa.tree import build_tree
@@ -32,9 +33,10 @@ def chi_square_p_value(a: Counter, b: Counter) -> float:
     return torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)).item()
 
 
-def setup():
+def setup(kind="medusa"):
     model = tiny_model(1, vocab_size=VOCAB)
-    heads = MedusaHeads.for_model(model, 3).requires_grad_(False)
+    heads = (HydraHeads.for_model(model, 3) if kind == "hydra" else
+             MedusaHeads.for_model(model, 3)).requires_grad_(False)
     with torch.no_grad():  # untrained-looking heads: their guesses are right only sometimes
         for p in heads.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2),
@@ -42,8 +44,8 @@ def setup():
     return model, heads, build_tree(TREE, num_heads=3)
 
 
-def medusa_samples(accept: Acceptance) -> Counter:
-    model, heads, tree = setup()
+def medusa_samples(accept: Acceptance, kind="medusa") -> Counter:
+    model, heads, tree = setup(kind)
     return Counter(tuple(t for step in medusa_decode(model, heads, tree, [1, 2], NEW, accept,
                                                      set(), seed=s) for t in step)
                    for s in range(RUNS))
@@ -58,9 +60,10 @@ def plain_samples(temperature, top_p) -> Counter:
                    for s in range(RUNS, 2 * RUNS))
 
 
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
-def test_rejection_sampling_matches_plain_sampling(temperature, top_p):
-    p = chi_square_p_value(medusa_samples(rejection(temperature, top_p)),
+@pytest.mark.parametrize("kind, temperature, top_p", [
+    ("medusa", 1.0, 1.0), ("medusa", 0.7, 1.0), ("medusa", 1.0, 0.8), ("hydra", 1.0, 1.0)])
+def test_rejection_sampling_matches_plain_sampling(kind, temperature, top_p):
+    p = chi_square_p_value(medusa_samples(rejection(temperature, top_p), kind),
                            plain_samples(temperature, top_p))
     assert p > 0.001, f"continuation distributions differ (p = {p:.2g})"
 

@@ -31,7 +31,7 @@ def test_calibration_counts_each_rank_of_each_head():
     # the last 8 rows, which have no target (past the end of their answer)
     targets = torch.stack([order[torch.arange(40), torch.arange(40) % 4], order[:, 0]], dim=1)
     targets[32:, 1] = IGNORE
-    a = head_accuracies(heads, model.lm_head, Rows(hidden, targets), ranks=5, batch_size=16)
+    a = head_accuracies(heads, model, Rows(hidden, targets), ranks=5, batch_size=16)
     assert torch.allclose(a, torch.tensor([[0.25, 0.25, 0.25, 0.25, 0.0],
                                            [1.0, 0.0, 0.0, 0.0, 0.0]]))
 
