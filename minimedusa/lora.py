@@ -48,13 +48,16 @@ class LoRALinear(nn.Module):
         return y + self.scale * F.linear(F.linear(self.dropout(x), self.A), self.B)
 
     def merged(self) -> nn.Linear:
-        """A plain layer holding W + (alpha / r) B A (summed in float32 at least)."""
-        w = self.base.weight
+        """A plain layer holding W + (alpha / r) B A (summed in float32 at least), and the
+        base layer's bias, if it has one (Qwen2's q, k, v)."""
+        w, bias = self.base.weight, self.base.bias
         delta = self.scale * (self.B.detach().to(torch.promote_types(w.dtype, torch.float32))
                               @ self.A.detach().to(torch.promote_types(w.dtype, torch.float32)))
-        linear = nn.Linear(self.base.in_features, self.base.out_features, bias=False,
-                              device=w.device, dtype=w.dtype)
+        linear = nn.Linear(self.base.in_features, self.base.out_features, bias=bias is not None,
+                           device=w.device, dtype=w.dtype)
         linear.weight = nn.Parameter((w.detach() + delta).to(w.dtype), requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return linear
 
 

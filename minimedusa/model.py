@@ -4,11 +4,16 @@ This is the backbone Medusa accelerates. Two things make it ready for tree decod
 are explicit (tree tokens at the same depth share a position, paper section 2), and the attention
 mask is an argument of forward (the tree mask is passed exactly like the causal one). forward
 returns the logits AND the last hidden state (after the final norm), which the Medusa heads read.
-Left out: RoPE scaling variants, attention biases, sliding windows (SmolLM2 and Llama 2 use none).
+Runs Llama 2/3.x (RoPE scaling "linear" and "llama3", an explicit head dim D != C / H), Qwen2/2.5
+(q, k, v biases) and Mistral within its sliding window (weights.py caps the context at the window,
+where a Mistral computes exactly a Llama). Left out, and refused by weights.config_from_hf: other
+RoPE scalings (yarn, dynamic, longrope), partial rotary dims, MLP or output biases, other
+activations, attention beyond a sliding window.
 
 Shapes: B batch, T new tokens, S attended cache slots, C model dim, H query heads,
 G key/value heads (grouped-query attention), D head dim, V vocab, L layers.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +36,11 @@ class LlamaConfig:
     head_dim: int = 0  # D; 0 means hidden_size // num_attention_heads
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections (never on the output one)
+    # None, or how the rotation speeds are rescaled for a longer context than trained on, in HF's
+    # keys: {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor",
+    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    rope_scaling: dict | None = None
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -70,14 +80,47 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float):
+def rope_frequencies(cfg: LlamaConfig, device) -> torch.Tensor:
+    """The rotation speed of each pair of dims, radians per position: (D/2,) float32.
+
+    theta^(-2i/D), the original RoPE, unless the config rescales it to stretch the context.
+    """
+    D = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, device=device,
+                                                     dtype=torch.float32) / D)  # (D/2,)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]  # position p turns as p / factor did in training
+    if scaling["rope_type"] == "llama3":
+        return llama3_frequencies(inv_freq, scaling["factor"], scaling["low_freq_factor"],
+                                  scaling["high_freq_factor"],
+                                  scaling["original_max_position_embeddings"])
+    raise ValueError(f"unknown rope_type {scaling['rope_type']!r}")
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                       high_freq_factor: float, trained_context: int) -> torch.Tensor:
+    """Llama 3.1's rescale of the speeds (D/2,) -> (D/2,), by each pair's wavelength.
+
+    Fast pairs (more than high_freq_factor turns within the trained context) already saw every
+    angle in training: kept. Slow pairs (fewer than low_freq_factor turns) would meet angles
+    never seen: slowed by `factor`, as linear scaling does. In between: a linear blend of both.
+    """
+    turns = trained_context * inv_freq / (2 * math.pi)  # (D/2,) turns over the trained context
+    # s: 1 keeps the speed, 0 divides it by factor (an exact 0 or 1 outside the blend band)
+    s = ((turns - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
+    return (1 - s) * inv_freq / factor + s * inv_freq
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor):
     """cos and sin of each position's rotation angles: (B, 1, T, D) each, float32.
 
-    Computed per forward from the explicit positions (a few tiny ops) rather than kept in a
-    buffer, so that casting the model to bf16 can never round the angles of far positions.
+    positions: (B, T); inv_freq: (D/2,) from rope_frequencies. Computed per forward from the
+    explicit positions (a few tiny ops) rather than kept in a buffer, so that casting the model
+    to bf16 can never round the angles of far positions.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                            dtype=torch.float32) / head_dim)  # (D/2,)
     angles = positions.unsqueeze(-1).float() * inv_freq  # (B, T, D/2)
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, D): both halves
     return angles.cos(), angles.sin()
@@ -100,9 +143,11 @@ class Attention(nn.Module):
         self.layer_index = layer_index  # which of the KV cache's L layers this one owns
         self.n_head, self.n_kv_head, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.wq = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=False)
+        # note: D is the config's head_dim, which need not be C / H (Mistral NeMo: C 5120, H 32,
+        # D 128): q is H * D wide and wo reads H * D, never C
+        self.wq = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache, slots):
@@ -168,7 +213,7 @@ class Llama(nn.Module):
         mask: (B, T, S) bool, True where token t may attend to slot s (or to token s, no cache).
         cache, slots: a KVCache and the (T,) slots where these tokens' keys/values are written.
         """
-        cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_angles(positions, rope_frequencies(self.config, positions.device))
         mask = mask.unsqueeze(1)  # (B, 1, T, S): the same mask for every head
         x = self.embed(tokens)  # (B, T, C)
         for layer in self.layers:

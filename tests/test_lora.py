@@ -1,5 +1,6 @@
 """LoRA adapters: switched off or removed they are the original model exactly, merged they equal
 the adapters switched on, and at initialisation (B = 0) they change nothing."""
+import pytest
 import torch
 
 from conftest import tiny_model
@@ -40,14 +41,20 @@ def test_fresh_adapters_change_nothing_even_with_dropout():
     assert torch.equal(logits(model, TOKENS), original)
 
 
-def test_merged_weights_equal_adapters_on():
-    model = tiny_model(3)
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_merged_weights_equal_adapters_on(qkv_bias):
+    model = tiny_model(3, qkv_bias=qkv_bias)
+    if qkv_bias:  # Qwen2's q, k, v biases: nonzero, so that losing them in the merge shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.copy_(torch.randn(p.shape, dtype=p.dtype))
     randomise_adapters(model)
     model.eval()
     adapted = logits(model, TOKENS)
     merge_adapters(model)
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
-    assert set(model.state_dict()) == set(tiny_model(3).state_dict())  # the plain layout again
+    assert set(model.state_dict()) == set(tiny_model(3, qkv_bias=qkv_bias).state_dict())
     torch.testing.assert_close(logits(model, TOKENS), adapted, rtol=1e-10, atol=1e-10)
 
 
@@ -56,7 +63,7 @@ def test_removed_adapters_leave_the_original_model_exactly():
     original = logits(model, TOKENS)
     randomise_adapters(model)
     remove_adapters(model)
-    assert set(model.state_dict()) == set(tiny_model(3).state_dict())  # the plain layout again
+    assert set(model.state_dict()) == set(tiny_model(3).state_dict())
     assert torch.equal(logits(model, TOKENS), original)
 
 

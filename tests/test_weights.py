@@ -1,5 +1,7 @@
 """Loading HF-layout weights: an exact round trip, strict errors that name the tensor or field,
-dtype casting, sharded checkpoints, and the GGUF Q/K row order undone."""
+dtype casting, sharded checkpoints, the RoPE scalings read from transformers 4's and 5's keys,
+and the GGUF Q/K row order undone. (The model families against transformers:
+test_model_families.py.)"""
 import json
 
 import numpy as np
@@ -9,8 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from minimedusa.default_model import unpermute_qk
-from minimedusa.model import causal_mask
-from minimedusa.weights import ConfigError, WeightsError, load_model, save_model
+from minimedusa.model import LlamaConfig, causal_mask
+from minimedusa.weights import (ConfigError, WeightsError, config_from_hf, config_to_hf,
+                                load_model, save_model)
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
 
 
 def same_weights(a, b):
@@ -19,12 +25,30 @@ def same_weights(a, b):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_save_then_load_round_trips_exactly(tmp_path, tied):
-    model = tiny_model(dtype=torch.float32, tie_word_embeddings=tied)
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_save_then_load_round_trips_exactly(tmp_path, tied, qkv_bias):
+    model = tiny_model(dtype=torch.float32, tie_word_embeddings=tied, qkv_bias=qkv_bias)
     save_model(model, tmp_path)
     loaded = load_model(tmp_path)
     assert same_weights(model, loaded)
     assert (loaded.lm_head.weight is loaded.embed.weight) == tied
+    assert (loaded.layers[0].attn.wq.bias is not None) == qkv_bias
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"qkv_bias": True}, {"head_dim": 16}, {"rope_scaling": LLAMA3},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "qkv_bias": True},
+])
+def test_config_to_hf_reads_back_as_the_same_config(overrides):
+    cfg = LlamaConfig.tiny(**overrides)
+    assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+def test_qkv_biases_are_written_as_a_qwen2():
+    """HF's Llama has no switch for q/k/v biases alone (its attention_bias adds one to the output
+    projection too): a model with them is written as the Qwen2 it is."""
+    hf = config_to_hf(LlamaConfig.tiny(qkv_bias=True))
+    assert (hf["model_type"], hf["architectures"]) == ("qwen2", ["Qwen2ForCausalLM"])
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
@@ -92,12 +116,18 @@ def test_missing_weights_file_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.pop("hidden_size"), "missing required field.*hidden_size"),
-    (lambda c: c.update(model_type="mistral", architectures=["MistralForCausalLM"]),
-     "only runs Llama"),
+    (lambda c: c.update(model_type="gemma", architectures=["GemmaForCausalLM"]),
+     "only runs LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+    (lambda c: c.update(model_type="mistral", architectures=["LlamaForCausalLM"]),
+     "model_type='mistral' architectures=\\['LlamaForCausalLM'\\]"),
+    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 8.0}),
+     "rope_scaling asks for RoPE scaling 'yarn'"),
+    (lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+     "rope_parameters asks for RoPE scaling 'dynamic'"),
     (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-     "rope_scaling asks for RoPE scaling 'llama3'"),
-    (lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": 2.0}),
-     "rope_parameters asks for RoPE scaling 'linear'"),
+     "RoPE scaling 'llama3' but lacks low_freq_factor, high_freq_factor, original_max"),
+    (lambda c: c.update(rope_scaling=LLAMA3, rope_parameters={"rope_type": "default"}),
+     "rope_parameters and rope_scaling ask for different RoPE scalings"),
     (lambda c: c.update(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
      "partial_rotary_factor=0.5"),
     (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
@@ -126,6 +156,21 @@ def test_transformers_5_rope_parameters_set_rope_theta(tmp_path):
     positions, mask = torch.arange(12)[None], causal_mask(0, 12)
     torch.testing.assert_close(loaded(tokens, positions, mask)[0],
                                model(tokens, positions, mask)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key, scaling", [
+    ("rope_scaling", LLAMA3),  # transformers 4
+    ("rope_scaling", {"type": "linear", "factor": 2.0}),  # transformers 4, the old key name
+    ("rope_parameters", {**LLAMA3, "rope_theta": 10000.0}),  # transformers 5
+])
+def test_rope_scaling_is_read_from_either_key(tmp_path, key, scaling):
+    save_model(tiny_model(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[key] = scaling
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    read = load_model(tmp_path).config.rope_scaling
+    assert read["rope_type"] == scaling.get("rope_type", scaling.get("type"))
+    assert read["factor"] == scaling["factor"]
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
