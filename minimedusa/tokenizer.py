@@ -4,9 +4,12 @@ accepted.
 
 For the default model, byte_level_bpe builds SmolLM2's tokenizer from the GGUF's vocabulary and
 merges (its pre-tokenizer splits every digit on its own before GPT-2's byte-level split).
-Left out: tokenizers' own chat-template helpers (they live in transformers).
+The chat template renders as transformers' apply_chat_template renders it (its tojson,
+strftime_now and raise_exception). Left out: its {% generation %} tag, which marks the assistant's
+tokens for training masks; a template that uses it fails to parse, in one clear error.
 """
 import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
@@ -37,24 +40,55 @@ def byte_level_bpe(tokens: list[str], merges: list[str], special_ids: list[int])
     return tk
 
 
-def render_chat(template: str, messages: list[dict], special_tokens: dict) -> str:
+def render_chat(template: str, messages: list[dict], variables: dict) -> str:
     """The chat as the model's own template (jinja, from its tokenizer_config.json) renders it,
-    with add_generation_prompt=True, as transformers' apply_chat_template does: trimmed blocks,
-    and the template's raise_exception. In jinja2's sandbox: a template is code from the
-    model's folder, and the sandbox lets it format strings, nothing else.
+    with add_generation_prompt=True, as transformers' apply_chat_template does (checked against
+    it for Llama 3, Qwen2.5 and Mistral templates in tests/test_tokenizer.py). `variables` are
+    the other names the template reads: the special tokens (bos_token, ...), and where a caller
+    has them, `tools` (function schemas) or Llama 3's `date_string`.
 
     >>> render_chat("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     ...             "{% if add_generation_prompt %}<assistant>{% endif %}",
     ...             [{"role": "user", "content": "Hi"}], {})
     '<user>Hi<assistant>'
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = template_exception
+    # as apply_chat_template: a key set to None is dropped (templates test `is defined`, and
+    # would print "None"), and tools and documents are always defined, None unless given
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    context = {"tools": None, "documents": None, **variables,
+               "messages": messages, "add_generation_prompt": True}
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                **special_tokens)
-    except jinja2.TemplateError as e:
-        raise UserError(f"the model's chat template failed to render: {e}") from None
+        return chat_environment().from_string(template).render(context)
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
+        # a template is a program: its own type errors (None + a string) are its failure too;
+        # one line, even where the template's raise_exception message spans several
+        raise UserError("the model's chat template failed to render: "
+                        + " | ".join(line.strip() for line in str(e).splitlines())) from None
+
+
+def chat_environment() -> ImmutableSandboxedEnvironment:
+    """jinja2 set up as transformers sets it up for chat templates. In the sandbox: a template is
+    code from the model's folder, and the sandbox lets it format strings, nothing else."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])  # {% break %}
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = template_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson, the one templates are written against. jinja2's own sorts the keys
+    and writes ü as \\u00fc and <, >, &, ' as \\u003c...: Qwen2.5 and Llama 3 write the tool
+    schemas with it, so the model would see them reordered and escaped, unlike its training."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def strftime_now(fmt: str) -> str:
+    """Local time now, formatted: Llama 3.2's template writes strftime_now("%d %b %Y") as
+    `Today Date: 26 Jul 2024` in its system turn, unless the caller passes date_string."""
+    return datetime.now().strftime(fmt)
 
 
 def template_exception(message: str):
