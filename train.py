@@ -41,7 +41,7 @@ from minimedusa.budget import CALIBRATION
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.device import pick_device
 from minimedusa.errors import UserError, entry_point
-from minimedusa.heads import MedusaHeads
+from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
 from minimedusa.hydra import HydraHeads
 from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, joint_metrics,
                                        joint_optimizer, lambda0, make_batch, mean_kl,
@@ -50,8 +50,9 @@ from minimedusa.lora import (adapter_state, adapters_off, add_adapters, load_ada
                              merge_adapters)
 from minimedusa.model import Llama
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import (DataError, Rows, cosine_lr, head_logits, head_metrics,
-                                 medusa_loss, read_answers, read_rows, split_validation)
+from minimedusa.training import (DataError, Rows, cosine_lr, draft_columns, head_logits,
+                                 head_metrics, medusa_loss, read_answers, read_rows,
+                                 split_validation)
 from minimedusa.tree_search import head_accuracies, write_json
 from minimedusa.weights import (load_heads, load_model, save_draft_vocab, save_heads,
                                 save_model)
@@ -104,6 +105,11 @@ def parse_args(argv=None):
                     help="medusa: the paper's heads, each reads h_t alone (default); hydra: "
                     "each also reads the tokens drafted before it (minimedusa/hydra.py; always "
                     "with the shared LM head)")
+    m1.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="train the heads to rank only the N tokens most frequent in the "
+                    "training answers, as they will draft with it (a draft vocabulary: a "
+                    "fraction of the LM head's cost, in training and decoding; the config "
+                    "makes it the heads' default); 0 = the whole vocabulary (default)")
     m1.add_argument("--heads", type=int, default=4, help="number of heads K (default: 4; "
                     "Medusa-2 keeps the form of --init-heads)")
     m1.add_argument("--layers", type=int, default=1, help="residual blocks per head (default: 1)")
@@ -318,6 +324,8 @@ class Medusa1:
     train_rows: Rows
     val_rows: Rows
     optimizer: torch.optim.Optimizer
+    ranking: tuple[torch.Tensor, torch.Tensor]  # the answers' token ids by frequency, counts
+    vocabulary: DraftVocabulary | None  # with --draft-vocab: the tokens the heads rank
 
     def rows(self) -> int:
         return self.train_rows.targets.shape[0]
@@ -332,11 +340,13 @@ class Medusa1:
         hidden = self.train_rows.hidden[index].to(self.device, torch.float32)  # (B, C)
         targets = self.train_rows.targets[index].to(self.device)  # (B, K)
         tokens = self.train_rows.tokens[index].to(self.device)  # (B, K): read by Hydra heads
-        loss, ce, _ = medusa_loss(head_logits(self.trained, hidden, tokens, self.model), targets)
+        logits = head_logits(self.trained, hidden, tokens, self.model, self.vocabulary)
+        loss, ce, _ = medusa_loss(logits, draft_columns(targets, self.vocabulary))
         return Losses(loss, ce, {}, "")
 
     def evaluate(self) -> tuple[dict, str]:
-        metrics = head_metrics(self.heads.eval(), self.model, self.val_rows, self.device)
+        metrics = head_metrics(self.heads.eval(), self.model, self.val_rows, self.device,
+                               vocabulary=self.vocabulary)
         self.heads.train()
         return metrics, accuracy_line(metrics)
 
@@ -349,9 +359,11 @@ class Medusa1:
     def finish(self, step: int, say) -> bool:
         """Save the heads and the training answers' token counts (their draft vocabulary); True:
         there is no quality guard, the backbone is untouched."""
-        save_heads(self.heads.eval(), self.args.out, {"base_model_name_or_path": str(self.folder),
-                                                      "trained_steps": step})
-        save_draft_vocab(self.args.out, [self.train_rows.tokens[:, 0]])  # every answer token once
+        extra = {"base_model_name_or_path": str(self.folder), "trained_steps": step}
+        if self.vocabulary is not None:
+            extra["draft_vocab_size"] = len(self.vocabulary.ids)
+        save_heads(self.heads.eval(), self.args.out, extra)
+        save_draft_vocab(self.args.out, *self.ranking)
         return True
 
 
@@ -364,12 +376,18 @@ def medusa1(args, device, world: int) -> Medusa1:
     train_rows, val_rows = read_rows(args.data, cfg.medusa_num_heads,
                                      tokenizer_fingerprint(folder), model.config.vocab_size)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    ranking = token_ranking(train_rows.tokens[:, 0])  # column 0: every answer token once
+    vocabulary = (DraftVocabulary(ranking[0][:args.draft_vocab].sort().values, model.lm_head)
+                  if args.draft_vocab else None)
     intro = (f"training {cfg.medusa_num_heads} {cfg.head_kind} heads "
              f"({'shared' if cfg.shared_lm_head else 'own'}"
              f" projection{', from ' + str(args.init_heads) if args.init_heads else ''}) on "
              f"{train_rows.targets.shape[0]} positions ({val_rows.targets.shape[0]} held out)")
+    if vocabulary is not None:
+        covered = ranking[1][:args.draft_vocab].sum() / ranking[1].sum()
+        intro += f", ranking a draft vocabulary of {args.draft_vocab} tokens ({covered:.1%} of them)"
     return Medusa1(args, device, folder, intro, model, heads, distributed(heads, world),
-                   train_rows, val_rows, optimizer)
+                   train_rows, val_rows, optimizer, ranking, vocabulary)
 
 
 # --- Medusa-2: joint training --------------------------------------------------------------

@@ -97,9 +97,20 @@ class DraftVocabulary(nn.Module):
 
     def __init__(self, ids: torch.Tensor, lm_head: nn.Linear):
         super().__init__()
+        self.vocab_size = lm_head.out_features  # V
         self.register_buffer("ids", ids.to(lm_head.weight.device))  # (V',) int64
         self.lm_head = nn.Linear(lm_head.in_features, len(ids), bias=False,
                                  device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head.weight[self.ids])  # (V', C): the kept rows
+        self.requires_grad_(False)  # the backbone's LM head, frozen as it is
 
+
+
+def token_ranking(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every token id that occurs in `tokens`, most frequent first (ties: the smaller id);
+    its count): a draft vocabulary of V' tokens is the first V' ids."""
+    counts = torch.bincount(tokens)
+    ids = counts.argsort(descending=True, stable=True)
+    ids = ids[counts[ids] > 0]
+    return ids, counts[ids]

@@ -116,14 +116,26 @@ def read_rows(folder: Path, num_heads: int, tokenizer_fingerprint: str,
     return tuple(stack(part) for part in split_validation(answers))
 
 
-def head_logits(heads, hidden: torch.Tensor, tokens: torch.Tensor | None, model) -> torch.Tensor:
-    """Every head's logits (K, B, V) at B answer positions, h_t (B, C). Hydra heads are
-    teacher-forced: they read the answer's own tokens y_{t+1}..y_{t+K} (B, K), which is what a
-    correct draft holds. heads: the heads, or the heads wrapped by DistributedDataParallel."""
-    kind = getattr(heads, "module", heads).config.head_kind
-    if kind == "hydra":
-        return heads(hidden, tokens, model.embed, model.lm_head)
-    return heads(hidden, model.lm_head)
+def head_logits(heads, hidden: torch.Tensor, tokens: torch.Tensor | None, model,
+                vocabulary=None) -> torch.Tensor:
+    """Every head's logits (K, B, V) at B answer positions, h_t (B, C); (K, B, V') over a
+    draft vocabulary (heads.DraftVocabulary) if one is given. Hydra heads are teacher-forced:
+    they read the answer's own tokens y_{t+1}..y_{t+K} (B, K), which is what a correct draft
+    holds. heads: the heads, or the heads wrapped by DistributedDataParallel."""
+    lm_head = model.lm_head if vocabulary is None else vocabulary.lm_head
+    if getattr(heads, "module", heads).config.head_kind == "hydra":
+        return heads(hidden, tokens, model.embed, lm_head)
+    return heads(hidden, lm_head)
+
+
+def draft_columns(targets: torch.Tensor, vocabulary) -> torch.Tensor:
+    """Target token ids -> their columns in the draft vocabulary's logits (V'); a token outside
+    it can never be guessed: IGNORE, no loss (the accuracy still counts it as a miss)."""
+    if vocabulary is None:
+        return targets
+    lookup = torch.full((vocabulary.vocab_size,), IGNORE, device=targets.device)
+    lookup[vocabulary.ids] = torch.arange(len(vocabulary.ids), device=targets.device)
+    return torch.where(targets == IGNORE, IGNORE, lookup[targets.clamp(min=0)])
 
 
 def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float = 0.8):
@@ -140,30 +152,36 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float =
     return (weights * ce).sum(), ce.detach(), counted
 
 
-def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor, k: int,
+              vocabulary=None) -> torch.Tensor:
     """Per head, how many rows have their target among the head's top-k: (K,)."""
     top = head_logits.topk(k, dim=-1).indices  # (K, B, k)
+    if vocabulary is not None:
+        top = vocabulary.ids[top]  # columns -> token ids
     hit = (top == targets.T.unsqueeze(-1)).any(dim=-1) & (targets.T != IGNORE)  # (K, B)
     return hit.sum(dim=1)
 
 
 @torch.no_grad()
-def head_metrics(heads, model, rows: Rows, device, batch_size: int = 1024) -> dict:
-    """Per-head validation loss and top-1 / top-5 accuracy over all `rows`."""
+def head_metrics(heads, model, rows: Rows, device, batch_size: int = 1024,
+                 vocabulary=None) -> dict:
+    """Per-head validation loss and top-1 / top-5 accuracy over all `rows` (the loss over the
+    draft vocabulary's columns, if there is one, the accuracy over every target)."""
     K = rows.targets.shape[1]
-    ce_sum, n, top1, top5 = torch.zeros(K), torch.zeros(K), torch.zeros(K), torch.zeros(K)
+    ce_sum, n_ce, n, top1, top5 = (torch.zeros(K) for _ in range(5))
     for a in range(0, rows.targets.shape[0], batch_size):
         hidden = rows.hidden[a:a + batch_size].to(device, model.lm_head.weight.dtype)  # (B, C)
         targets = rows.targets[a:a + batch_size].to(device)  # (B, K)
         tokens = None if rows.tokens is None else rows.tokens[a:a + batch_size].to(device)
-        logits = head_logits(heads, hidden, tokens, model)  # (K, B, V)
-        _, ce, counted = medusa_loss(logits, targets)
+        logits = head_logits(heads, hidden, tokens, model, vocabulary)  # (K, B, V)
+        _, ce, counted = medusa_loss(logits, draft_columns(targets, vocabulary))
         ce_sum += (ce * counted).cpu()
-        n += counted.cpu()
-        top1 += topk_hits(logits, targets, 1).cpu()
-        top5 += topk_hits(logits, targets, 5).cpu()
-    n = n.clamp(min=1)
-    return {"loss": (ce_sum / n).tolist(), "top1": (top1 / n).tolist(),
+        n_ce += counted.cpu()
+        n += (targets != IGNORE).sum(dim=0).cpu()
+        top1 += topk_hits(logits, targets, 1, vocabulary).cpu()
+        top5 += topk_hits(logits, targets, 5, vocabulary).cpu()
+    n, n_ce = n.clamp(min=1), n_ce.clamp(min=1)
+    return {"loss": (ce_sum / n_ce).tolist(), "top1": (top1 / n).tolist(),
             "top5": (top5 / n).tolist()}
 
 

@@ -39,7 +39,8 @@ from minimedusa.training import IGNORE, Rows, head_logits, read_rows
 @torch.no_grad()
 def head_accuracies(heads, model, rows: Rows, ranks: int = 10,
                     batch_size: int = 256) -> torch.Tensor:
-    """(K, R) float: a[k, i] = fraction of rows where head k's i-th best guess is its target.
+    """(K, R) float: a[k, i] = fraction of rows where head k's i-th best guess is its target,
+    the guesses ranked as decoding ranks them (over the heads' draft vocabulary, if set).
     Hydra heads read the true tokens before their target: their a_k^(i) is the accuracy given
     that the draft above them was right, which is when their guess can be accepted."""
     K = rows.targets.shape[1]
@@ -49,7 +50,10 @@ def head_accuracies(heads, model, rows: Rows, ranks: int = 10,
         hidden = rows.hidden[a:a + batch_size].to(weight.device, weight.dtype)
         targets = rows.targets[a:a + batch_size].to(weight.device).T  # (K, B)
         tokens = None if rows.tokens is None else rows.tokens[a:a + batch_size].to(weight.device)
-        top = head_logits(heads, hidden, tokens, model).topk(ranks, dim=-1).indices  # (K, B, R)
+        logits = head_logits(heads, hidden, tokens, model, heads.vocabulary)  # (K, B, V')
+        top = logits.topk(ranks, dim=-1).indices  # (K, B, R)
+        if heads.vocabulary is not None:
+            top = heads.vocabulary.ids[top]
         hits += (top == targets.unsqueeze(-1)).sum(dim=1).cpu()  # a target is in one rank at most
         counted += (targets != IGNORE).sum(dim=1, keepdim=True).cpu()
     return hits / counted.clamp(min=1)

@@ -307,7 +307,8 @@ def check_heads_fit(cfg: MedusaConfig, model_config: LlamaConfig) -> None:
 def save_heads(heads: MedusaHeads, folder, extra_config: dict | None = None) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {name.removeprefix("heads."): t.contiguous() for name, t in heads.state_dict().items()}
+    # heads.heads alone: not a draft vocabulary set for decoding (a slice of the LM head)
+    state = {name: t.contiguous() for name, t in heads.heads.state_dict().items()}
     save_file(state, folder / HEADS_FILE, metadata={"format": "pt"})
     config = {**asdict(heads.config), **(extra_config or {})}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -381,13 +382,10 @@ def load_heads(folder, model) -> MedusaHeads:
     return heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
 
 
-def save_draft_vocab(folder, answers: list[torch.Tensor]) -> None:
-    """Every token id of the training answers, most frequent first, with its count: a draft
-    vocabulary of any size V' is then its first V' ids (heads.DraftVocabulary)."""
-    counts = torch.bincount(torch.cat(answers))
-    ids = counts.argsort(descending=True, stable=True)
-    ids = ids[counts[ids] > 0]
-    save_file({"ids": ids.contiguous(), "counts": counts[ids].contiguous()},
+def save_draft_vocab(folder, ids: torch.Tensor, counts: torch.Tensor) -> None:
+    """The training answers' token ids, most frequent first, with their counts
+    (heads.token_ranking): a draft vocabulary of any size V' is then the first V' ids."""
+    save_file({"ids": ids.contiguous(), "counts": counts.contiguous()},
               Path(folder) / DRAFT_VOCAB_FILE, metadata={"format": "pt"})
 
 
@@ -413,7 +411,7 @@ def export_v1(heads: MedusaHeads, lm_head: nn.Linear, folder, base_model: str) -
                          "load Medusa heads (vLLM, TensorRT-LLM, TGI) run the paper's kind only")
     own = MedusaHeads(MedusaConfig(cfg.medusa_num_heads, cfg.medusa_num_layers, cfg.hidden_size,
                                    cfg.vocab_size, shared_lm_head=False))
-    state = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}
+    state = dict(heads.heads.state_dict())
     if cfg.shared_lm_head:
         for i in range(cfg.medusa_num_heads):
             state[f"{i}.{cfg.medusa_num_layers}.weight"] = lm_head.weight.detach().clone()

@@ -17,7 +17,8 @@ from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import IGNORE, head_inputs, head_targets, read_rows
+from minimedusa.cli import decoding_heads
+from minimedusa.training import IGNORE, draft_columns, head_inputs, head_targets, read_rows
 from minimedusa.tree import build_tree
 from minimedusa.weights import (HeadsError, export_v1, load_heads, load_model, read_draft_vocab,
                                 save_heads)
@@ -173,16 +174,31 @@ def test_hydra_heads_save_and_load_as_their_kind(tmp_path):
         load_heads(tmp_path, model)
 
 
-def test_train_frozen_hydra_learns_and_saves_its_draft_vocabulary(tiny_setup, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 24])
+def test_train_frozen_hydra_learns_and_saves_its_draft_vocabulary(tiny_setup, tmp_path,
+                                                                  draft_vocab):
     model_dir, data = tiny_setup
     train.main(["--frozen", "--kind", "hydra", "--model", str(model_dir), "--data", str(data),
                 "--out", str(tmp_path), "--batch-size", "32", "--heads", "3", "--warmup", "2",
-                "--eval-every", "5", "--lr", "3e-3", "--epochs", "2"])
+                "--eval-every", "5", "--lr", "3e-3", "--epochs", "2",
+                "--draft-vocab", str(draft_vocab)])
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert log[-1]["train_loss"] < log[0]["train_loss"]
-    heads = load_heads(tmp_path, load_model(model_dir))
+    model = load_model(model_dir)
+    heads = decoding_heads(str(tmp_path), model)  # as generate.py loads them
     assert isinstance(heads, HydraHeads)
     assert any(h.read.weight.abs().sum() > 0 for h in heads.heads)  # the token part learned
     ids, counts = read_draft_vocab(tmp_path)
     rows, _ = read_rows(data, 3, tokenizer_fingerprint(model_dir), VOCAB)
     assert counts.sum() == rows.tokens.shape[0] and (counts[:-1] >= counts[1:]).all()
+    if draft_vocab:  # the config makes the trained-with vocabulary the decoding default
+        assert torch.equal(heads.vocabulary.ids, ids[:draft_vocab].sort().values)
+    else:
+        assert heads.vocabulary is None
+
+
+def test_draft_columns_map_tokens_outside_the_vocabulary_to_no_target():
+    model = tiny_model()
+    vocabulary = DraftVocabulary(torch.tensor([3, 7, 50]), model.lm_head)
+    targets = torch.tensor([[7, IGNORE], [50, 4], [3, 7]])
+    assert draft_columns(targets, vocabulary).tolist() == [[1, IGNORE], [2, IGNORE], [0, 1]]
