@@ -38,7 +38,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from minimedusa.budget import CALIBRATION
-from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
+from minimedusa.default_model import PAPER_HEADS_DIR, ensure_default_model
 from minimedusa.device import pick_device
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
@@ -81,8 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--init-heads", type=Path, default=None,
                    help="trained heads to start from. Medusa-1: train them further on --data "
                    "(their form replaces --heads/--layers/--shared; default: fresh heads). "
-                   "Medusa-2: the paper's heads warm-up (default: the shipped heads when "
-                   "training the default model)")
+                   "Medusa-2: the paper's heads warm-up (default: the shipped paper-kind heads "
+                   "when training the default model)")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default: 1)")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="split each batch into this many micro-batches (default: 1)")
@@ -394,7 +394,7 @@ def medusa1(args, device, world: int) -> Medusa1:
 
 def starting_heads(args) -> Path:
     """The Medusa-1 heads Medusa-2 starts from (the paper's heads warm-up)."""
-    init = args.init_heads or (DEFAULT_HEADS_DIR if args.model is None else None)
+    init = args.init_heads or (PAPER_HEADS_DIR if args.model is None else None)
     if init is None or not init.is_dir():
         raise UserError(
             "Medusa-2 starts from trained Medusa-1 heads (the paper's heads warm-up): give "

