@@ -59,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--tree", default=None,
                    help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
                    "of head k), or a JSON file of node paths, used for every step; or ranked:N, "
-                   "each step's N nodes of highest path probability under the heads (default: "
+                   "each step's N nodes of highest path probability under the heads, or ranked, "
+                   "N chosen step by step as the default tree's size is (default: "
                    "the tree grown from the heads' calibration, its size chosen step by step "
                    "from step latencies measured on this machine, plain steps included)")
     p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection"],
@@ -112,18 +113,20 @@ def decoder(args, model):
                                      if heads.vocabulary is not None else " heads")
     accept = decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps,
                                  args.delta)
-    if args.tree is not None and args.tree.startswith("ranked:"):
+    ranked = args.tree == "ranked" or (args.tree or "").startswith("ranked:")
+    if ranked and ranked_size(args.tree) is not None:
         size = ranked_size(args.tree)
         return (lambda: f"{kind}, confidence-ranked tree of {size} nodes (--tree), {accept.name}",
                 lambda ids: ranked_decode(model, heads, size, ids, n, accept, stops, args.seed))
-    if args.tree is not None:
+    if args.tree is not None and not ranked:
         name, tree = decoding_tree(args.tree, heads, model)
         return (lambda: f"{kind}, tree {name} ({tree.size - 1} nodes, --tree), {accept.name}",
                 lambda ids: medusa_decode(model, heads, tree, ids, n, accept, stops, args.seed))
     trees, budget, why = decoding_budget(heads, model, args.heads)
-    return (lambda: f"{kind}, tree of {budget.summary()}: {why}, {accept.name}",
+    shape = "confidence-ranked tree" if ranked else "tree"
+    return (lambda: f"{kind}, {shape} of {budget.summary()}: {why}, {accept.name}",
             lambda ids: adaptive_decode(model, heads, trees, budget, ids, n, accept, stops,
-                                        args.seed))
+                                        args.seed, ranked=ranked))
 
 
 def run(args) -> dict:

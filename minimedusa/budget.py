@@ -173,8 +173,10 @@ class Budget:
                 return self.sizes[j]
         return self.current
 
-    def record(self, n: int, seconds: float, accepted: list[tuple]) -> None:
-        """A step at size n took `seconds` and accepted these node paths (root excluded).
+    def record(self, n: int, seconds: float, accepted: list[tuple],
+               rank: dict | None = None) -> None:
+        """A step at size n took `seconds` and accepted these node paths (root excluded); rank:
+        where each path comes in this step's tree order, if not the nested trees' (a ranked tree).
 
         note: the accepted paths form one chain from the root, and a smaller nested tree holds
         a prefix of it; under greedy and rejection-sampling acceptance (one draw per node) that
@@ -182,9 +184,10 @@ class Budget:
         it is a lower bound (another path of the smaller tree might have passed)."""
         self.seconds[n].append(seconds)
         self.used[n] += 1
+        rank = rank or self.rank
         for m in self.sizes:
             if 0 < m <= n:  # what the nested tree of m nodes would have accepted in this step
-                self.tokens[m] += 1 + sum(self.rank[p] <= m for p in accepted)
+                self.tokens[m] += 1 + sum(rank[p] <= m for p in accepted)
                 self.steps[m] += 1
 
     def summary(self) -> str:

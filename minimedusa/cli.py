@@ -189,8 +189,11 @@ def tree_choices(spec: str) -> list:
         raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
 
 
-def ranked_size(spec: str) -> int:
-    """N of a --tree ranked:N (ranked_tree.py: each step's N most probable nodes)."""
+def ranked_size(spec: str) -> int | None:
+    """N of a --tree ranked:N (ranked_tree.py: each step's N most probable nodes); None for
+    --tree ranked, whose N the budget chooses step by step."""
+    if spec == "ranked":
+        return None
     size = spec.removeprefix("ranked:")
     if not size.isdigit() or int(size) < 1:
         raise TreeError(f"bad tree {spec!r}: use ranked:N with N >= 1 nodes")

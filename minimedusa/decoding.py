@@ -201,7 +201,7 @@ def ranked_decode(model: Llama, heads: MedusaHeads | HydraHeads, size: int,
     """medusa_decode, but each step's tree is the `size` nodes the heads find most probable at
     that step, built anew (ranked_tree.py), instead of one tree for every step."""
     def step(cache, root, hidden, generator):
-        tree, tokens = ranked_draft(heads, model, root, hidden, size)
+        tree, tokens, _ = ranked_draft(heads, model, root, hidden, size)
         new, _, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
         return new, hidden
     return step_by_step(model, prompt_ids, max_new_tokens, size + 1, acceptance, stop_ids,
@@ -247,12 +247,13 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
     return [acceptance.first(logits[0], generator).item()], [0], hidden[0]
 
 
-def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree], budget,
-                    prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
-                    stop_ids: set[int], seed: int | None = None,
-                    clock=time.perf_counter) -> Iterator[list[int]]:
+def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree],
+                    budget, prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
+                    stop_ids: set[int], seed: int | None = None, clock=time.perf_counter,
+                    ranked: bool = False) -> Iterator[list[int]]:
     """medusa_decode, but each step's tree is trees[n] for the size n that `budget` chooses
-    (budget.py), 0 being a plain step; every step's time and accepted path go back to the budget.
+    (budget.py), 0 being a plain step, or with `ranked` the n nodes the heads find most probable
+    at that step (ranked_tree.py); every step's time and accepted path go back to the budget.
     Lossless as medusa_decode is: which tree verifies a step never changes what is accepted."""
     def step(cache, root, hidden, generator):
         n, start = budget.choose(), clock()
@@ -260,10 +261,13 @@ def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[i
             new, _, hidden = root_step(model, cache, root, acceptance, generator)
             budget.record(0, clock() - start, [])
             return new, hidden
-        new, nodes, hidden = medusa_step(model, trees[n], cache,
-                                         draft(heads, model, trees[n], root, hidden), acceptance,
-                                         generator)
-        budget.record(n, clock() - start, [trees[n].nodes[i] for i in nodes[1:]])
+        if ranked:  # the step's own order ranks its nodes: its first m are its tree of m
+            tree, tokens, order = ranked_draft(heads, model, root, hidden, n)
+            rank = {path: i + 1 for i, path in enumerate(order)}
+        else:
+            tree, tokens, rank = trees[n], draft(heads, model, trees[n], root, hidden), None
+        new, nodes, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
+        budget.record(n, clock() - start, [tree.nodes[i] for i in nodes[1:]], rank)
         return new, hidden
     margin = max(tree.size for tree in trees.values())
     return step_by_step(model, prompt_ids, max_new_tokens, margin, acceptance, stop_ids, seed,

@@ -47,9 +47,10 @@ def most_probable_paths(probs: list[list[float]], n: int) -> list[tuple]:
 
 @torch.inference_mode()
 def ranked_medusa_draft(heads, model, root: int, hidden: torch.Tensor,
-                        size: int) -> tuple[MedusaTree, torch.Tensor]:
-    """(this step's tree of `size` nodes, its tokens (size + 1,), root first) for Medusa heads:
-    one call of the heads, as in a static tree, then the most probable paths."""
+                        size: int) -> tuple[MedusaTree, torch.Tensor, list[tuple]]:
+    """(this step's tree of `size` nodes, its tokens (size + 1,), root first, its node paths
+    most probable first) for Medusa heads: one call of the heads, as in a static tree, then the
+    most probable paths."""
     vocabulary = heads.vocabulary
     logits = heads(hidden, model.lm_head if vocabulary is None else vocabulary.lm_head)  # (K, V')
     top = logits.softmax(-1).topk(min(size, logits.shape[-1]), dim=-1)  # (K, R)
@@ -58,13 +59,14 @@ def ranked_medusa_draft(heads, model, root: int, hidden: torch.Tensor,
     tree = build_tree(paths, device=hidden.device)
     guesses = torch.cat([torch.tensor([root], device=ids.device), ids.reshape(-1)])
     depth_rank = torch.where(tree.head >= 0, 1 + tree.head * ids.shape[1] + tree.rank, 0)
-    return tree, guesses[depth_rank]
+    return tree, guesses[depth_rank], paths
 
 
 @torch.inference_mode()
 def ranked_hydra_draft(heads: HydraHeads, model, root: int, hidden: torch.Tensor, size: int,
-                       beam: int = 4) -> tuple[MedusaTree, torch.Tensor]:
-    """(this step's tree of `size` nodes, its tokens (size + 1,), root first) for Hydra heads,
+                       beam: int = 4) -> tuple[MedusaTree, torch.Tensor, list[tuple]]:
+    """(this step's tree of `size` nodes, its tokens (size + 1,), root first, its node paths
+    most probable first) for Hydra heads,
     whose guesses at a node depend on its path: depth by depth, head d runs on the `beam` most
     probable nodes of depth d-1 and ranks R guesses under each; of all the nodes made, the
     `size` most probable are kept."""
@@ -87,12 +89,13 @@ def ranked_hydra_draft(heads: HydraHeads, model, root: int, hidden: torch.Tensor
     paths = sorted((p for p in made if p), key=lambda p: (-made[p][0], len(p)))[:size]
     tree = build_tree(paths, device=hidden.device)
     tokens = torch.tensor([made[p][1] for p in tree.nodes], device=hidden.device)
-    return tree, tokens
+    return tree, tokens, paths
 
 
 def ranked_draft(heads, model, root: int, hidden: torch.Tensor,
-                 size: int) -> tuple[MedusaTree, torch.Tensor]:
-    """This step's confidence-ranked tree of `size` nodes and its tokens, for either kind."""
+                 size: int) -> tuple[MedusaTree, torch.Tensor, list[tuple]]:
+    """This step's confidence-ranked tree of `size` nodes, its tokens and its node paths most
+    probable first (its first m paths: the ranked tree of m nodes), for either kind."""
     if isinstance(heads, HydraHeads):
         return ranked_hydra_draft(heads, model, root, hidden, size)
     return ranked_medusa_draft(heads, model, root, hidden, size)

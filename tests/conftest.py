@@ -28,6 +28,16 @@ def tiny_model(seed: int = 0, dtype=torch.float64, device="cpu", **overrides) ->
     return model.eval().requires_grad_(False)
 
 
+def perturbed(heads, seed: int, scale: float):
+    """Heads (fresh: each guesses what the LM head guesses) with every parameter randomly
+    perturbed: wrong often enough to exercise rejection, right often enough to accept."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
+    return heads.eval().requires_grad_(False)
+
+
 def copycat_model(seed: int = 0, embed_scale: float = 10.0, **kwargs) -> Llama:
     """A tiny Llama that tends to repeat its last token: tied embeddings scaled up, so the
     residual stream is dominated by the current token's embedding, which the tied LM head

@@ -91,8 +91,9 @@ def test_unknown_acceptance_is_tried_before_it_is_judged():
     # it looked, then dropped
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_switching_tree_sizes_mid_run_keeps_greedy_output_identical_to_plain(seed):
+def test_switching_tree_sizes_mid_run_keeps_greedy_output_identical_to_plain(seed, ranked):
     model = copycat_model(seed)
     heads = MedusaHeads.for_model(model, 4, shared_lm_head=True).eval()
     for p in heads.parameters():
@@ -106,7 +107,7 @@ def test_switching_tree_sizes_mid_run_keeps_greedy_output_identical_to_plain(see
     prompt = [3, 5, 7, 3, 5]
     flat = lambda steps: [t for step in steps for t in step]  # noqa: E731
     medusa = flat(adaptive_decode(model, heads, trees, budget, prompt, 60, greedy(), set(),
-                                  clock=lambda: rng.random()))  # a clock that lies
+                                  clock=lambda: rng.random(), ranked=ranked))  # a lying clock
     assert medusa == flat(plain_decode(model, prompt, 60, Sampling(), set()))
     assert len([n for n, c in budget.used.items() if c]) >= 2  # it did switch
 

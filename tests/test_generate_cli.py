@@ -149,6 +149,18 @@ def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder
     assert "latencies cached" in again["mode"]
 
 
+@pytest.mark.parametrize("tree", ["ranked:5", "ranked"])
+def test_confidence_ranked_trees_decode_as_the_baseline(tiny_folder, tree):
+    """ranked:N, each step's N most probable nodes; ranked, N chosen by the budget."""
+    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json",
+            "--heads", "untrained-hydra:3"]
+    ranked = json.loads(generate(*args, "--tree", tree).stdout)
+    plain = json.loads(generate(*args, "--baseline").stdout)
+    assert ranked["output_ids"] == plain["output_ids"]
+    assert ranked["mode"].startswith("hydra heads, confidence-ranked tree of ")
+    assert_one_line_error(generate(*args, "--tree", "ranked:0"), "use ranked:N with N >= 1")
+
+
 def test_malformed_tree_file_gives_one_clear_line(tiny_folder, tmp_path):
     tree = tmp_path / "tree.json"
     tree.write_text("[[0], [1, 0]]")

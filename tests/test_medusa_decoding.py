@@ -8,9 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import DEVICES, copycat_model, tiny_model
+from conftest import DEVICES, copycat_model, perturbed, tiny_model
 from minimedusa.acceptance import greedy, typical
 from minimedusa.heads import MedusaHeads
+from minimedusa.hydra import HydraHeads
 from minimedusa.kv_cache import KVCache
 from minimedusa.decoding import (StepStats, draft, medusa_decode, medusa_step, new_cache,
                                  plain_decode, prefill, tree_forward)
@@ -23,14 +24,9 @@ VOCAB = 64
 
 
 def perturbed_heads(model, num_heads, shared, seed, scale):
-    """Heads in the paper's initialisation (each guesses what the LM head guesses), then
-    randomly perturbed: wrong often enough to exercise rejection, right often enough to accept."""
-    heads = MedusaHeads.for_model(model, num_heads, num_layers=1, shared_lm_head=shared)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
-    return heads.eval().requires_grad_(False)
+    """Heads in the paper's initialisation, randomly perturbed (conftest.perturbed)."""
+    return perturbed(MedusaHeads.for_model(model, num_heads, num_layers=1, shared_lm_head=shared),
+                     seed, scale)
 
 
 def flat(steps):
@@ -84,11 +80,13 @@ def test_medusa_greedy_equals_plain_greedy(device, choices, seed, shared, scale,
     assert medusa == plain
 
 
-def test_lossless_test_sees_real_acceptance():
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_lossless_test_sees_real_acceptance(kind):
     """Guard against a vacuous lossless test: on a repetitive model steps do accept candidates
-    (here all of the chain's), and the output is still plain greedy's."""
+    (here all of the chain's), and the output is still plain greedy's. For both kinds of heads."""
     model = copycat_model(3)
-    heads = perturbed_heads(model, 4, False, 3, 0.0)
+    heads = (perturbed_heads(model, 4, False, 3, 0.0) if kind == "medusa" else
+             HydraHeads.for_model(model, 4).eval())
     tree = build_tree([[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     stats = StepStats()
     for step in medusa_decode(model, heads, tree, [5, 6, 7], 60, greedy(), set()):

@@ -43,8 +43,11 @@ def test_medusa_ranked_tree_holds_the_heads_guesses():
         for p in heads.parameters():
             p.add_(0.3 * torch.randn(p.shape, dtype=p.dtype))
     hidden = torch.randn(32, dtype=torch.float64)
-    tree, tokens = ranked_draft(heads, model, 9, hidden, 10)
+    tree, tokens, order = ranked_draft(heads, model, 9, hidden, 10)
     assert tree.size == 11 and tokens[0] == 9
+    assert sorted(order) == sorted(tree.nodes[1:])
+    for m in range(1, 11):  # its first m paths are a tree: the ranked tree of m nodes
+        assert all(p[:-1] in order[:m] for p in order[:m] if len(p) > 1)
     ranked = heads(hidden, model.lm_head).topk(10, dim=-1).indices  # (K, R)
     for i, node in enumerate(tree.nodes[1:], start=1):
         assert tokens[i] == ranked[len(node) - 1, node[-1]]
