@@ -76,14 +76,14 @@ def medusa_engine(model, heads, tree, acceptance):
                                                     set(), seed))
 
 
-def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter):
-    """Medusa with the tree's size adapted step by step, as generate.py decodes by default: each
-    question starts from the same prior (a fresh copy of `budget`), as each generate.py
-    process does; the steps run at each size are added to `usage`."""
+def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter, ranked=False):
+    """Medusa with the tree's size adapted step by step, as generate.py decodes by default (with
+    `ranked`: as --tree ranked does): each question starts from the same prior (a fresh copy of
+    `budget`), as each generate.py process does; the steps run at each size go to `usage`."""
     def run(ids, n, seed):
         fresh = copy.deepcopy(budget)
         result = timed(adaptive_decode(model, heads, trees, fresh, ids, n, acceptance, set(),
-                                       seed))
+                                       seed, ranked=ranked))
         usage.update(fresh.used)
         return result
     return run
@@ -166,6 +166,11 @@ def heads_engines(engines, expected, label, spec, heads, model, device, args, us
             expected[label + f"greedy {n} nodes"] = expected_length(probs[:n])
     for n in args.ranked:
         engines[label + f"greedy ranked {n} nodes"] = ranked_engine(model, heads, n)
+    if args.ranked_adapted:
+        trees, budget, _ = decoding_budget(heads, model, spec)
+        usage[label + "greedy ranked"] = Counter()
+        engines[label + "greedy ranked"] = adaptive_engine(model, heads, trees, budget, greedy(),
+                                                           usage[label + "greedy ranked"], True)
 
 
 def ranked_engine(model, heads, size: int):
@@ -363,6 +368,9 @@ def parse_args(argv=None):
     p.add_argument("--ranked", default="",
                    help="also time greedy Medusa with confidence-ranked trees of these sizes "
                    "(ranked_tree.py), e.g. 4,8,16, beside --sizes' static trees")
+    p.add_argument("--ranked-adapted", action="store_true",
+                   help="also time greedy Medusa with confidence-ranked trees whose size the "
+                   "budget adapts step by step (generate.py --tree ranked)")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="temperature of the typical and rejection sampling engines "
                    "(default: %(default)s, the paper's)")
