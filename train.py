@@ -149,11 +149,13 @@ def parse_args(argv=None):
                     help="held-out prompts for the greedy agreement check (default: 32)")
     args = p.parse_args(argv)
     # note: each mode ignores the other's flags. Both modes have a batch size and a learning
-    # rate, so these two, given to the wrong mode, are refused rather than ignored without a word.
+    # rate, so these, given to the wrong mode, are refused rather than ignored without a word;
+    # so are Medusa-1's head kind and draft vocabulary, which Medusa-2 has no use for.
     if args.frozen:
         theirs, hint = ["answers_per_batch", "lora_lr"], "Medusa-1's are --batch-size and --lr"
     else:
-        theirs, hint = ["batch_size", "lr"], "Medusa-2's are --answers-per-batch and --lora-lr"
+        theirs = ["batch_size", "lr", "kind", "draft_vocab"]
+        hint = "Medusa-2's are --answers-per-batch and --lora-lr; it tunes the paper's heads"
     for name in theirs:
         if getattr(args, name) != p.get_default(name):
             p.error(f"--{name.replace('_', '-')} belongs to the other mode ({hint})")

@@ -4,7 +4,8 @@ Plain: prefill the prompt into a static KV cache, then one forward per new token
 every speedup is measured against (acceleration rate 1.0, paper section 7) and what Medusa's
 greedy output must equal token for token.
 Medusa (paper sections 2-3), one step: the heads' top-k at the last accepted position give the
-candidates; all N tree tokens run through the model in ONE forward after the cached prefix,
+candidates (the draft: Medusa heads guess every depth at once, Hydra heads depth by depth,
+hydra.py); all N tree tokens run through the model in ONE forward after the cached prefix,
 with the tree mask; acceptance verifies the candidates along the root-to-leaf paths; the
 accepted tokens' keys/values are copied into place (KV compaction); the heads read the hidden
 state at the last accepted node, which gives the next step's candidates with no extra forward.

@@ -131,7 +131,8 @@ def test_each_mode_has_its_own_batch_size_and_learning_rate(capsys):
     medusa2 = train.parse_args(["--data", "d", "--out", "o"])
     assert (medusa1.batch_size, medusa1.lr, medusa2.answers_per_batch, medusa2.lora_lr) == \
         (256, 1e-3, 8, 5e-4)
-    for wrong in (["--lr", "3e-3"], ["--frozen", "--answers-per-batch", "4"]):
+    for wrong in (["--lr", "3e-3"], ["--frozen", "--answers-per-batch", "4"],
+                  ["--kind", "hydra"], ["--draft-vocab", "8192"]):
         with pytest.raises(SystemExit):
             train.parse_args(["--data", "d", "--out", "o", *wrong])
         assert f"{wrong[-2]} belongs to the other mode" in capsys.readouterr().err
