@@ -23,7 +23,7 @@ import torch
 
 from minimedusa.acceptance import Acceptance
 from minimedusa.errors import UserError
-from minimedusa.heads import MedusaHeads
+from minimedusa.heads import DraftVocabulary, MedusaHeads, drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, causal_mask
@@ -97,15 +97,13 @@ def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampl
 # --- Medusa decoding: one forward of the candidate tree per step -------------------------------
 
 def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree,
-               ids: torch.Tensor | None = None) -> torch.Tensor:
+               vocabulary: DraftVocabulary | None = None) -> torch.Tensor:
     """The tree's tokens: (N,) int64, from the root token () and the heads' logits (K, V).
 
     The heads' top-k are laid out flat as [root, head 1's top-k, head 2's top-k, ...], and
-    tree.token_index says where each node's token sits in that list (tree.py). ids (V',): the
-    token of each column when the heads score a draft vocabulary (heads.DraftVocabulary)."""
-    top = head_logits[:tree.num_heads].topk(tree.top_k, dim=-1).indices  # (D, top_k)
-    if ids is not None:
-        top = ids[top]
+    tree.token_index says where each node's token sits in that list (tree.py). `vocabulary`:
+    the draft vocabulary whose columns the heads score, if any (heads.DraftVocabulary)."""
+    top = token_ids(vocabulary, head_logits[:tree.num_heads].topk(tree.top_k, dim=-1).indices)
     flat = torch.cat([root.reshape(1), top.reshape(-1)])  # (1 + D * top_k,)
     return flat[tree.token_index]
 
@@ -166,8 +164,7 @@ def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, tokens: torch.Te
 def guess(heads: MedusaHeads, model: Llama, hidden: torch.Tensor) -> torch.Tensor:
     """The heads' logits (K, V) at one position, from its hidden state (C,) (V': over the
     heads' draft vocabulary, when they have one)."""
-    vocabulary = heads.vocabulary
-    return heads(hidden, model.lm_head if vocabulary is None else vocabulary.lm_head)
+    return heads(hidden, drafting_lm_head(heads.vocabulary, model.lm_head))
 
 
 def draft(heads: MedusaHeads | HydraHeads, model: Llama, tree: MedusaTree, root: int,
@@ -177,9 +174,8 @@ def draft(heads: MedusaHeads | HydraHeads, model: Llama, tree: MedusaTree, root:
     draft's own tokens, so they guess depth by depth (hydra.py)."""
     root = torch.tensor(root, device=hidden.device)
     if isinstance(heads, HydraHeads):
-        return hydra_candidates(heads, model, hidden, root, tree, heads.vocabulary)
-    ids = None if heads.vocabulary is None else heads.vocabulary.ids
-    return candidates(root, guess(heads, model, hidden), tree, ids)
+        return hydra_candidates(heads, model, hidden, root, tree)
+    return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary)
 
 
 def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads, tree: MedusaTree,

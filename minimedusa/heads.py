@@ -108,6 +108,16 @@ class DraftVocabulary(nn.Module):
         self.requires_grad_(False)  # the backbone's LM head, frozen as it is
 
 
+def drafting_lm_head(vocabulary: DraftVocabulary | None, lm_head: nn.Module) -> nn.Module:
+    """What the heads project with: the draft vocabulary's cut of the LM head, or all of it."""
+    return lm_head if vocabulary is None else vocabulary.lm_head
+
+
+def token_ids(vocabulary: DraftVocabulary | None, columns: torch.Tensor) -> torch.Tensor:
+    """Columns of the heads' logits -> token ids (the same, without a draft vocabulary)."""
+    return columns if vocabulary is None else vocabulary.ids[columns]
+
+
 
 def token_ranking(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(every token id that occurs in `tokens`, most frequent first (ties: the smaller id);

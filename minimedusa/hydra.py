@@ -23,7 +23,7 @@ Shapes: B rows, C model dim, V vocab (V' with a draft vocabulary), K heads, k a 
 import torch
 import torch.nn as nn
 
-from minimedusa.heads import MedusaConfig, ResBlock
+from minimedusa.heads import MedusaConfig, ResBlock, drafting_lm_head, token_ids
 from minimedusa.tree import MedusaTree
 
 
@@ -74,20 +74,18 @@ class HydraHeads(nn.Module):
 
 @torch.inference_mode()
 def hydra_candidates(heads: HydraHeads, model, hidden: torch.Tensor, root: torch.Tensor,
-                     tree: MedusaTree, vocabulary=None) -> torch.Tensor:
+                     tree: MedusaTree) -> torch.Tensor:
     """The tree's tokens (N,), drafted depth by depth from h_t (C,) and the root token ().
 
     At depth d, head d runs once over the M nodes of depth d-1 that have children, each reading
-    its own path's tokens; node p + (r,) gets the r-th best guess at its parent p. `vocabulary`
-    (a DraftVocabulary or None): the heads rank only its tokens."""
-    lm_head = model.lm_head if vocabulary is None else vocabulary.lm_head
+    its own path's tokens; node p + (r,) gets the r-th best guess at its parent p (among the
+    heads' draft vocabulary, if they have one)."""
+    lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
     tokens = root.reshape(1).expand(tree.size).clone()  # (N,): filled in depth by depth
     for d in range(1, tree.num_heads + 1):
         parents, children, slot, rank = tree.drafting[d - 1]
         path = tokens[tree.ancestors[parents, :d]]  # (M, d): root .. parent
         logits = heads.head(d, hidden, path, model.embed, lm_head)  # (M, V')
-        top = logits.topk(tree.top_k, dim=-1).indices  # (M, top_k)
-        if vocabulary is not None:
-            top = vocabulary.ids[top]
+        top = token_ids(heads.vocabulary, logits.topk(tree.top_k, dim=-1).indices)  # (M, top_k)
         tokens[children] = top[slot, rank]
     return tokens

@@ -21,6 +21,7 @@ import heapq
 
 import torch
 
+from minimedusa.heads import drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads
 from minimedusa.tree import MedusaTree, build_tree
 
@@ -51,27 +52,24 @@ def ranked_medusa_draft(heads, model, root: int, hidden: torch.Tensor,
     """(this step's tree of `size` nodes, its tokens (size + 1,), root first, its node paths
     most probable first) for Medusa heads: one call of the heads, as in a static tree, then the
     most probable paths."""
-    vocabulary = heads.vocabulary
-    logits = heads(hidden, model.lm_head if vocabulary is None else vocabulary.lm_head)  # (K, V')
+    logits = heads(hidden, drafting_lm_head(heads.vocabulary, model.lm_head))  # (K, V')
     top = logits.softmax(-1).topk(min(size, logits.shape[-1]), dim=-1)  # (K, R)
-    ids = top.indices if vocabulary is None else vocabulary.ids[top.indices]
     paths = most_probable_paths(top.values.tolist(), size)  # the one host sync of the draft
     tree = build_tree(paths, device=hidden.device)
+    # laid out as a static tree's candidates: [root, head 1's top-k, ...] at tree.token_index
+    ids = token_ids(heads.vocabulary, top.indices[:tree.num_heads, :tree.top_k])  # (D, top_k)
     guesses = torch.cat([torch.tensor([root], device=ids.device), ids.reshape(-1)])
-    depth_rank = torch.where(tree.head >= 0, 1 + tree.head * ids.shape[1] + tree.rank, 0)
-    return tree, guesses[depth_rank], paths
+    return tree, guesses[tree.token_index], paths
 
 
 @torch.inference_mode()
 def ranked_hydra_draft(heads: HydraHeads, model, root: int, hidden: torch.Tensor, size: int,
                        beam: int = 4) -> tuple[MedusaTree, torch.Tensor, list[tuple]]:
     """(this step's tree of `size` nodes, its tokens (size + 1,), root first, its node paths
-    most probable first) for Hydra heads,
-    whose guesses at a node depend on its path: depth by depth, head d runs on the `beam` most
-    probable nodes of depth d-1 and ranks R guesses under each; of all the nodes made, the
-    `size` most probable are kept."""
-    vocabulary = heads.vocabulary
-    lm_head = model.lm_head if vocabulary is None else vocabulary.lm_head
+    most probable first) for Hydra heads, whose guesses at a node depend on its path: depth by
+    depth, head d runs on the `beam` most probable nodes of depth d-1 and ranks R guesses under
+    each; of all the nodes made, the `size` most probable are kept."""
+    lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
     R = min(size, lm_head.weight.shape[0])
     made = {(): (1.0, root)}  # node path -> (path probability, token)
     layer = [()]
@@ -79,7 +77,7 @@ def ranked_hydra_draft(heads: HydraHeads, model, root: int, hidden: torch.Tensor
         path_tokens = torch.tensor([[made[p[:j]][1] for j in range(d)] for p in layer],
                                    device=hidden.device)  # (M, d): root .. node
         top = heads.head(d, hidden, path_tokens, model.embed, lm_head).softmax(-1).topk(R, -1)
-        ids = top.indices if vocabulary is None else vocabulary.ids[top.indices]  # (M, R)
+        ids = token_ids(heads.vocabulary, top.indices)  # (M, R)
         for p, probs, tokens in zip(layer, top.values.tolist(), ids.tolist()):
             for r in range(R):
                 made[p + (r,)] = (made[p][0] * probs[r], tokens[r])

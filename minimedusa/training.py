@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from minimedusa.errors import UserError
+from minimedusa.heads import drafting_lm_head, token_ids
 
 IGNORE = -100  # target of a head whose token t+k+1 lies past the end of the answer
 
@@ -122,7 +123,7 @@ def head_logits(heads, hidden: torch.Tensor, tokens: torch.Tensor | None, model,
     draft vocabulary (heads.DraftVocabulary) if one is given. Hydra heads are teacher-forced:
     they read the answer's own tokens y_{t+1}..y_{t+K} (B, K), which is what a correct draft
     holds. heads: the heads, or the heads wrapped by DistributedDataParallel."""
-    lm_head = model.lm_head if vocabulary is None else vocabulary.lm_head
+    lm_head = drafting_lm_head(vocabulary, model.lm_head)
     if getattr(heads, "module", heads).config.head_kind == "hydra":
         return heads(hidden, tokens, model.embed, lm_head)
     return heads(hidden, lm_head)
@@ -155,9 +156,7 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float =
 def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor, k: int,
               vocabulary=None) -> torch.Tensor:
     """Per head, how many rows have their target among the head's top-k: (K,)."""
-    top = head_logits.topk(k, dim=-1).indices  # (K, B, k)
-    if vocabulary is not None:
-        top = vocabulary.ids[top]  # columns -> token ids
+    top = token_ids(vocabulary, head_logits.topk(k, dim=-1).indices)  # (K, B, k)
     hit = (top == targets.T.unsqueeze(-1)).any(dim=-1) & (targets.T != IGNORE)  # (K, B)
     return hit.sum(dim=1)
 

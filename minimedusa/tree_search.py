@@ -30,6 +30,7 @@ from minimedusa.cli import add_device_arguments, decoding_heads, decoding_model,
 from minimedusa.default_model import ensure_default_model
 from minimedusa.device import machine_key
 from minimedusa.errors import UserError, entry_point
+from minimedusa.heads import token_ids
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import IGNORE, Rows, head_logits, read_rows
 
@@ -51,9 +52,7 @@ def head_accuracies(heads, model, rows: Rows, ranks: int = 10,
         targets = rows.targets[a:a + batch_size].to(weight.device).T  # (K, B)
         tokens = None if rows.tokens is None else rows.tokens[a:a + batch_size].to(weight.device)
         logits = head_logits(heads, hidden, tokens, model, heads.vocabulary)  # (K, B, V')
-        top = logits.topk(ranks, dim=-1).indices  # (K, B, R)
-        if heads.vocabulary is not None:
-            top = heads.vocabulary.ids[top]
+        top = token_ids(heads.vocabulary, logits.topk(ranks, dim=-1).indices)  # (K, B, R)
         hits += (top == targets.unsqueeze(-1)).sum(dim=1).cpu()  # a target is in one rank at most
         counted += (targets != IGNORE).sum(dim=1, keepdim=True).cpu()
     return hits / counted.clamp(min=1)
