@@ -21,12 +21,14 @@ Medusa1 and Medusa2 dataclasses hold that. A checkpoint is written atomically ev
 every process takes its share of each batch and DistributedDataParallel averages the gradients.
 """
 import argparse
+import contextlib
 import copy
 import functools
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -37,9 +39,11 @@ import torch.distributed as dist
 
 from safetensors.torch import save_file
 
-from minimedusa.budget import CALIBRATION
-from minimedusa.default_model import PAPER_HEADS_DIR, ensure_default_model
-from minimedusa.device import pick_device
+from minimedusa.budget import CALIBRATION, grow_tree, latency_key, read_cached, read_calibration
+from minimedusa.cli import (Parser, decoding_heads, decoding_model, minutes, positive_int,
+                            progress_bar)
+from minimedusa.default_model import PAPER_HEADS_DIR, WEIGHTS_DIR, ensure_default_model
+from minimedusa.device import pick_device, pick_dtype
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
 from minimedusa.hydra import HydraHeads
@@ -49,19 +53,30 @@ from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement,
 from minimedusa.lora import (adapter_state, adapters_off, add_adapters, load_adapter_state,
                              merge_adapters)
 from minimedusa.model import Llama
-from minimedusa.self_distill import tokenizer_fingerprint
+from minimedusa.seed_prompts import seed_prompts
+from minimedusa.self_distill import (Settings, batch_seconds, distill, open_folder,
+                                     pending_batches, tokenizer_fingerprint)
+from minimedusa.tokenizer import Tokenizer
 from minimedusa.training import (DataError, Rows, cosine_lr, draft_columns, head_logits,
                                  head_metrics, medusa_loss, read_answers, read_rows,
                                  split_validation)
-from minimedusa.tree_search import head_accuracies, write_json
-from minimedusa.weights import (load_heads, load_model, save_draft_vocab, save_heads,
-                                save_model)
+from minimedusa.tree_search import (MAX_NODES, head_accuracies, save_calibration,
+                                    search_seconds, time_sizes, write_json)
+from minimedusa.weights import (load_heads, load_model, read_config, save_draft_vocab,
+                                save_heads, save_model)
 
 CHECKPOINT = "checkpoint.pt"
+# Flags whose default depends on where the data comes from: with --data, the paper's Medusa-1;
+# from the model alone, the recipe of the shipped heads (weights/README.md).
+DEFAULTS = {"kind": "medusa", "layers": 1, "lr": 1e-3, "epochs": 1.0, "draft_vocab": 0,
+            "eval_every": 200}
+RECIPE = {"kind": "hydra", "layers": 2, "lr": 2e-3, "epochs": 2.0, "draft_vocab": 8192,
+          "eval_every": 500}
+CPU_PROMPTS, MAX_NEW_TOKENS = 2048, 192  # about an hour in all on a 2-core CPU
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Train Medusa heads on self-distilled data: with --frozen the backbone "
         "stays frozen and only the heads learn (Medusa-1); without it the backbone is tuned "
         "too, through LoRA adapters, with a KL self-distillation loss that keeps it close to "
@@ -71,11 +86,15 @@ def parse_args(argv=None):
                    help="Medusa-1: freeze the backbone, train the heads (from scratch, or on "
                    "from --init-heads). Without "
                    "it: Medusa-2 (joint training from Medusa-1 heads, see --init-heads)")
-    p.add_argument("--data", type=Path, required=True,
-                   help="self-distillation folder made by python -m minimedusa.self_distill")
-    p.add_argument("--out", type=Path, required=True,
+    p.add_argument("--data", type=Path, default=None,
+                   help="self-distillation folder made by python -m minimedusa.self_distill. "
+                   "Without it, --frozen runs the whole recipe from the model alone: "
+                   "self-distillation into OUT/data, training, then the tree search for this "
+                   "machine (see 'From the model alone' below)")
+    p.add_argument("--out", type=Path, default=None,
                    help="output folder: the heads, train_log.json and the checkpoint "
-                   "(Medusa-2 adds the merged backbone in OUT/model and OUT/adapters.safetensors)")
+                   "(Medusa-2 adds the merged backbone in OUT/model and OUT/adapters.safetensors); "
+                   "required with --data, else default weights/<model folder>-trained")
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder the data was made with (default: the default model)")
     p.add_argument("--init-heads", type=Path, default=None,
@@ -83,13 +102,15 @@ def parse_args(argv=None):
                    "(their form replaces --heads/--layers/--shared; default: fresh heads). "
                    "Medusa-2: the paper's heads warm-up (default: the shipped paper-kind heads "
                    "when training the default model)")
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default: 1)")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="passes over the data (default: 1; from the model alone: 2)")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="split each batch into this many micro-batches (default: 1)")
     p.add_argument("--warmup", type=int, default=50, help="warm-up steps (default: 50)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (default: 1.0)")
-    p.add_argument("--eval-every", type=int, default=200, help="validate every N steps")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="validate every N steps (default: 200; from the model alone: 500)")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many steps (the schedule still spans --epochs)")
@@ -101,24 +122,28 @@ def parse_args(argv=None):
                    "for the CPU; on this project's AMX-capable 2-core CPU a Medusa-1 step of "
                    "256 rows x 5 shared heads took 1.1 s with it, 1.6 s without)")
     m1 = p.add_argument_group("Medusa-1 (with --frozen)")
-    m1.add_argument("--kind", choices=("medusa", "hydra"), default="medusa",
-                    help="medusa: the paper's heads, each reads h_t alone (default); hydra: "
-                    "each also reads the tokens drafted before it (minimedusa/hydra.py; always "
-                    "with the shared LM head)")
-    m1.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+    m1.add_argument("--kind", choices=("medusa", "hydra"), default=None,
+                    help="medusa: the paper's heads, each reads h_t alone (default with "
+                    "--data); hydra: each also reads the tokens drafted before it "
+                    "(minimedusa/hydra.py; always with the shared LM head; default from the "
+                    "model alone)")
+    m1.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="train the heads to rank only the N tokens most frequent in the "
                     "training answers, as they will draft with it (a draft vocabulary: a "
                     "fraction of the LM head's cost, in training and decoding; the config "
-                    "makes it the heads' default); 0 = the whole vocabulary (default)")
+                    "makes it the heads' default); 0 = the whole vocabulary (default with "
+                    "--data; from the model alone: 8192)")
     m1.add_argument("--heads", type=int, default=4, help="number of heads K (default: 4; "
                     "Medusa-2 keeps the form of --init-heads)")
-    m1.add_argument("--layers", type=int, default=1, help="residual blocks per head (default: 1)")
+    m1.add_argument("--layers", type=int, default=None,
+                    help="residual blocks per head (default: 1; from the model alone: 2)")
     m1.add_argument("--shared", action="store_true",
                     help="heads share the backbone's LM head instead of own projections")
     m1.add_argument("--batch-size", type=int, default=256,
                     help="answer positions per optimizer step (default: 256)")
-    m1.add_argument("--lr", type=float, default=1e-3,
-                    help="the heads' peak learning rate (default: 1e-3)")
+    m1.add_argument("--lr", type=float, default=None,
+                    help="the heads' peak learning rate (default: 1e-3; from the model alone: "
+                    "2e-3)")
     m2 = p.add_argument_group("Medusa-2 (without --frozen)")
     m2.add_argument("--answers-per-batch", type=int, default=8,
                     help="whole answers per optimizer step (default: 8)")
@@ -147,7 +172,29 @@ def parse_args(argv=None):
                     "uses all; default: 64)")
     m2.add_argument("--guard-prompts", type=int, default=32,
                     help="held-out prompts for the greedy agreement check (default: 32)")
+    alone = p.add_argument_group(
+        "From the model alone (--frozen without --data)",
+        "python train.py --frozen [--model DIR] makes heads in one command, in three stages: "
+        "(1) the model answers seed prompts (self-distillation, paper section 5) into OUT/data, "
+        "(2) the heads train on those answers, (3) calibration and the tree search time the "
+        "trees on this machine. Each stage prints its expected time before it starts and "
+        "resumes where it stopped, or is skipped when done: after Ctrl-C run the same command "
+        "again. The defaults are the shipped heads' recipe (4 Hydra heads x 2 blocks, draft "
+        "vocabulary 8192, 2 epochs), sized to take about an hour on a 2-core CPU: "
+        f"{CPU_PROMPTS} prompts, answers of up to {MAX_NEW_TOKENS} tokens; on a GPU all "
+        "the seed prompts, in batches of 256.")
+    alone.add_argument("--prompts", type=positive_int, default=None, metavar="N",
+                       help=f"seed prompts to answer (default: {CPU_PROMPTS} on a CPU, "
+                       "every seed prompt on a GPU)")
     args = p.parse_args(argv)
+    if args.data is None and not args.frozen:
+        p.error("Medusa-2 trains on --data made beforehand (python -m minimedusa.self_distill); "
+                "from the model alone, train Medusa-1 heads with --frozen")
+    if args.data is not None and (args.out is None or args.prompts is not None):
+        p.error("with --data, give --out, and no --prompts (the data is made already)")
+    for name, value in (RECIPE if args.data is None else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     # note: each mode ignores the other's flags. Both modes have a batch size and a learning
     # rate, so these, given to the wrong mode, are refused rather than ignored without a word;
     # so are Medusa-1's head kind and draft vocabulary, which Medusa-2 has no use for.
@@ -157,7 +204,7 @@ def parse_args(argv=None):
         theirs = ["batch_size", "lr", "kind", "draft_vocab"]
         hint = "Medusa-2's are --answers-per-batch and --lora-lr; it tunes the paper's heads"
     for name in theirs:
-        if getattr(args, name) != p.get_default(name):
+        if getattr(args, name) != DEFAULTS.get(name, p.get_default(name)):
             p.error(f"--{name.replace('_', '-')} belongs to the other mode ({hint})")
     return args
 
@@ -221,14 +268,34 @@ def resume(mode, path: Path, device, say) -> tuple[int, list]:
     return state["step"], json.loads(state["log"])
 
 
-def progress(say, step: int, total: int, last: int, rate: float, loss: float, ce, lr: float,
+def progress(show, step: int, first: int, total: int, last: int, loss: float, ce, lr: float,
              extra: str = "") -> None:
-    """The progress line: every 10 steps, or every step when a step takes over 6 s (rate:
-    steps per second)."""
-    if step % 10 == 0 or step == last or rate * 60 < 10:
-        say(f"step {step}/{total} loss {loss:.3f} per-head CE "
-            f"{' '.join(f'{c:.2f}' for c in ce.tolist())}{extra} lr {lr:.2e} "
-            f"eta {(last - step) / max(rate, 1e-9) / 60:.1f} min")
+    """The progress bar (rank 0 only: show None elsewhere)."""
+    if show is not None:
+        show(step - first, last - first,
+             f"step {step}/{total} loss {loss:.3f} per-head CE "
+             f"{' '.join(f'{c:.2f}' for c in ce.tolist())}{extra} lr {lr:.2e}")
+
+
+@contextlib.contextmanager
+def checkpoint_on_interrupt(enabled: bool):
+    """Inside, the first Ctrl-C only raises a flag (read by calling the yielded function): the
+    loop ends its step, writes the checkpoint and stops, so no finished step is lost. A second
+    Ctrl-C interrupts at once. Under torchrun (enabled False) the processes could stop at
+    different steps, so Ctrl-C stops them at once and the last periodic checkpoint stays."""
+    asked = []
+    if not enabled:
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        asked.append(signum)
+        signal.signal(signal.SIGINT, previous)
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def accuracy_line(metrics: dict) -> str:
@@ -272,22 +339,28 @@ def train_loop(mode, args, rank: int, world: int, device, say) -> int:
     say(f"{mode.intro}, {total} steps of {mode.batch_size()}, {world} process(es) on {device}")
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=bf16)
-    start, first = time.time(), step
-    while step < last:
-        index = batch_rows(mode.rows(), step, mode.batch_size(), args.seed)[rank::world]
-        losses = train_step(mode, args, step, total, index, autocast)
-        step += 1
-        progress(say, step, total, last, (step - first) / max(time.time() - start, 1e-9),
-                 losses.total.item(), losses.ce, mode.optimizer.param_groups[0]["lr"],
-                 losses.text)  # group 0: the heads (Medusa-1), the adapters (Medusa-2)
-        if step % args.eval_every == 0 or step == last:
-            metrics, line = mode.evaluate()
-            log.append({"step": step, "train_loss": losses.total.item(), **losses.log, **metrics})
-            say(f"  validation {line}")
-        if rank == 0 and (step % args.save_every == 0 or step == last):
-            save_checkpoint(args.out / CHECKPOINT, {**mode.state(), "step": step,
-                                                    "optimizer": mode.optimizer.state_dict(),
-                                                    "log": json.dumps(log)})
+    show, first = progress_bar() if rank == 0 else None, step
+    with checkpoint_on_interrupt(world == 1) as interrupted:
+        while step < last:
+            index = batch_rows(mode.rows(), step, mode.batch_size(), args.seed)[rank::world]
+            losses = train_step(mode, args, step, total, index, autocast)
+            step += 1
+            progress(show, step, first, total, last, losses.total.item(), losses.ce,
+                     mode.optimizer.param_groups[0]["lr"],
+                     losses.text)  # group 0: the heads (Medusa-1), the adapters (Medusa-2)
+            if step % args.eval_every == 0 or step == last:
+                metrics, line = mode.evaluate()
+                log.append({"step": step, "train_loss": losses.total.item(), **losses.log,
+                            **metrics})
+                say(f"  validation {line}")
+            if rank == 0 and (step % args.save_every == 0 or step == last or interrupted()):
+                save_checkpoint(args.out / CHECKPOINT, {**mode.state(), "step": step,
+                                                        "optimizer": mode.optimizer.state_dict(),
+                                                        "log": json.dumps(log)})
+            if interrupted():
+                say(f"interrupted: checkpoint at step {step} in {args.out}; run the same "
+                    "command again to go on from there")
+                raise KeyboardInterrupt
     if rank == 0:
         (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     return step
@@ -364,8 +437,8 @@ class Medusa1:
         extra = {"base_model_name_or_path": str(self.folder), "trained_steps": step}
         if self.vocabulary is not None:
             extra["draft_vocab_size"] = len(self.vocabulary.ids)
-        save_heads(self.heads.eval(), self.args.out, extra)
         save_draft_vocab(self.args.out, *self.ranking)
+        save_heads(self.heads.eval(), self.args.out, extra)  # config.json last: heads are whole
         return True
 
 
@@ -566,9 +639,129 @@ def quality_verdict(report: dict) -> str:
             f"shipped defaults: {numbers}")
 
 
+# --- from the model alone: self-distillation, training, tree search ---------------------------
+
+STAGES = 3
+
+
+def check_model_folder(folder: Path) -> None:
+    """Refuse in one line, before an hour of work, a model this code cannot run (another
+    architecture, a rope scaling it does not implement) or cannot ask in its own chat format."""
+    read_config(folder)
+    Tokenizer.from_folder(folder).chat_prompt([{"role": "user", "content": "Hello"}])
+
+
+def check_recipe(args) -> None:
+    """OUT/recipe.json keeps the training flags OUT was started with: resuming with others would
+    mix two runs in one checkpoint."""
+    names = ("kind", "heads", "layers", "shared", "draft_vocab", "epochs", "lr", "batch_size",
+             "warmup", "weight_decay", "clip", "grad_accum", "seed", "prompts")
+    recipe = {n: getattr(args, n) for n in names}
+    path = args.out / "recipe.json"
+    if path.is_file() and (old := json.loads(path.read_text())) != recipe:
+        changed = ", ".join(f"--{n.replace('_', '-')} {old.get(n)} -> {recipe[n]}"
+                            for n in names if old.get(n) != recipe[n])
+        raise UserError(f"{args.out} was started with other settings ({changed}); run it with "
+                        "its own or give another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(path, recipe)
+
+
+def distillation_stage(args, folder: Path, device, say) -> None:
+    """Stage 1: the model answers seed prompts into OUT/data, one shard per batch."""
+    cpu, dtype = device.type == "cpu", pick_dtype("auto", device)
+    settings = Settings(limit=args.prompts or (CPU_PROMPTS if cpu else None),
+                        batch_size=64 if cpu else 256, max_new_tokens=MAX_NEW_TOKENS)
+    open_folder(args.data, folder, settings, dtype)
+    prompts = seed_prompts(settings.seed)[:settings.limit]
+    todo = pending_batches(args.data, prompts, settings.batch_size)
+    if not todo:
+        return say(f"stage 1/{STAGES}, self-distillation: done ({args.data})")
+    model, tokenizer = load_model(folder, device, dtype), Tokenizer.from_folder(folder)
+    seconds = len(todo) * batch_seconds(model, tokenizer, todo[0][1], settings)
+    say(f"stage 1/{STAGES}, self-distillation: the model answers {len(prompts)} seed prompts "
+        f"(up to {settings.max_new_tokens} tokens each) in batches of {settings.batch_size}, "
+        f"{len(todo)} batches to go, into {args.data}: expected {minutes(seconds)}")
+    distill(model, tokenizer, args.data, prompts, settings, progress_bar())
+
+
+def training_seconds(mode, args, steps: int) -> float:
+    """The expected time of `steps` optimizer steps and their validations: one step's loss and
+    backward timed after a warm-up one, and one validation (the heads do not change)."""
+    index = batch_rows(mode.rows(), 0, mode.batch_size(), args.seed)
+    mode.loss(0, index).total.backward()
+    start = time.perf_counter()
+    mode.loss(0, index).total.backward()
+    step = time.perf_counter() - start
+    mode.optimizer.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    mode.evaluate()
+    return steps * step + (steps // args.eval_every + 1) * (time.perf_counter() - start)
+
+
+def training_stage(args, device, say) -> None:
+    """Stage 2: Medusa-1 on OUT/data, from the checkpoint if there is one. The heads' config.json
+    is the last file training writes (weights.save_heads): with it, the stage is done."""
+    if (args.out / "config.json").is_file():
+        return say(f"stage 2/{STAGES}, training: done ({args.out})")
+    args.resume = (args.out / CHECKPOINT).is_file()
+    mode = medusa1(args, device, 1)
+    _, last = total_steps(args, mode.rows(), mode.batch_size())
+    first = (torch.load(args.out / CHECKPOINT, weights_only=True)["step"] if args.resume else 0)
+    say(f"stage 2/{STAGES}, training: {last - first} steps to go, expected "
+        f"{minutes(training_seconds(mode, args, last - first))}")
+    mode.finish(train_loop(mode, args, 0, 1, device, say), say)
+
+
+def tree_stage(args, folder: Path, device, say) -> None:
+    """Stage 3: calibrate the heads on held-out answers and time each tree size here, for
+    generate.py (tree_search.py). Done when both the calibration and this machine's step
+    latencies are there."""
+    dtype = pick_dtype("auto", device)
+    model = decoding_model(folder, device, dtype)
+    heads = decoding_heads(str(args.out), model)
+    if read_calibration(args.out) is not None and read_cached(latency_key(model, heads, device,
+                                                                          dtype)):
+        return say(f"stage 3/{STAGES}, tree search: done (calibrated, this machine timed)")
+    _, val = read_rows(args.data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
+                       model.config.vocab_size)
+    say(f"stage 3/{STAGES}, tree search: calibration on {val.targets.shape[0]} held-out "
+        f"positions, then each tree size timed on this machine: expected "
+        f"{minutes(search_seconds(heads, model, val))}")
+    accuracy = head_accuracies(heads, model, val)
+    save_calibration(args.out, args.data, val.targets.shape[0], accuracy)
+    nodes, probs = grow_tree(accuracy, MAX_NODES)
+    time_sizes(model, heads, nodes, probs, MAX_NODES)
+
+
+def from_model(args) -> None:
+    """python train.py --frozen [--model DIR]: the three stages, each resumed or skipped."""
+    device = pick_device(args.device)
+    folder = args.model or ensure_default_model()
+    check_model_folder(folder)
+    args.out = args.out or WEIGHTS_DIR / f"{folder.name}-trained"
+    args.data = args.out / "data"
+    check_recipe(args)
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"heads for {folder} in {args.out}, from the model alone (sized for about an hour on "
+        f"a 2-core CPU; Ctrl-C, then the same command, resumes)")
+    start = time.time()
+    for stage in (lambda: distillation_stage(args, folder, device, say),
+                  lambda: training_stage(args, device, say),
+                  lambda: tree_stage(args, folder, device, say)):
+        began = time.time()
+        stage()
+        say(f"  ({minutes(time.time() - began)})")
+    model = f" --model {args.model}" if args.model else ""
+    say(f"done in {minutes(time.time() - start)}: python generate.py{model} --heads {args.out} "
+        "--prompt ...")
+
+
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
+    if args.data is None:
+        return from_model(args)
     rank, world, device = setup_distributed(args.device)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
     mode = medusa1(args, device, world) if args.frozen else medusa2(args, device, world)

@@ -2,10 +2,13 @@
 fixed --tree, or by default budget.py's nested trees and the Budget that picks among them) and
 the acceptance rule, decided here once for generate.py, bench and tree_search alike.
 
-Also the named trees: the paper's 63-node tree and small ones for a CPU.
+Also the named trees: the paper's 63-node tree and small ones for a CPU, and the progress bar of
+the long commands.
 """
 import argparse
 import json
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -83,6 +86,31 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
     default = threads_default or "torch's choice, one per core"
     parser.add_argument("--threads", type=positive_int, default=threads_default,
                         help=f"CPU threads for torch (default: {default})")
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def progress_bar():
+    """show(done, total, line): a bar with the elapsed and the remaining time, then `line`;
+    redrawn in place on a terminal (at most every second), else a line at most every 10 s and
+    at the end (a log keeps them)."""
+    start, terminal = time.time(), sys.stderr.isatty()
+    shown = [0.0]  # when it last printed
+
+    def show(done: int, total: int, line: str = "") -> None:
+        now = time.time()
+        if done < total and now - shown[0] < (1 if terminal else 10):
+            return
+        shown[0], elapsed = now, now - start
+        left = elapsed / max(done, 1) * (total - done)
+        bar = "#" * (20 * done // max(total, 1))
+        text = (f"[{bar:<20}] {done}/{total}, {minutes(elapsed)} elapsed, {minutes(left)} "
+                f"left; {line}")
+        end = "\n" if done == total or not terminal else ""
+        print(("\r\x1b[K" if terminal else "") + text, end=end, file=sys.stderr, flush=True)
+    return show
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:

@@ -122,7 +122,7 @@ class Tokenizer:
     def chat_prompt(self, messages: list[dict]) -> str:
         if not isinstance(self.chat_template, str):  # absent, or a list of named templates
             raise UserError("this model's tokenizer_config.json has no chat_template to render "
-                            "the chat with; pass the prompt with --raw")
+                            "the chat with (generate.py takes a prompt as is with --raw)")
         return render_chat(self.chat_template, messages, self.special_tokens)
 
     def user_turn_opening(self) -> str:

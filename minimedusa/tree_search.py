@@ -15,10 +15,10 @@
 
 Shapes: M rows, K heads, V vocab, R ranks calibrated (top-R guesses per head).
 """
-import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,13 +26,17 @@ import torch
 from minimedusa.budget import (CALIBRATION, SIZES, expected_length, grow_tree, latency_key,
                                nested_trees, pick_budget, read_calibration, step_latency,
                                write_cached)
-from minimedusa.cli import add_device_arguments, decoding_heads, decoding_model, device_and_dtype
+from minimedusa.cli import (Parser, add_device_arguments, decoding_heads, decoding_model,
+                            device_and_dtype)
 from minimedusa.default_model import ensure_default_model
 from minimedusa.device import machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import token_ids
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import IGNORE, Rows, head_logits, read_rows
+
+MAX_NODES = 64  # the largest tree considered: the paper's
+LATENCY_REPEATS = 8  # timed rounds of every size; the median is kept
 
 
 # --- calibration ---------------------------------------------------------------------------------
@@ -67,32 +71,60 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def calibrate(args, heads, model, folder: Path) -> torch.Tensor:
-    """a_k^(i) (K, R): measured on --data's held-out answers and saved, or read back."""
-    calibration = args.heads / CALIBRATION
-    if args.data is None:
-        if (accuracy := read_calibration(args.heads)) is None:
-            raise UserError(f"{calibration} does not exist: calibrate first with --data")
+def save_calibration(heads_dir: Path, data: Path, rows: int, accuracy: torch.Tensor) -> None:
+    write_json(heads_dir / CALIBRATION, {"data": str(data), "rows": rows,
+                                         "accuracy": [[round(x, 5) for x in row]
+                                                      for row in accuracy.tolist()]})
+
+
+def calibrate(heads_dir: Path, data: Path | None, heads, model, folder: Path,
+              ranks: int = 10) -> torch.Tensor:
+    """a_k^(i) (K, R): measured on the held-out answers of `data` and saved beside the heads,
+    or (data None) read back from there."""
+    if data is None:
+        if (accuracy := read_calibration(heads_dir)) is None:
+            raise UserError(f"{heads_dir / CALIBRATION} does not exist: calibrate first with "
+                            "--data")
         return accuracy
-    _, val = read_rows(args.data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
+    _, val = read_rows(data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
                        model.config.vocab_size)
     print(f"calibrating on {val.targets.shape[0]} held-out positions", file=sys.stderr)
-    accuracy = head_accuracies(heads, model, val, args.ranks)
-    write_json(calibration, {"data": str(args.data), "rows": val.targets.shape[0],
-                             "accuracy": [[round(x, 5) for x in row] for row in accuracy.tolist()]})
+    accuracy = head_accuracies(heads, model, val, ranks)
+    save_calibration(heads_dir, data, val.targets.shape[0], accuracy)
     return accuracy
+
+
+def size_trees(model, heads, nodes: list[tuple], max_nodes: int) -> dict:
+    """{n: the tree of the first n grown nodes} for the sizes generate.py chooses among."""
+    sizes = [n for n in SIZES if n <= min(max_nodes, len(nodes))]
+    trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
+                            model.config.vocab_size, model.embed.weight.device)
+    return trees
+
+
+def search_seconds(heads, model, val: Rows, max_nodes: int = MAX_NODES,
+                   probe_rows: int = 512) -> float:
+    """The expected time of calibrating on `val` and timing the trees: calibration timed on
+    probe_rows of them, and the trees grown from that probe timed for 2 of the rounds."""
+    start = time.perf_counter()
+    probe = Rows(val.hidden[:probe_rows], val.targets[:probe_rows],
+                 None if val.tokens is None else val.tokens[:probe_rows])
+    nodes, _ = grow_tree(head_accuracies(heads, model, probe), max_nodes)
+    calibration = (time.perf_counter() - start) * val.targets.shape[0] / probe_rows
+    start = time.perf_counter()
+    step_latency(model, heads, size_trees(model, heads, nodes, max_nodes), repeats=1)
+    return calibration + (time.perf_counter() - start) * (LATENCY_REPEATS + 1) / 2
 
 
 def time_sizes(model, heads, nodes: list[tuple], probs: list[float], max_nodes: int) -> int:
     """Time a step of every size here, cache the latencies for generate.py, print the table;
     the size with the most expected tokens per second."""
     weight = model.embed.weight
-    sizes = [n for n in SIZES if n <= min(max_nodes, len(nodes))]
-    trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
-                            model.config.vocab_size, weight.device)
+    trees = size_trees(model, heads, nodes, max_nodes)
+    sizes = list(trees)
     print(f"timing steps of {sizes} nodes (and a plain step) on "
           f"{machine_key(weight.device, weight.dtype)}", file=sys.stderr)
-    latency = step_latency(model, heads, trees)
+    latency = step_latency(model, heads, trees, repeats=LATENCY_REPEATS)
     write_cached(latency_key(model, heads, weight.device, weight.dtype), latency)
     best, table = pick_budget(probs, latency)
     plain_rate = 1000 / table[0]["step_ms"]
@@ -109,7 +141,7 @@ def time_sizes(model, heads, nodes: list[tuple], probs: list[float], max_nodes: 
 
 @entry_point
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Calibrate the heads, grow the candidate tree from "
+    p = Parser(description="Calibrate the heads, grow the candidate tree from "
                                 "their accuracies (paper section 6) and time each tree size on "
                                 "this machine; writes calibration.json beside the heads and "
                                 "caches the step latencies that generate.py starts from.")
@@ -121,7 +153,7 @@ def main(argv=None):
                    "default model)")
     p.add_argument("--ranks", type=int, default=10, help="guesses per head to calibrate "
                    "(default: %(default)s)")
-    p.add_argument("--max-nodes", type=int, default=64,
+    p.add_argument("--max-nodes", type=int, default=MAX_NODES,
                    help="largest tree to consider (default: %(default)s)")
     p.add_argument("--budget", type=int, default=None,
                    help="skip the latency measurement and take a tree of this many nodes")
@@ -134,7 +166,7 @@ def main(argv=None):
     folder = args.model or ensure_default_model()
     model = decoding_model(folder, device, dtype)
     heads = decoding_heads(str(args.heads), model)
-    accuracy = calibrate(args, heads, model, folder)
+    accuracy = calibrate(args.heads, args.data, heads, model, folder, args.ranks)
     print("a_k^(i), head k per row, guess i per column:\n" + "\n".join(
         " ".join(f"{x:.3f}" for x in row) for row in accuracy.tolist()), file=sys.stderr)
     nodes, probs = grow_tree(accuracy, args.max_nodes)

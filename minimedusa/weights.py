@@ -13,6 +13,7 @@ No pickle of code anywhere.
 """
 import argparse
 import json
+import os
 from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
@@ -305,13 +306,17 @@ def check_heads_fit(cfg: MedusaConfig, model_config: LlamaConfig) -> None:
 
 
 def save_heads(heads: MedusaHeads, folder, extra_config: dict | None = None) -> None:
+    """The tensors, then config.json, each written beside its name and renamed: a folder with a
+    config.json holds whole heads (train.py's pipeline takes it as training's end)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # heads.heads alone: not a draft vocabulary set for decoding (a slice of the LM head)
     state = {name: t.contiguous() for name, t in heads.heads.state_dict().items()}
-    save_file(state, folder / HEADS_FILE, metadata={"format": "pt"})
+    save_file(state, folder / f"{HEADS_FILE}.tmp", metadata={"format": "pt"})
+    os.replace(folder / f"{HEADS_FILE}.tmp", folder / HEADS_FILE)
     config = {**asdict(heads.config), **(extra_config or {})}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(folder / "config.json.tmp", folder / "config.json")
 
 
 def read_heads_state(folder: Path) -> dict[str, torch.Tensor]:
