@@ -206,20 +206,34 @@ def pending_batches(out: Path, prompts: list[dict],
     return [(i, b) for i, b in enumerate(batches) if not shard_path(out, i).is_file()]
 
 
-def batch_seconds(model, tokenizer: Tokenizer, batch: list[dict], settings: Settings) -> float:
-    """The expected time of one batch, timed on it: an answer of 1 token (the prompt's forward)
-    and one of 9, after a warm-up. A batch of many answers runs to max_new_tokens: one of them
-    at least goes on that long (the default model's 2,048 answers in batches of 64: every one
-    of the 32 batches did)."""
-    ids, stop_ids = prompt_ids(tokenizer, batch), model.config.stop_ids
-    run = lambda n: answer_batch(model, ids, n, Sampling(), stop_ids, 0, None)  # noqa: E731
-    run(1)
+@torch.inference_mode()
+def batch_seconds(model, tokenizer: Tokenizer, batch: list[dict], settings: Settings,
+                  repeats: int = 5) -> float:
+    """The expected time of one batch, timed on it: the prompts' forward, then max_new_tokens - 1
+    decoding steps of the cost of one at mid-answer (the median of `repeats`, after a warm-up).
+    A batch of many answers runs to max_new_tokens: one of them at least goes on that long (the
+    default model's 2,048 answers in batches of 64: every one of the 32 batches did)."""
+    ids, device = prompt_ids(tokenizer, batch), model.embed.weight.device
+    prefill = lambda: answer_batch(model, ids, 1, Sampling(), set(), 0, None)  # noqa: E731
+    prefill()
     start = time.perf_counter()
-    run(1)
-    prefill = time.perf_counter() - start
-    run(9)
-    step = (time.perf_counter() - start - 2 * prefill) / 8
-    return prefill + (settings.max_new_tokens - 1) * step
+    prefill()
+    seconds = time.perf_counter() - start
+    # one decoding step at slot S - 1: B rows of one token, each seeing its whole answer so far
+    _, _, pad = left_pad(ids, 0)
+    S = max(map(len, ids)) + settings.max_new_tokens // 2
+    cache = KVCache.for_model(model, capacity=S, batch_size=len(ids))
+    token = torch.zeros(len(ids), 1, dtype=torch.long, device=device)  # (B, 1)
+    positions = (S - 1 - pad).unsqueeze(1).to(device)  # (B, 1)
+    mask = padded_mask(pad, 1, S).to(device)  # (B, 1, S)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        hidden = model.hidden_states(token, positions, mask, cache, cache.slots(S - 1, 1))
+        next_token(model.lm_head(hidden[:, -1]), Sampling(), None).tolist()
+        times.append(time.perf_counter() - start)
+    step = sorted(times[1:])[repeats // 2]
+    return seconds + (settings.max_new_tokens - 1) * step
 
 
 def distill(model, tokenizer: Tokenizer, out: Path, prompts: list[dict], settings: Settings,
