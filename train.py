@@ -1,5 +1,14 @@
 """Train Medusa heads from self-distilled data: Medusa-1 (frozen backbone) or Medusa-2 (joint).
 
+    python train.py --frozen                         # from the model alone: data, heads, tree
+    python train.py --frozen --model DIR --out OUT   # the same for your own Llama-family model
+
+Without --data, --frozen runs three stages into OUT (default weights/<model folder>-trained):
+self-distillation into OUT/data, training, then calibration and the tree search for this machine
+(tree_search.py); each prints its expected time, timed on a probe, before it starts, and resumes
+where it stopped (a finished stage is skipped), so Ctrl-C then the same command loses nothing
+finished. Its defaults are the shipped heads' recipe. The separate commands, for control:
+
     python -m minimedusa.self_distill --out data/distill          # the model answers seed prompts
     python train.py --frozen --data data/distill --out weights/my-heads          # Medusa-1
     python train.py --frozen --data data/distill --out weights/my-heads --resume
@@ -672,8 +681,11 @@ def distillation_stage(args, folder: Path, device, say) -> None:
     cpu, dtype = device.type == "cpu", pick_dtype("auto", device)
     settings = Settings(limit=args.prompts or (CPU_PROMPTS if cpu else None),
                         batch_size=64 if cpu else 256, max_new_tokens=MAX_NEW_TOKENS)
+    prompts = seed_prompts(settings.seed)
+    if settings.limit is not None and settings.limit > len(prompts):
+        raise UserError(f"--prompts {settings.limit}: there are {len(prompts)} seed prompts")
+    prompts = prompts[:settings.limit]
     open_folder(args.data, folder, settings, dtype)
-    prompts = seed_prompts(settings.seed)[:settings.limit]
     todo = pending_batches(args.data, prompts, settings.batch_size)
     if not todo:
         return say(f"stage 1/{STAGES}, self-distillation: done ({args.data})")

@@ -219,10 +219,12 @@ def batch_seconds(model, tokenizer: Tokenizer, batch: list[dict], settings: Sett
     start = time.perf_counter()
     prefill()
     seconds = time.perf_counter() - start
-    # one decoding step at slot S - 1: B rows of one token, each seeing its whole answer so far
+    # one decoding step at slot S - 1: B rows of one token, each seeing its whole answer so far,
+    # in a cache of answer_batch's capacity (the attention reads a strided view of it)
     _, _, pad = left_pad(ids, 0)
-    S = max(map(len, ids)) + settings.max_new_tokens // 2
-    cache = KVCache.for_model(model, capacity=S, batch_size=len(ids))
+    P = max(map(len, ids))
+    S = P + settings.max_new_tokens // 2
+    cache = KVCache.for_model(model, capacity=P + settings.max_new_tokens, batch_size=len(ids))
     token = torch.zeros(len(ids), 1, dtype=torch.long, device=device)  # (B, 1)
     positions = (S - 1 - pad).unsqueeze(1).to(device)  # (B, 1)
     mask = padded_mask(pad, 1, S).to(device)  # (B, 1, S)
