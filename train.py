@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 
 from minimedusa.budget import CALIBRATION, grow_tree, latency_key, read_cached, read_calibration
 from minimedusa.cli import (Parser, decoding_heads, decoding_model, minutes, positive_int,
-                            progress_bar)
+                            progress_bar, say)
 from minimedusa.default_model import PAPER_HEADS_DIR, WEIGHTS_DIR, ensure_default_model
 from minimedusa.device import pick_device, pick_dtype
 from minimedusa.errors import UserError, entry_point
@@ -105,7 +105,8 @@ def parse_args(argv=None):
                    "(Medusa-2 adds the merged backbone in OUT/model and OUT/adapters.safetensors); "
                    "required with --data, else default weights/<model folder>-trained")
     p.add_argument("--model", type=Path, default=None,
-                   help="HF Llama folder the data was made with (default: the default model)")
+                   help="HF Llama-family folder: Llama, Llama 3, Qwen2, Mistral (the one --data was "
+                   "made with; default: the default model)")
     p.add_argument("--init-heads", type=Path, default=None,
                    help="trained heads to start from. Medusa-1: train them further on --data "
                    "(their form replaces --heads/--layers/--shared; default: fresh heads). "
@@ -367,8 +368,8 @@ def train_loop(mode, args, rank: int, world: int, device, say) -> int:
                                                         "optimizer": mode.optimizer.state_dict(),
                                                         "log": json.dumps(log)})
             if interrupted():
-                say(f"interrupted: checkpoint at step {step} in {args.out}; run the same "
-                    "command again to go on from there")
+                say(f"interrupted: checkpoint at step {step} in {args.out} (go on with "
+                    "--resume; train.py without --data resumes by itself)")
                 raise KeyboardInterrupt
     if rank == 0:
         (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
@@ -754,7 +755,6 @@ def from_model(args) -> None:
     args.out = args.out or WEIGHTS_DIR / f"{folder.name}-trained"
     args.data = args.out / "data"
     check_recipe(args)
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     say(f"heads for {folder} in {args.out}, from the model alone (sized for about an hour on "
         f"a 2-core CPU; Ctrl-C, then the same command, resumes)")
     start = time.time()
@@ -775,10 +775,10 @@ def main(argv=None):
     if args.data is None:
         return from_model(args)
     rank, world, device = setup_distributed(args.device)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    tell = say if rank == 0 else (lambda msg: None)
     mode = medusa1(args, device, world) if args.frozen else medusa2(args, device, world)
-    step = train_loop(mode, args, rank, world, device, say)
-    good = mode.finish(step, say) if rank == 0 else True
+    step = train_loop(mode, args, rank, world, device, tell)
+    good = mode.finish(step, tell) if rank == 0 else True
     if world > 1:
         dist.destroy_process_group()
     if not good:

@@ -92,6 +92,12 @@ def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
+def say(msg: str) -> None:
+    """A line on stderr; on a terminal it first clears the line a progress bar is drawn on, so
+    that the bar goes on below the message."""
+    print(("\r\x1b[K" if sys.stderr.isatty() else "") + msg, file=sys.stderr, flush=True)
+
+
 def progress_bar():
     """show(done, total, line): a bar with the elapsed and the remaining time, then `line`;
     redrawn in place on a terminal (at most every second), else a line at most every 10 s and

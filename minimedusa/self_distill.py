@@ -27,7 +27,6 @@ Shapes: B batch, P padded prompt length, T steps, C model dim.
 """
 import hashlib
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from minimedusa.cli import Parser, add_device_arguments, device_and_dtype, progress_bar
+from minimedusa.cli import Parser, add_device_arguments, device_and_dtype, progress_bar, say
 from minimedusa.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
 from minimedusa.kv_cache import KVCache
@@ -262,8 +261,8 @@ def distill(model, tokenizer: Tokenizer, out: Path, prompts: list[dict], setting
 
 @entry_point
 def main():
-    p = Parser(description="Self-distillation data: the default model (or "
-                                "--model) answers the seed prompts, batched; resumable.")
+    p = Parser(description="Self-distillation data: the default model (or --model) answers the "
+               "seed prompts, batched; resumable.")
     p.add_argument("--out", type=Path, required=True, help="output folder (shards + meta.json)")
     p.add_argument("--model", type=Path, default=None, help="HF Llama folder (default: the "
                    "default model)")
@@ -291,7 +290,6 @@ def main():
     settings = Settings(args.prompts, args.limit, args.batch_size, args.max_new_tokens,
                         args.temperature, args.seed)
     open_folder(args.out, folder, settings, dtype)
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     prompts = (seed_prompts(args.seed)[:args.limit] if args.prompts == "templates" else
                model_written_prompts(model, tokenizer, args.limit, args.out, args.batch_size,
                                      args.seed, say))

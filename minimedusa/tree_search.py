@@ -141,10 +141,10 @@ def time_sizes(model, heads, nodes: list[tuple], probs: list[float], max_nodes: 
 
 @entry_point
 def main(argv=None):
-    p = Parser(description="Calibrate the heads, grow the candidate tree from "
-                                "their accuracies (paper section 6) and time each tree size on "
-                                "this machine; writes calibration.json beside the heads and "
-                                "caches the step latencies that generate.py starts from.")
+    p = Parser(description="Calibrate the heads, grow the candidate tree from their accuracies "
+               "(paper section 6) and time each tree size on this machine; writes "
+               "calibration.json beside the heads and caches the step latencies that "
+               "generate.py starts from.")
     p.add_argument("--heads", type=Path, required=True, help="trained heads folder")
     p.add_argument("--data", type=Path, default=None,
                    help="self-distillation data to calibrate on (its held-out answers); "
