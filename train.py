@@ -69,7 +69,7 @@ from minimedusa.tokenizer import Tokenizer
 from minimedusa.training import (DataError, Rows, cosine_lr, draft_columns, head_logits,
                                  head_metrics, medusa_loss, read_answers, read_rows,
                                  split_validation)
-from minimedusa.tree_search import (MAX_NODES, head_accuracies, save_calibration,
+from minimedusa.tree_search import (MAX_NODES, calibrate_on, head_accuracies, held_out_rows,
                                     search_seconds, time_sizes, write_json)
 from minimedusa.weights import (load_heads, load_model, read_config, save_draft_vocab,
                                 save_heads, save_model)
@@ -686,7 +686,7 @@ def distillation_stage(args, folder: Path, device, say) -> None:
     if settings.limit is not None and settings.limit > len(prompts):
         raise UserError(f"--prompts {settings.limit}: there are {len(prompts)} seed prompts")
     prompts = prompts[:settings.limit]
-    open_folder(args.data, folder, settings, dtype)
+    open_folder(args.data, folder, settings, len(prompts), dtype)
     todo = pending_batches(args.data, prompts, settings.batch_size)
     if not todo:
         return say(f"stage 1/{STAGES}, self-distillation: done ({args.data})")
@@ -736,14 +736,11 @@ def tree_stage(args, folder: Path, device, say) -> None:
     if read_calibration(args.out) is not None and read_cached(latency_key(model, heads, device,
                                                                           dtype)):
         return say(f"stage 3/{STAGES}, tree search: done (calibrated, this machine timed)")
-    _, val = read_rows(args.data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
-                       model.config.vocab_size)
+    val = held_out_rows(args.data, heads, model, folder)
     say(f"stage 3/{STAGES}, tree search: calibration on {val.targets.shape[0]} held-out "
         f"positions, then each tree size timed on this machine: expected "
         f"{minutes(search_seconds(heads, model, val))}")
-    accuracy = head_accuracies(heads, model, val)
-    save_calibration(args.out, args.data, val.targets.shape[0], accuracy)
-    nodes, probs = grow_tree(accuracy, MAX_NODES)
+    nodes, probs = grow_tree(calibrate_on(val, args.out, args.data, heads, model), MAX_NODES)
     time_sizes(model, heads, nodes, probs, MAX_NODES)
 
 

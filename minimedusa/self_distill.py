@@ -172,12 +172,10 @@ class Settings:
     seed: int = 0
 
 
-def open_folder(out: Path, folder: Path, settings: Settings, dtype) -> None:
+def open_folder(out: Path, folder: Path, settings: Settings, n_prompts: int, dtype) -> None:
     """Check that `out` holds no data made otherwise, and write its meta.json."""
     meta = {"model": str(folder), "tokenizer": tokenizer_fingerprint(folder),
-            "prompts_from": settings.prompts_from,
-            "prompts": settings.limit if settings.prompts_from == "model" else
-            len(seed_prompts(settings.seed)[:settings.limit]),
+            "prompts_from": settings.prompts_from, "prompts": n_prompts,
             **{k: getattr(settings, k) for k in ("batch_size", "max_new_tokens", "temperature",
                                                  "seed")},
             "dtype": str(dtype).removeprefix("torch.")}
@@ -289,10 +287,11 @@ def main():
     model, tokenizer = load_model(folder, device, dtype), Tokenizer.from_folder(folder)
     settings = Settings(args.prompts, args.limit, args.batch_size, args.max_new_tokens,
                         args.temperature, args.seed)
-    open_folder(args.out, folder, settings, dtype)
-    prompts = (seed_prompts(args.seed)[:args.limit] if args.prompts == "templates" else
-               model_written_prompts(model, tokenizer, args.limit, args.out, args.batch_size,
-                                     args.seed, say))
+    templated = seed_prompts(args.seed)[:args.limit] if args.prompts == "templates" else None
+    open_folder(args.out, folder, settings, args.limit if templated is None else len(templated),
+                dtype)
+    prompts = templated if templated is not None else model_written_prompts(
+        model, tokenizer, args.limit, args.out, args.batch_size, args.seed, say)
     distill(model, tokenizer, args.out, prompts, settings, progress_bar())
 
 

@@ -86,8 +86,20 @@ def calibrate(heads_dir: Path, data: Path | None, heads, model, folder: Path,
             raise UserError(f"{heads_dir / CALIBRATION} does not exist: calibrate first with "
                             "--data")
         return accuracy
+    return calibrate_on(held_out_rows(data, heads, model, folder), heads_dir, data, heads, model,
+                        ranks)
+
+
+def held_out_rows(data: Path, heads, model, folder: Path) -> Rows:
+    """The held-out answers of `data`, as the heads' rows: what calibration measures on."""
     _, val = read_rows(data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
                        model.config.vocab_size)
+    return val
+
+
+def calibrate_on(val: Rows, heads_dir: Path, data: Path, heads, model,
+                 ranks: int = 10) -> torch.Tensor:
+    """a_k^(i) (K, R) measured on `val` (held out from `data`), saved beside the heads."""
     print(f"calibrating on {val.targets.shape[0]} held-out positions", file=sys.stderr)
     accuracy = head_accuracies(heads, model, val, ranks)
     save_calibration(heads_dir, data, val.targets.shape[0], accuracy)
