@@ -20,7 +20,6 @@ alike. Report ratios from one run, not absolute numbers from different runs.
 import argparse
 import copy
 import json
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -29,6 +28,8 @@ from pathlib import Path
 import torch
 
 from minimedusa.acceptance import greedy, rejection, typical
+from minimedusa.bench_generate import report_generate_processes
+from minimedusa.bench_report import category_table, markdown, plot, summarize
 from minimedusa.budget import (expected_length, expected_length_of, grow_tree, nested_trees,
                                read_calibration)
 from minimedusa.cli import (add_device_arguments, decoding_budget, decoding_heads, decoding_model,
@@ -38,6 +39,7 @@ from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensur
 from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
+from minimedusa.step_profile import profile_steps
 from minimedusa.tokenizer import Tokenizer
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
@@ -177,171 +179,8 @@ def ranked_engine(model, heads, size: int):
     return lambda ids, n, seed: timed(ranked_decode(model, heads, size, ids, n, greedy(), set()))
 
 
-def summarize(rows: list[dict], engines: list[str]) -> dict:
-    """Totals per engine in the paper's terms, relative to this project's plain decoding."""
-    totals = {}
-    for e in engines:
-        tokens = sum(r[e]["tokens"] for r in rows)
-        seconds = sum(r[e]["seconds"] for r in rows)
-        steps = sum(r[e]["steps"] for r in rows)
-        totals[e] = {"tokens": tokens, "seconds": round(seconds, 3), "steps": steps,
-                     "tokens_per_s": round(tokens / seconds, 2),
-                     "acceleration_rate": round(tokens / steps, 3),
-                     "step_ms": round(1000 * seconds / steps, 2),
-                     "identical": sum(r[e]["same_as_plain"] for r in rows),
-                     "questions": len(rows)}
-    plain = totals["plain"]
-    for t in totals.values():
-        t["overhead"] = round(t["step_ms"] / plain["step_ms"], 3)
-        t["speedup"] = round(t["tokens_per_s"] / plain["tokens_per_s"], 3)
-    return totals
-
-
-def markdown(totals: dict, expected: dict) -> str:
-    lines = ["| engine | tokens/s | tokens/step | expected | step ms | overhead | speedup | "
-             "same as plain |", "|---|---|---|---|---|---|---|---|"]
-    for name, t in totals.items():
-        estimate = f"{expected[name]:.2f}" if name in expected else ""
-        same = f"{t['identical']}/{t['questions']}" if "T=" not in name else "(sampled)"
-        lines.append(f"| {name} | {t['tokens_per_s']:.1f} | {t['acceleration_rate']:.2f} | "
-                     f"{estimate} | {t['step_ms']:.1f} | {t['overhead']:.2f}x | "
-                     f"{t['speedup']:.2f}x | {same} |")
-    return "\n".join(lines)
-
-
-def category_table(per_category: dict) -> str:
-    names = list(next(iter(per_category.values())))[1:]  # every engine but plain
-    lines = ["| category | " + " | ".join(f"{n}: tokens/step, speedup" for n in names) + " |",
-             "|---|" + "---|" * len(names)]
-    for category, totals in per_category.items():
-        cells = [f"{totals[n]['acceleration_rate']:.2f}, {totals[n]['speedup']:.2f}x"
-                 for n in names]
-        lines.append(f"| {category} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(result: dict, path: Path) -> None:
-    """Speedup per category, and tokens/s against tree size; only if matplotlib is there."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
-        return
-    sized = {int(n.split()[-2]): t for n, t in result["totals"].items()
-             if n.endswith(" nodes") and " ranked " not in n}
-    fig, axes = plt.subplots(1, 2 if sized else 1, figsize=(12 if sized else 7, 4), squeeze=False)
-    ax = axes[0][0]
-    categories = list(result["per_category"])
-    engines = [n for n in result["totals"] if n != "plain" and not n.endswith(" nodes")]
-    width = 0.8 / len(engines)
-    for j, name in enumerate(engines):
-        ax.bar([i + j * width for i in range(len(categories))],
-               [result["per_category"][c][name]["speedup"] for c in categories], width,
-               label=name)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories,
-                  rotation=30)
-    ax.set_ylabel("speedup over plain decoding")
-    ax.legend(fontsize=7)
-    if sized:
-        ax = axes[0][1]
-        sizes = sorted(sized)
-        ax.plot(sizes, [sized[n]["tokens_per_s"] for n in sizes], "o-", label="Medusa greedy")
-        ax.axhline(result["totals"]["plain"]["tokens_per_s"], color="gray", ls="--",
-                   label="plain")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tree size (nodes)")
-        ax.set_ylabel("tokens/s")
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{result['device_name']}, {result['dtype']}, {result['threads']} threads, "
-                 f"{result['max_new_tokens']} tokens per question")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> str:
-    """Where one step's time goes: torch.profiler over a few plain and Medusa steps from the
-    same prompt (its prefill left out), operators sorted by their own time and split by input
-    shape, so the LM head's products show apart from the blocks'."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
-                                           if torch.cuda.is_available() else [])
-    tables = []
-    for name, decode in (("plain", lambda: plain_decode(model, prompt_ids, steps + 1,
-                                                        Sampling(), set())),
-                         ("medusa greedy", lambda: medusa_decode(
-                             model, heads, tree, prompt_ids, steps * (tree.num_heads + 1),
-                             greedy(), set()))):
-        timed(decode())  # warm-up
-        forwards = decode()
-        next(forwards)  # the prefill, not a step
-        with profile(activities=activities, record_shapes=True) as prof:
-            _, seconds, n = timed(forwards)
-        tables.append(f"{name}: {n} steps in {1000 * seconds:.0f} ms, "
-                      f"{1000 * seconds / n:.1f} ms a step (profiler on)\n"
-                      + prof.key_averages(group_by_input_shape=True).table(
-                          sort_by="self_cpu_time_total", row_limit=12))
-    return "\n".join(tables)
-
-
-def model_flags(args) -> list[str]:
-    """The benchmark's model, device, dtype and threads, as generate.py's flags."""
-    flags = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
-    return flags + (["--model", str(args.model)] if args.model is not None else [])
-
-
-def generate_processes(args, questions: list[dict]) -> dict:
-    """generate.py as a user runs it: one process per question, its default flags against
-    --baseline, alternating which goes first, for --rounds rounds. Each process's own
-    tokens/s (the prompt to the last token) and its wall time, loading included, are summed."""
-    script = Path(__file__).resolve().parent.parent / "generate.py"
-    totals = {mode: {"tokens": 0, "seconds": 0.0, "wall_seconds": 0.0, "modes": []}
-              for mode in ("default", "baseline")}
-    for r in range(args.rounds):
-        for i, q in enumerate(questions):
-            order = ["default", "baseline"] if (i + r) % 2 == 0 else ["baseline", "default"]
-            for mode in order:
-                cmd = [sys.executable, str(script), "--json", "--prompt", q["prompt"],
-                       "--max-new-tokens", str(args.max_new_tokens), "--heads", args.heads[0],
-                       *model_flags(args)] + (["--baseline"] if mode == "baseline" else [])
-                start = time.perf_counter()
-                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-                result, t = json.loads(done.stdout), totals[mode]
-                t["wall_seconds"] += time.perf_counter() - start
-                t["tokens"] += result["new_tokens"]
-                t["seconds"] += result["seconds"]
-                t["modes"].append(result["mode"])
-            rates = {m: f"{t['tokens'] / t['seconds']:.2f}" for m, t in totals.items()}
-            print(f"[round {r + 1}, {i + 1}/{len(questions)}] {q['category']:<10} tokens/s so "
-                  f"far: {rates}", file=sys.stderr, flush=True)
-    for t in totals.values():
-        t["tokens_per_s"] = round(t["tokens"] / t["seconds"], 2)
-    totals["speedup"] = round(totals["default"]["tokens_per_s"] /
-                              totals["baseline"]["tokens_per_s"], 3)
-    totals["wall_ratio"] = round(totals["baseline"]["wall_seconds"] /
-                                 totals["default"]["wall_seconds"], 3)
-    return totals
-
-
-def report_generate_processes(args, questions: list[dict], machine: str) -> None:
-    """--generate: print (and with --out save) generate_processes' totals."""
-    result = {"machine": machine, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-              "questions": len(questions), **generate_processes(args, questions)}
-    shown = {k: v for k, v in result.items() if k not in ("default", "baseline")}
-    for mode in ("default", "baseline"):
-        shown[mode] = {k: v for k, v in result[mode].items() if k != "modes"}
-    print(json.dumps(shown, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Decoding speed on MT-Bench first turns: this "
-                                "project's plain decoding, Medusa (greedy, typical and "
-                                "rejection sampling) and the transformers library's generate, "
-                                "interleaved question by question in one process.")
+def add_engine_flags(p) -> None:
+    """What to time: the questions, the heads, their trees and acceptance rules."""
     p.add_argument("--per-category", type=int, default=2,
                    help="questions per MT-Bench category, 8 categories (default: %(default)s; "
                    "10 = all 80)")
@@ -378,6 +217,14 @@ def parse_args(argv=None):
                    help="time greedy Medusa only (no typical / rejection sampling engines)")
     p.add_argument("--no-transformers", action="store_true",
                    help="skip the transformers baseline even if the library is installed")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Decoding speed on MT-Bench first turns: this "
+                                "project's plain decoding, Medusa (greedy, typical and "
+                                "rejection sampling) and the transformers library's generate, "
+                                "interleaved question by question in one process.")
+    add_engine_flags(p)
     add_device_arguments(p, threads_default=2)  # 2: this project's CI machine
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder (default: the default model in weights/)")
@@ -409,25 +256,10 @@ def parse_args(argv=None):
     return args
 
 
-@entry_point
-def main(argv=None):
-    args = parse_args(argv)
-    device, dtype = device_and_dtype(args)
-    folder = args.model or ensure_default_model(DEFAULT_MODEL_DIR)
-    tokenizer = Tokenizer.from_folder(folder)
-    questions = first_turns(args.questions, args.per_category)
-    if args.generate:
-        report_generate_processes(args, questions, machine_key(device, dtype))
-        return
-    model = decoding_model(folder, device, dtype)
-    if args.profile:
-        heads = decoding_heads(args.heads[0], model)
-        _, tree = decoding_tree(args.tree, heads, model)
-        prompt = [{"role": "user", "content": questions[0]["prompt"]}]
-        print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
-        return
-    engines = {"plain": plain_engine(model)}
-    usage = {}
+def engines_to_time(args, model, folder: Path, device, dtype) -> tuple[dict, dict, dict]:
+    """(name -> engine, name -> expected tokens/step, name -> steps by tree size): plain decoding,
+    the Medusa engines and, if it is installed, transformers' generate."""
+    engines, usage = {"plain": plain_engine(model)}, {}
     medusa, expected = medusa_engines(args, model, device, usage)
     engines.update(medusa)
     hf = None if args.no_transformers else load_transformers(folder, device, dtype)
@@ -436,8 +268,14 @@ def main(argv=None):
     elif not args.no_transformers:
         print("transformers is not installed: it is left out of the comparison "
               "(pip install transformers, in a scratch environment, to compare)", file=sys.stderr)
-    names = list(engines)
+    return engines, expected, usage
 
+
+def run_questions(engines: dict, usage: dict, questions: list[dict], tokenizer,
+                  max_new_tokens: int) -> list[dict]:
+    """Every engine on every question, alternating who goes first, after an excluded warm-up:
+    one row per question with each engine's tokens, seconds, steps and sameness to plain."""
+    names = list(engines)
     warm = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]))
     for run in engines.values():  # warm-up, excluded
         run(warm, 8, 0)
@@ -449,7 +287,7 @@ def main(argv=None):
         row, outputs = {"id": q["id"], "category": q["category"]}, {}
         order = names if i % 2 == 0 else names[::-1]  # alternate who goes first
         for name in order:
-            outputs[name], seconds, steps = engines[name](ids, args.max_new_tokens, i)
+            outputs[name], seconds, steps = engines[name](ids, max_new_tokens, i)
             row[name] = {"tokens": len(outputs[name]), "seconds": round(seconds, 4),
                          "steps": steps}
         for name in names:
@@ -458,7 +296,12 @@ def main(argv=None):
         speeds = ", ".join(f"{n} {row[n]['tokens'] / row[n]['seconds']:.1f}" for n in names)
         print(f"[{i + 1}/{len(questions)}] {q['category']:<10} tokens/s: {speeds}",
               file=sys.stderr, flush=True)
+    return rows
 
+
+def report(args, rows: list[dict], names: list[str], expected: dict, usage: dict, device,
+           dtype) -> None:
+    """Print the totals and the per-category table; with --out / --plot, save them."""
     totals = summarize(rows, names)
     per_category = {c: summarize([r for r in rows if r["category"] == c], names)
                     for c in dict.fromkeys(r["category"] for r in rows)}
@@ -479,6 +322,28 @@ def main(argv=None):
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
         plot(result, args.plot)
+
+
+@entry_point
+def main(argv=None):
+    args = parse_args(argv)
+    device, dtype = device_and_dtype(args)
+    folder = args.model or ensure_default_model(DEFAULT_MODEL_DIR)
+    tokenizer = Tokenizer.from_folder(folder)
+    questions = first_turns(args.questions, args.per_category)
+    if args.generate:
+        report_generate_processes(args, questions, machine_key(device, dtype))
+        return
+    model = decoding_model(folder, device, dtype)
+    if args.profile:
+        heads = decoding_heads(args.heads[0], model)
+        _, tree = decoding_tree(args.tree, heads, model)
+        prompt = [{"role": "user", "content": questions[0]["prompt"]}]
+        print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
+        return
+    engines, expected, usage = engines_to_time(args, model, folder, device, dtype)
+    rows = run_questions(engines, usage, questions, tokenizer, args.max_new_tokens)
+    report(args, rows, list(engines), expected, usage, device, dtype)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
 from minimedusa.packed_linear import can_pack, pack_linear_layers
 from minimedusa.tree import MedusaTree, TreeError, build_tree, dense_tree
-from minimedusa.weights import (DRAFT_VOCAB_FILE, HeadsError, load_heads, load_model,
-                                read_draft_vocab)
+from minimedusa.heads_files import DRAFT_VOCAB_FILE, HeadsError, load_heads, read_draft_vocab
+from minimedusa.weights import load_model
 
 # The paper's 63-node sparse tree for Vicuna-7B (the reference implementation's mc_sim_7b_63):
 # its 63 node paths plus the root make 64 tree tokens, reading 4 heads' top-10.

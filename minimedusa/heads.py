@@ -8,8 +8,8 @@ token t+k+1 (the backbone's own LM head predicts t+1):
 with L residual blocks stacked before W2. Two parametrisations of W2: each head's own V×d
 projection, initialised as a copy of the LM head (the paper's form, the reference's "V1"
 checkpoints), or the backbone's LM head shared by every head (the reference's "V2").
-Their files (the reference's layout, so heads move between projects) are in weights.py. Hydra's
-heads, which also read the draft's tokens, are in hydra.py; both kinds can draft over a draft
+Their files (the reference's layout, so heads move between projects) are heads_files.py's.
+Hydra's heads, which also read the draft's tokens, are in hydra.py; both kinds draft over a draft
 vocabulary (DraftVocabulary, below), a cut of the shared LM head.
 
 Shapes: B batch, T tokens, C model dim, V vocab (V' a draft vocabulary's), K heads.

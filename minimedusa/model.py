@@ -5,8 +5,8 @@ are explicit (tree tokens at the same depth share a position, paper section 2), 
 mask is an argument of forward (the tree mask is passed exactly like the causal one). forward
 returns the logits AND the last hidden state (after the final norm), which the Medusa heads read.
 Runs Llama 2/3.x (RoPE scaling "linear" and "llama3", an explicit head dim D != C / H), Qwen2/2.5
-(q, k, v biases) and Mistral within its sliding window (weights.py caps the context at the window,
-where a Mistral computes exactly a Llama). Left out, and refused by weights.config_from_hf: other
+(q, k, v biases) and Mistral within its sliding window (hf_config.py caps the context at the
+window, where a Mistral computes exactly a Llama). Left out, and refused by hf_config.py: other
 RoPE scalings (yarn, dynamic, longrope), partial rotary dims, MLP or output biases, other
 activations, attention beyond a sliding window.
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from minimedusa.checkpoint import write_atomically
 from minimedusa.cli import Parser, add_device_arguments, device_and_dtype, progress_bar, say
 from minimedusa.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
@@ -125,9 +126,8 @@ def model_written_prompts(model, tokenizer: Tokenizer, n: int, folder: Path, bat
                                f"in {max_batches} batches (of {n} asked)")
         generator = make_generator(device, seed + len(batches))  # per batch: resuming is exact
         batches.append(write_user_turns(model, tokenizer, batch_size, 96, generator))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(b) + "\n" for b in batches))
-        tmp.rename(path)
+        write_atomically(path, lambda tmp: tmp.write_text("".join(json.dumps(b) + "\n"
+                                                                  for b in batches)))
         say(f"[user turns] {min(len(distinct()), n)}/{n} written")
     return [{"category": "model-written", "prompt": t} for t in distinct()[:n]]
 
@@ -146,9 +146,7 @@ def save_shard(path: Path, rows: list[dict]) -> None:
     tensors = {"prompt_ids": torch.cat(prompt_ids), "prompt_offsets": offsets(prompt_ids),
                "answer_ids": torch.cat(answer_ids), "answer_offsets": offsets(answer_ids),
                "hidden": torch.cat([r["hidden"] for r in rows]).to(torch.bfloat16).contiguous()}
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, tmp)
-    tmp.rename(path)
+    write_atomically(path, lambda tmp: save_file(tensors, tmp))
 
 
 def same_settings(old: dict, new: dict) -> bool:

@@ -15,8 +15,6 @@
 
 Shapes: M rows, K heads, V vocab, R ranks calibrated (top-R guesses per head).
 """
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ import torch
 from minimedusa.budget import (CALIBRATION, SIZES, expected_length, grow_tree, latency_key,
                                nested_trees, pick_budget, read_calibration, step_latency,
                                write_cached)
+from minimedusa.checkpoint import write_json
 from minimedusa.cli import (Parser, add_device_arguments, decoding_heads, decoding_model,
                             device_and_dtype)
 from minimedusa.default_model import ensure_default_model
@@ -63,13 +62,6 @@ def head_accuracies(heads, model, rows: Rows, ranks: int = 10,
 
 
 # --- the files beside the heads --------------------------------------------------------------
-
-def write_json(path: Path, obj) -> None:
-    """Beside the final name, then renamed: an interrupted run leaves the old file whole."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
 
 def save_calibration(heads_dir: Path, data: Path, rows: int, accuracy: torch.Tensor) -> None:
     write_json(heads_dir / CALIBRATION, {"data": str(data), "rows": rows,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minimedusa import bench
+from minimedusa import bench, bench_generate
 from minimedusa.weights import save_model
 
 
@@ -72,7 +72,7 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
                              "--model", str(tiny_folder), "--heads", "untrained-shared:3",
                              "--threads", "1"])
     question = {"id": 1, "category": "writing", "prompt": "Hi"}
-    totals = bench.generate_processes(args, [question])
+    totals = bench_generate.generate_processes(args, [question])
     assert totals["default"]["tokens"] == totals["baseline"]["tokens"] == 6
     assert totals["default"]["modes"][0].startswith("medusa heads, tree of ")
     assert totals["baseline"]["modes"] == ["plain"]

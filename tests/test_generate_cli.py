@@ -10,7 +10,7 @@ import torch
 
 from conftest import REPO, tiny_model
 from minimedusa.heads import MedusaHeads
-from minimedusa.weights import save_heads
+from minimedusa.heads_files import save_heads
 from minimedusa.weights import save_model
 
 

@@ -20,8 +20,9 @@ from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.cli import decoding_heads
 from minimedusa.training import IGNORE, draft_columns, head_inputs, head_targets, read_rows
 from minimedusa.tree import build_tree
-from minimedusa.weights import (HeadsError, export_v1, load_heads, load_model, read_draft_vocab,
-                                save_heads)
+from minimedusa.export_v1 import export_v1
+from minimedusa.heads_files import HeadsError, load_heads, read_draft_vocab, save_heads
+from minimedusa.weights import load_model
 from test_tree import trees
 
 VOCAB = 64

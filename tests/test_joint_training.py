@@ -10,11 +10,11 @@ from safetensors.torch import load_file
 
 import train
 from minimedusa.heads import MedusaHeads
-from minimedusa.weights import HEADS_FILE, load_heads
-from minimedusa.joint_training import (JointModel, distill_kl, greedy_agreement, lambda0,
-                                       make_batch, mean_kl, original_in_bfloat16, state_rows,
-                                       teacher_log_probs)
+from minimedusa.heads_files import HEADS_FILE, load_heads
+from minimedusa.joint_training import (JointModel, distill_kl, lambda0, make_batch, mean_kl,
+                                       state_rows, teacher_log_probs)
 from minimedusa.lora import adapted_layers, add_adapters
+from minimedusa.quality_guard import greedy_agreement, original_in_bfloat16
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import medusa_loss, read_answers
 from minimedusa.weights import load_model

@@ -23,7 +23,8 @@ from minimedusa.model import causal_mask
 from minimedusa.packed_linear import ONEDNN_LINEAR, pack_linear_layers
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.weights import ConfigError, load_model, save_model
+from minimedusa.hf_config import ConfigError
+from minimedusa.weights import load_model, save_model
 from test_medusa_decoding import flat, perturbed_heads
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"

@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 
 import train
 from conftest import tiny_model
-from minimedusa import self_distill
+from minimedusa import pipeline, self_distill
 from minimedusa.budget import CALIBRATION
-from minimedusa.weights import HEADS_FILE, save_model
+from minimedusa.heads_files import HEADS_FILE
+from minimedusa.weights import save_model
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def chat_model(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(autouse=True)
 def short_answers(monkeypatch):
-    monkeypatch.setattr(train, "MAX_NEW_TOKENS", 12)
+    monkeypatch.setattr(pipeline, "MAX_NEW_TOKENS", 12)
 
 
 def from_model(folder, out, *extra):
@@ -78,7 +79,7 @@ def test_ctrl_c_in_any_stage_then_the_same_command_loses_no_finished_work(
     assert (out / "data" / "shard-00000.safetensors").read_bytes() == shard  # kept, not redone
     assert torch.load(out / train.CHECKPOINT, weights_only=True)["step"] == 6  # the step ended
     with monkeypatch.context() as m:  # stage 3: Ctrl-C while timing the trees
-        interrupt_on_call(m, train, "time_sizes", 1)
+        interrupt_on_call(m, pipeline, "time_sizes", 1)
         with pytest.raises(SystemExit, match="interrupted"):
             from_model(chat_model, out)
     capsys.readouterr()

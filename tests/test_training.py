@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import train
 from conftest import REPO
 from minimedusa.heads import MedusaHeads
-from minimedusa.weights import HEADS_FILE
+from minimedusa.heads_files import HEADS_FILE
 from minimedusa.model import causal_mask
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import IGNORE, DataError, head_targets, medusa_loss, read_rows

@@ -19,7 +19,7 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.training import IGNORE, Rows
 from minimedusa.tree import build_tree, dense_tree
 from minimedusa.tree_search import head_accuracies
-from minimedusa.weights import load_heads, save_heads
+from minimedusa.heads_files import load_heads, save_heads
 
 
 def test_calibration_counts_each_rank_of_each_head():
