@@ -17,15 +17,17 @@ import time
 from pathlib import Path
 
 from minimedusa.cli import (NAMED_TREES, Parser, add_device_arguments, add_draft_vocab_argument,
-                            decoding_acceptance, decoding_budget, decoding_heads, decoding_model,
-                            decoding_tree, device_and_dtype, non_negative, positive_int,
-                            probability, ranked_size, ranked_vocab_size)
+                            add_quantize_argument, decoding_acceptance, decoding_budget,
+                            decoding_heads, decoding_model, decoding_tree, device_and_format,
+                            non_negative, positive_int, probability, ranked_size,
+                            ranked_vocab_size)
 from minimedusa.decoding import (StepStats, adaptive_decode, medusa_decode, plain_decode,
                                  ranked_decode)
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
 from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
 from minimedusa.tokenizer import StreamDecoder, Tokenizer
+from minimedusa.weight_formats import format_of
 
 
 def parse_args(argv=None):
@@ -48,6 +50,7 @@ def parse_args(argv=None):
                    help="an HF Llama folder with config.json, *.safetensors and tokenizer.json "
                    "(default: weights/SmolLM2-135M-Instruct, fetched and converted on first use)")
     add_device_arguments(p)
+    add_quantize_argument(p)
     p.add_argument("--heads", default=None,
                    help="Medusa heads folder (config.json + medusa_lm_head.safetensors; "
                    "default: the trained heads in weights/ for the default model, none for "
@@ -79,10 +82,10 @@ def parse_args(argv=None):
 
 
 def load(args):
-    """(model, tokenizer) as the flags ask; on a CPU in float32 the weights are packed here."""
-    device, dtype = device_and_dtype(args)
+    """(model, tokenizer) as the flags ask, in the weight format they ask for."""
+    device, weight_format = device_and_format(args)
     folder = args.model if args.model is not None else ensure_default_model()
-    return decoding_model(folder, device, dtype), Tokenizer.from_folder(folder)
+    return decoding_model(folder, device, weight_format), Tokenizer.from_folder(folder)
 
 
 def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
@@ -151,7 +154,7 @@ def run(args) -> dict:
             "accepted_histogram": dict(sorted(stats.histogram.items())),
             "seconds": round(seconds, 4), "tokens_per_s": round(len(output) / seconds, 2),
             "load_seconds": round(loaded, 3), "mode": describe(), "device": str(weight.device),
-            "dtype": str(weight.dtype).removeprefix("torch.")}
+            "dtype": str(weight.dtype).removeprefix("torch."), "format": format_of(model)}
 
 
 @entry_point
@@ -166,8 +169,8 @@ def main(argv=None):
     print(f"[{result['mode']}] {result['new_tokens']} tokens in {result['seconds']:.2f} s: "
           f"{result['tokens_per_s']:.1f} tokens/s, {result['steps']} steps, "
           f"{result['acceleration_rate']:.2f} tokens/step (tokens per step: {histogram}) "
-          f"({result['device']}, {result['dtype']}; loaded in {result['load_seconds']:.1f} s, "
-          "not counted)", file=sys.stderr)
+          f"({result['device']}, {result['format']} weights; loaded in "
+          f"{result['load_seconds']:.1f} s, not counted)", file=sys.stderr)
 
 
 if __name__ == "__main__":

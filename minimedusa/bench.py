@@ -32,8 +32,9 @@ from minimedusa.bench_generate import report_generate_processes
 from minimedusa.bench_report import category_table, markdown, plot, summarize
 from minimedusa.budget import (expected_length, expected_length_of, grow_tree, nested_trees,
                                read_calibration)
-from minimedusa.cli import (add_device_arguments, decoding_budget, decoding_heads, decoding_model,
-                            decoding_tree, device_and_dtype, ranked_vocab_size)
+from minimedusa.cli import (add_device_arguments, add_quantize_argument, decoding_budget,
+                            decoding_heads, decoding_model, decoding_tree, device_and_format,
+                            ranked_vocab_size)
 from minimedusa.decoding import adaptive_decode, medusa_decode, plain_decode, ranked_decode
 from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensure_default_model
 from minimedusa.device import device_name, machine_key
@@ -41,6 +42,7 @@ from minimedusa.errors import UserError, entry_point
 from minimedusa.sampling import Sampling
 from minimedusa.step_profile import profile_steps
 from minimedusa.tokenizer import Tokenizer
+from minimedusa.weight_formats import activation_dtype
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
     "mt_bench_questions.jsonl"
@@ -226,6 +228,7 @@ def parse_args(argv=None):
                                 "interleaved question by question in one process.")
     add_engine_flags(p)
     add_device_arguments(p, threads_default=2)  # 2: this project's CI machine
+    add_quantize_argument(p)
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder (default: the default model in weights/)")
     p.add_argument("--questions", type=Path, default=MT_BENCH,
@@ -327,14 +330,15 @@ def report(args, rows: list[dict], names: list[str], expected: dict, usage: dict
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
-    device, dtype = device_and_dtype(args)
+    device, weight_format = device_and_format(args)
+    dtype = activation_dtype(weight_format)
     folder = args.model or ensure_default_model(DEFAULT_MODEL_DIR)
     tokenizer = Tokenizer.from_folder(folder)
     questions = first_turns(args.questions, args.per_category)
     if args.generate:
         report_generate_processes(args, questions, machine_key(device, dtype))
         return
-    model = decoding_model(folder, device, dtype)
+    model = decoding_model(folder, device, weight_format)
     if args.profile:
         heads = decoding_heads(args.heads[0], model)
         _, tree = decoding_tree(args.tree, heads, model)

@@ -39,6 +39,7 @@ from minimedusa.acceptance import greedy
 from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
 from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
+from minimedusa.weight_formats import format_of
 
 CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (tree_search.py measures it)
 
@@ -257,7 +258,8 @@ def latency_key(model, heads, device, dtype) -> str:
     kind, and how many tokens they rank)."""
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
-    return (f"{machine_key(device, dtype)} | model {m.num_hidden_layers}x{m.hidden_size}"
+    weights = " | int8 weights" if format_of(model) == "int8" else ""  # the dtype says the rest
+    return (f"{machine_key(device, dtype)}{weights} | model {m.num_hidden_layers}x{m.hidden_size}"
             f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
             f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
             f"{vocab}")

@@ -21,9 +21,9 @@ from minimedusa.errors import UserError
 from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
-from minimedusa.packed_linear import can_pack, pack_linear_layers
 from minimedusa.tree import MedusaTree, TreeError, build_tree, dense_tree
 from minimedusa.heads_files import DRAFT_VOCAB_FILE, HeadsError, load_heads, read_draft_vocab
+from minimedusa.weight_formats import apply_format, bf16_is_native, default_format, format_of
 from minimedusa.weights import load_model
 
 # The paper's 63-node sparse tree for Vicuna-7B (the reference implementation's mc_sim_7b_63):
@@ -82,10 +82,19 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
     """--device, --dtype and --threads, the same in every command line."""
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
-                        "bfloat16 on CUDA), float32, bfloat16, float16")
+                        "bfloat16 on CUDA; decoding: bfloat16 also on a CPU that multiplies it "
+                        "natively, avx512_bf16 or AMX), float32, bfloat16, float16")
     default = threads_default or "torch's choice, one per core"
     parser.add_argument("--threads", type=positive_int, default=threads_default,
                         help=f"CPU threads for torch (default: {default})")
+
+
+def add_quantize_argument(parser) -> None:
+    parser.add_argument("--quantize", choices=("none", "int8"), default="none",
+                        help="int8: weight-only int8 (a scale per output channel) for every "
+                        "linear layer, the LM head and the heads' included, bfloat16 "
+                        "activations; a CPU format (weight_formats.py). Default: none, the "
+                        "weights in --dtype")
 
 
 def minutes(seconds: float) -> str:
@@ -127,16 +136,33 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     return device, pick_dtype(args.dtype, device)
 
 
+def device_and_format(args) -> tuple[torch.device, str]:
+    """The flags' device and weight format for decoding (weight_formats.py): --quantize int8,
+    else --dtype, whose auto is the machine's default_format. Sets torch's CPU threads."""
+    device, dtype = device_and_dtype(args)
+    if args.quantize == "int8":
+        if device.type != "cpu" or args.dtype not in ("auto", "bfloat16", "bf16"):
+            raise UserError("--quantize int8 runs on a CPU with bfloat16 activations (torch's "
+                            "int8 product is vectorised for those only): drop --dtype/--device")
+        return device, "int8"
+    if args.dtype == "auto":
+        return device, default_format(device)
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cpu" and name == "bfloat16" and not bf16_is_native():
+        print("minimedusa: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products run "
+              "without native kernels, slower than float32 (--dtype float32 is faster here)",
+              file=sys.stderr)
+    return device, name
+
+
 # --- the model and the heads, ready to decode ----------------------------------------------------
 
-def decoding_model(folder: Path, device, dtype) -> Llama:
-    """The model for decoding: loaded, and on a CPU in float32 with prepacked linear layers."""
+def decoding_model(folder: Path, device, weight_format: str) -> Llama:
+    """The model for decoding, in a weight format of weight_formats.py (prepacked or quantized
+    linear layers on a CPU)."""
     if not Path(folder).is_dir():
         raise UserError(f"model folder {folder} does not exist")
-    model = load_model(folder, device, dtype)
-    if can_pack(torch.device(device), dtype):
-        pack_linear_layers(model)
-    return model
+    return apply_format(load_model(folder, device, torch.float32), weight_format)
 
 
 def add_draft_vocab_argument(parser) -> None:
@@ -152,7 +178,7 @@ def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
     """A heads folder, or 'untrained:K' / 'untrained-shared:K' / 'untrained-hydra:K': K fresh
     heads (own / shared projection / Hydra's) in the paper's initialisation, for trying the
     machinery without training. With a draft vocabulary of draft_vocab tokens (None: the
-    folder's default), and packed like the model's layers when the model's are."""
+    folder's default), and in the model's weight format (weight_formats.py)."""
     heads, config = None, {}
     for prefix in ("untrained:", "untrained-shared:", "untrained-hydra:"):
         if spec.startswith(prefix):
@@ -171,10 +197,7 @@ def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
     size = config.get("draft_vocab_size", 0) if draft_vocab is None else draft_vocab
     if size:
         heads.vocabulary = draft_vocabulary(spec, heads, model, size)
-    weight = model.embed.weight
-    if can_pack(weight.device, weight.dtype):
-        pack_linear_layers(heads)
-    return heads
+    return apply_format(heads.float(), format_of(model))
 
 
 def draft_vocabulary(spec: str, heads, model: Llama, size: int) -> DraftVocabulary:

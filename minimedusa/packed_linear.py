@@ -1,5 +1,6 @@
 """A CPU speed device, kept apart from the model: linear layers whose weights are prepacked for
-oneDNN, swapped into a loaded model (and its heads) for float32 decoding on a CPU.
+oneDNN, swapped into a loaded model (and its heads) for float32 (or, where the CPU multiplies it
+natively, bfloat16) decoding on a CPU.
 
 Decoding multiplies 1 row (plain) or N + 1 rows (a Medusa tree) by every weight, and on a CPU
 that costs reading the weights from memory: 424 MB for the default model's 30 blocks in float32,
@@ -38,14 +39,18 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
 
     def forward(self, x):  # (..., I) -> (..., O)
-        if x.dtype != torch.float32 or torch.is_grad_enabled():
+        if x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)  # not what it was packed for
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Prepacking pays for float32 on a CPU whose torch build has oneDNN's linear."""
-    return ONEDNN_LINEAR and device.type == "cpu" and dtype == torch.float32
+    """Prepacking pays on a CPU whose torch build has oneDNN's linear: for float32, and for
+    bfloat16 where the CPU multiplies it natively (avx512_bf16, AMX: weight_formats.py)."""
+    if not ONEDNN_LINEAR or device.type != "cpu":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and
+                                      torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_layers(module: nn.Module) -> int:

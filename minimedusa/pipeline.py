@@ -25,6 +25,7 @@ from minimedusa.self_distill import Settings, batch_seconds, distill, open_folde
 from minimedusa.seed_prompts import seed_prompts
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.training import batch_rows, total_steps
+from minimedusa.weight_formats import default_format
 from minimedusa.tree_search import (MAX_NODES, calibrate_on, held_out_rows, search_seconds,
                                     time_sizes)
 from minimedusa.weights import load_model, read_config
@@ -133,9 +134,9 @@ def tree_stage(args, folder: Path, device, say) -> None:
     """Stage 3: calibrate the heads on held-out answers and time each tree size here, for
     generate.py (tree_search.py). Done when both the calibration and this machine's step
     latencies are there."""
-    dtype = pick_dtype("auto", device)
-    model = decoding_model(folder, device, dtype)
+    model = decoding_model(folder, device, default_format(device))
     heads = decoding_heads(str(args.out), model)
+    dtype = model.embed.weight.dtype
     if read_calibration(args.out) is not None and read_cached(latency_key(model, heads, device,
                                                                           dtype)):
         return say(f"stage 3/{STAGES}, tree search: done (calibrated, this machine timed)")

@@ -1,0 +1,84 @@
+"""Weight formats: each fast layer agrees with its slow reference (dequantize, then multiply), a
+model in a format stays close to float32, and Medusa greedy in a format is that format's plain
+greedy (the heads only propose: the format's own model verifies)."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+from conftest import copycat_model, perturbed, tiny_model
+from minimedusa.acceptance import greedy
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.heads import MedusaHeads
+from minimedusa.hydra import HydraHeads
+from minimedusa.model import causal_mask
+from minimedusa.packed_linear import PackedLinear
+from minimedusa.sampling import Sampling
+from minimedusa.tree import build_tree
+from minimedusa.weight_formats import (Int8Linear, apply_format, bf16_is_native,
+                                       dequantize_int8, format_of, quantize_int8)
+from test_medusa_decoding import flat
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 16), bias=st.booleans())
+def test_int8_product_equals_dequantize_then_matmul(seed, rows, bias):
+    """The int8 kernel's product at 1-16 rows == the dequantized weight's, to bfloat16's
+    rounding of the output (the activations are bfloat16 in both)."""
+    torch.manual_seed(seed)
+    layer = Int8Linear(nn.Linear(64, 96, bias=bias))
+    x = torch.randn(rows, 64).bfloat16()
+    reference = x.float() @ dequantize_int8(layer.q, layer.scales.float()).T
+    if bias:
+        reference += layer.bias.float()
+    torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_int8_rounding_error_is_at_most_half_a_step_per_channel():
+    w = torch.randn(48, 80) * torch.rand(48, 1)  # channels of very different ranges
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert ((dequantize_int8(q, scales) - w).abs() <= scales[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.skipif(not bf16_is_native(), reason="this CPU has no native bfloat16 (oneDNN)")
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+def test_bfloat16_packed_linear_equals_bfloat16_linear(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(64, 300).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear(linear)(x).float(), linear(x).float(),
+                                   rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int8"])
+def test_a_model_in_a_format_stays_close_to_float32(name):
+    """The whole model swapped (tied LM head included): its logits near float32's (the largest
+    difference, relative to the largest logit), and the format says what it is."""
+    model = tiny_model(3, dtype=torch.float32, tie_word_embeddings=True)
+    tokens, positions, mask = torch.randint(0, 64, (1, 9)), torch.arange(9)[None], causal_mask(0, 9)
+    with torch.inference_mode():
+        reference, _ = model(tokens, positions, mask)
+        formatted = apply_format(model, name)
+        logits, _ = formatted(tokens, positions, mask)
+    assert format_of(formatted) == name
+    error = (logits.float() - reference).abs().max() / reference.abs().max()
+    assert error <= {"float32": 1e-6, "bfloat16": 2e-2, "int8": 2e-2}[name]
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_medusa_greedy_equals_the_formats_plain_greedy(name, kind, seed):
+    """Lossless with respect to the format it runs in, heads in the same format: on a model
+    where candidates are accepted (copycat), and with perturbed heads that are often wrong."""
+    model = apply_format(copycat_model(seed, dtype=torch.float32), name)
+    heads = (perturbed(MedusaHeads.for_model(model, 4, num_layers=1), seed, 0.05)
+             if kind == "medusa" else HydraHeads.for_model(model, 4))
+    heads = apply_format(heads.float().eval(), name)
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
+    prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
+    medusa = flat(medusa_decode(model, heads, tree, prompt, 40, greedy(), set()))
+    assert medusa == plain
