@@ -8,6 +8,7 @@ import torch
 
 from conftest import tiny_model
 from minimedusa import bench, bench_generate
+from minimedusa.weight_formats import default_format
 from minimedusa.weights import save_model
 
 
@@ -63,7 +64,7 @@ def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path
     assert result["totals"]["medusa greedy"]["identical"] == 8
     steps = result["steps_by_tree_size"]["medusa greedy"]
     assert sum(steps.values()) == result["totals"]["medusa greedy"]["steps"] - 8  # - prefills
-    assert result["machine"].startswith("cpu/float32/")
+    assert result["machine"].startswith(f"cpu/{default_format(torch.device('cpu'))}/")
 
 
 def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):

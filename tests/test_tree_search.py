@@ -20,6 +20,7 @@ from minimedusa.training import IGNORE, Rows
 from minimedusa.tree import build_tree, dense_tree
 from minimedusa.tree_search import head_accuracies
 from minimedusa.heads_files import load_heads, save_heads
+from minimedusa.weight_formats import activation_dtype, default_format
 
 
 def test_calibration_counts_each_rank_of_each_head():
@@ -135,7 +136,8 @@ def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_
     assert chosen == nodes[:len(chosen)]
     build_tree(chosen, num_heads=3)
     heads = load_heads(tmp_path, model)
-    cached = read_cached(latency_key(model, heads, torch.device("cpu"), torch.float32))
+    dtype = activation_dtype(default_format(torch.device("cpu")))  # the format decoding picks
+    cached = read_cached(latency_key(model, heads, torch.device("cpu"), dtype))
     assert set(cached) == {0, 1, 2, 4}  # sizes up to --max-nodes 6, and plain
 
 
