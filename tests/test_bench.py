@@ -78,3 +78,28 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     assert totals["default"]["modes"][0].startswith("medusa heads, tree of ")
     assert totals["baseline"]["modes"] == ["plain"]
     assert totals["speedup"] > 0 and totals["wall_ratio"] > 0
+
+
+def test_formats_are_timed_side_by_side_each_lossless_against_its_own_plain(tmp_path, tiny_folder):
+    """--formats: '[int8] plain' and '[int8] medusa greedy' beside the main format's engines,
+    each Medusa engine identical to plain decoding in its own format; every engine's bytes of
+    weights per step (int8 about a quarter of float32's) and the machine's streaming bandwidth
+    are reported."""
+    bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
+                "--no-sampling", "--threads", "1", "--formats", "float32,int8",
+                "--out", str(tmp_path / "b.json")])
+    result = json.loads((tmp_path / "b.json").read_text())
+    totals = result["totals"]
+    assert {"[float32] plain", "[float32] medusa greedy", "[int8] plain",
+            "[int8] medusa greedy"} <= set(totals)
+    assert all(t["identical"] == 8 for n, t in totals.items() if "] " in n)
+    assert totals["[int8] plain"]["weight_bytes"] < totals["[float32] plain"]["weight_bytes"] / 3
+    assert totals["[int8] medusa greedy"]["weight_bytes"] > totals["[int8] plain"]["weight_bytes"]
+    assert result["memory_bandwidth"]["read_gb_s"] > 0
+    assert all(t["gb_s"] > 0 for t in totals.values())
+
+
+def test_unknown_format_is_one_line_not_a_traceback(tiny_folder):
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
+                    "--formats", "int3"])
