@@ -23,7 +23,8 @@ from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
 from minimedusa.tree import MedusaTree, TreeError, build_tree, dense_tree
 from minimedusa.heads_files import DRAFT_VOCAB_FILE, HeadsError, load_heads, read_draft_vocab
-from minimedusa.weight_formats import apply_format, bf16_is_native, default_format, format_of
+from minimedusa.weight_formats import (DTYPE_FORMATS, apply_format, bf16_is_native, default_format,
+                                       format_of)
 from minimedusa.weights import load_model
 
 # The paper's 63-node sparse tree for Vicuna-7B (the reference implementation's mc_sim_7b_63):
@@ -162,7 +163,10 @@ def decoding_model(folder: Path, device, weight_format: str) -> Llama:
     linear layers on a CPU)."""
     if not Path(folder).is_dir():
         raise UserError(f"model folder {folder} does not exist")
-    return apply_format(load_model(folder, device, torch.float32), weight_format)
+    # int8 rounds the float32 weights; a dtype's weights are read straight into it, so that no
+    # float32 copy of the model is ever held beside them (peak memory)
+    dtype = DTYPE_FORMATS.get(weight_format, torch.float32)
+    return apply_format(load_model(folder, device, dtype), weight_format)
 
 
 def add_draft_vocab_argument(parser) -> None:

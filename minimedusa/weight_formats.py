@@ -12,10 +12,16 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               torch's _weight_int8pack_mm, vectorised for bfloat16 activations only (so the
               rest of the model runs in bfloat16); the LM head and the heads' projections too.
 
-Left out: int4 (torch's _weight_int4pack_mm_for_cpu was no faster than int8 at 1 row and slower
-at 8 rows on the machines measured, at twice the error) and activation quantization. Greedy
-Medusa stays lossless with respect to the format it runs in: the heads only propose, the
-format's own model verifies (tested).
+Left out: int4 weight-only (torch's _weight_int4pack_mm_for_cpu, groups of 32). On the 2-core
+AVX-512 EPYC its products over the whole model took 5.5 ms at 1 row against int8's 13.5 (18.6
+against 27.5 at 8 rows), but with about 9x int8's relative error (7.5e-2 against 8e-3), and int8
+already falls short of the 98% top-1 agreement with float32 a default needs (96.8%,
+format_quality.py); also left out: activation quantization.
+Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
+format in exact arithmetic; in bfloat16 not to the bit: a tree step multiplies N rows where a
+plain step multiplies one, oneDNN's kernels round a few outputs differently by shape, and
+bfloat16 logits (8 bits of mantissa) tie often, so the two greedy decodes part at ties of their
+top-2 logits (README: Results). Tests check equality on tiny models, where ties are rare.
 Shapes: N output features, K input features, M rows.
 """
 import torch
