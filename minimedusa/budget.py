@@ -238,7 +238,7 @@ def time_one_step(model, heads, tree, cache, hidden) -> float:
     start = time.perf_counter()
     if tree is None:
         logits, _ = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
-                                                          device=cache.k.device))
+                                                          device=cache.device))
         logits.argmax().item()  # the host sync a plain step makes too
     else:
         medusa_step(model, tree, cache, draft(heads, model, tree, 0, hidden), greedy(), None)

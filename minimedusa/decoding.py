@@ -56,8 +56,11 @@ def prefill(model: Llama, cache: KVCache, prompt: torch.Tensor):
     """
     T = prompt.shape[1]
     positions = torch.arange(T, device=prompt.device).unsqueeze(0)  # (1, T)
-    hidden = model.hidden_states(prompt, positions, causal_mask(0, T, prompt.device),
-                                 cache, cache.next_slots(T))  # (1, T, C)
+    # note: eager even where the decoding steps are compiled (compiled_step.py): a prompt's
+    # length is new with every prompt, and one forward does not repay compiling for it
+    with torch.compiler.set_stance("force_eager"):
+        hidden = model.hidden_states(prompt, positions, causal_mask(0, T, prompt.device),
+                                     cache, cache.next_slots(T))  # (1, T, C)
     cache.advance(T)
     last = hidden[:, -1]  # (1, C)
     return model.lm_head(last), last
@@ -239,7 +242,7 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
     """A step whose tree is the root alone: plain decoding's step, returned as medusa_step
     returns (so the two mix in one run) but without running the heads, which a plain step
     does not need."""
-    token = torch.tensor([[root]], device=cache.k.device)  # (1, 1)
+    token = torch.tensor([[root]], device=cache.device)  # (1, 1)
     logits, hidden = decode_step(model, cache, token)  # (1, V), (1, C)
     return [acceptance.first(logits[0], generator).item()], [0], hidden[0]
 

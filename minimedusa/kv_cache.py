@@ -1,4 +1,4 @@
-"""A static KV cache: one preallocated key tensor and one value tensor for the whole model.
+"""A static KV cache: a preallocated key tensor and value tensor for each layer.
 
 Every decoding step writes its new tokens' keys/values in place at explicit slots and attends to
 slots [0, S); nothing is concatenated or reallocated, so every step has the same memory layout
@@ -16,12 +16,38 @@ class CacheOverflowError(RuntimeError):
     """A write past the cache's capacity (the prompt plus new tokens do not fit)."""
 
 
-class KVCache:
-    def __init__(self, num_layers, batch_size, num_kv_heads, capacity, head_dim, device, dtype):
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)  # (L, B, G, M, D)
+class LayerCache:
+    """One layer's keys and values, (B, G, M, D) each, written in place at explicit slots."""
+
+    def __init__(self, shape, device, dtype):
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def update(self, slots, k, v, n_read: int):
+        """Store k, v (B, G, N, D) at `slots` (N,); return slots [0, n_read) of the layer.
+
+        The returned tensors are views of the cache, (B, G, n_read, D) each: no copy.
+        """
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+        return self.k[:, :, :n_read], self.v[:, :, :n_read]
+
+    def copy_slots(self, src, dst) -> None:
+        """Copy the entries at slots `src` (N,) to slots `dst` (N,); reading first makes
+        overlapping src/dst safe."""
+        self.k.index_copy_(2, dst, self.k.index_select(2, src))
+        self.v.index_copy_(2, dst, self.v.index_select(2, src))
+
+
+class KVCache:
+    def __init__(self, num_layers, batch_size, num_kv_heads, capacity, head_dim, device, dtype):
+        shape = (batch_size, num_kv_heads, capacity, head_dim)  # (B, G, M, D) for each layer
+        # note: one pair of tensors per layer rather than one for the model, so that a layer's
+        # step (compiled_step.py) owns its own and writes them in place: a write into a slice of
+        # one shared tensor made the compiler copy the whole of it at every layer
+        self.layers = [LayerCache(shape, device, dtype) for _ in range(num_layers)]
         self.capacity = capacity
+        self.device = torch.device(device)
         # note: the length lives on the host (a Python int) so that building the next step's
         # slots and mask never waits for the device.
         self.length = 0
@@ -44,7 +70,7 @@ class KVCache:
         """Keep, of the tokens written at next_slots(...), those at offsets `kept` (increasing:
         the accepted tree nodes, root first), moved to slots length, length + 1, ...; the
         others (rejected nodes) are dropped: later steps overwrite them."""
-        src = torch.tensor(kept, device=self.k.device) + self.length  # (N,)
+        src = torch.tensor(kept, device=self.device) + self.length  # (N,)
         self.copy_slots(src, self.next_slots(len(kept)))
         self.advance(len(kept))
 
@@ -57,19 +83,10 @@ class KVCache:
         if start < 0 or start + n > self.capacity:
             raise CacheOverflowError(f"KV cache overflow: writing slots [{start}, {start + n}) "
                                      f"but the cache holds {self.capacity}")
-        return torch.arange(start, start + n, device=self.k.device)
-
-    def update(self, layer: int, slots, k, v, n_read: int):
-        """Store k, v (B, G, N, D) at `slots` (N,) of one layer; return slots [0, n_read) of it.
-
-        The returned tensors are views of the cache, (B, G, n_read, D) each: no copy.
-        """
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer, :, :, :n_read], self.v[layer, :, :, :n_read]
+        return torch.arange(start, start + n, device=self.device)
 
     def copy_slots(self, src, dst) -> None:
         """Copy every layer's entries at slots `src` (N,) to slots `dst` (N,), e.g. the accepted
-        tree nodes to the end of the prefix. Reading first makes overlapping src/dst safe."""
-        self.k.index_copy_(3, dst, self.k.index_select(3, src))
-        self.v.index_copy_(3, dst, self.v.index_select(3, src))
+        tree nodes to the end of the prefix."""
+        for layer in self.layers:
+            layer.copy_slots(src, dst)

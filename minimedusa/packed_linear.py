@@ -29,6 +29,22 @@ ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldn
                                                                  "_linear_pointwise")
 
 
+@torch.library.custom_op("minimedusa::packed_product", mutates_args=())
+def packed_product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """rows (M, I) times a prepacked weight (+ bias): (M, O).
+
+    An operator of its own for compiled steps (compiled_step.py), which call it as it is: the
+    compiler's own lowering of oneDNN's linear insists on weights frozen into the graph as
+    constants, and a frozen graph cannot be cached on disk (minutes of compiling per process)."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
+@packed_product.register_fake
+def _(rows, packed, bias, out_features):  # its output's shape, for the compiler's tracing
+    return rows.new_empty(rows.shape[0], out_features)
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout. Shares the Parameters it was made
     from (a tied LM head stays tied to the embedding)."""
@@ -41,7 +57,18 @@ class PackedLinear(nn.Module):
     def forward(self, x):  # (..., I) -> (..., O)
         if x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)  # not what it was packed for
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])  # (M, I)
+        # subtle: oneDNN multiplies a single row with another kernel than two or more, and it
+        # rounds a few outputs differently (measured in bf16 at I = 1536: 1 or 2 of 576). A
+        # plain step's row is multiplied as one of two, so that it equals, to the bit, the same
+        # token's row in a Medusa tree step (lossless greedy; model.exact_attention does the rest)
+        y = self.product(rows.repeat(2, 1) if rows.shape[0] == 1 else rows)[:rows.shape[0]]
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def product(self, rows):  # (M, I) -> (M, O)
+        if torch.compiler.is_compiling():
+            return packed_product(rows, self.packed, self.bias, self.weight.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -28,6 +28,12 @@ def tiny_model(seed: int = 0, dtype=torch.float64, device="cpu", **overrides) ->
     return model.eval().requires_grad_(False)
 
 
+def cached_keys_values(cache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's keys and values in slots [0, n): (L, B, G, n, D) each."""
+    return (torch.stack([layer.k[:, :, :n] for layer in cache.layers]),
+            torch.stack([layer.v[:, :, :n] for layer in cache.layers]))
+
+
 def perturbed(heads, seed: int, scale: float):
     """Heads (fresh: each guesses what the LM head guesses) with every parameter randomly
     perturbed: wrong often enough to exercise rejection, right often enough to accept."""

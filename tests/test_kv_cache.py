@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import DEVICES, tiny_model
+from conftest import DEVICES, cached_keys_values, tiny_model
 from minimedusa.kv_cache import CacheOverflowError, KVCache
 from minimedusa.model import causal_mask
 
@@ -83,20 +83,21 @@ def test_slot_writes_then_copy_reproduce_plain_forward_cache(device, seed, prefi
     kept = new[:, torch.tensor(keep, device=device)]
     _, expected = full_forward(model, torch.cat([prefix, kept], dim=1))
     n = prefix_len + len(kept_slots)
-    torch.testing.assert_close(cache.k[:, :, :, :n], expected.k, rtol=0, atol=1e-12)
-    torch.testing.assert_close(cache.v[:, :, :, :n], expected.v, rtol=0, atol=1e-12)
+    torch.testing.assert_close(cached_keys_values(cache, n),
+                               cached_keys_values(expected, n), rtol=0, atol=1e-12)
 
 
 def test_cache_is_preallocated_once_and_written_in_place():
     model = tiny_model()
     cache = KVCache.for_model(model, capacity=10)
-    k_storage = cache.k.data_ptr()
+    storage = [(layer.k.data_ptr(), layer.v.data_ptr()) for layer in cache.layers]
     tokens = torch.randint(0, VOCAB, (1, 10))
     for t in range(10):
         model(tokens[:, t:t + 1], torch.tensor([[t]]), causal_mask(t, 1), cache,
               cache.next_slots(1))
         cache.advance(1)
-    assert cache.k.data_ptr() == k_storage and cache.k.shape[3] == 10
+    assert [(layer.k.data_ptr(), layer.v.data_ptr()) for layer in cache.layers] == storage
+    assert all(layer.k.shape[2] == 10 for layer in cache.layers)
 
 
 def test_write_past_capacity_is_a_clear_error():
