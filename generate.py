@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from minimedusa.cli import (NAMED_TREES, Parser, add_device_arguments, add_draft_vocab_argument,
-                            add_quantize_argument, decoding_acceptance, decoding_budget,
-                            decoding_heads, decoding_model, decoding_tree, device_and_format,
-                            non_negative, positive_int, probability, ranked_size,
-                            ranked_vocab_size)
+from minimedusa.cli import (NAMED_TREES, Parser, add_compile_argument, add_device_arguments,
+                            add_draft_vocab_argument, add_quantize_argument, decoding_acceptance,
+                            decoding_budget, decoding_heads, decoding_model, decoding_step,
+                            decoding_tree, device_and_format, non_negative, positive_int,
+                            probability, ranked_size, ranked_vocab_size)
 from minimedusa.decoding import (StepStats, adaptive_decode, medusa_decode, plain_decode,
                                  ranked_decode)
 from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
@@ -51,6 +51,7 @@ def parse_args(argv=None):
                    "(default: weights/SmolLM2-135M-Instruct, fetched and converted on first use)")
     add_device_arguments(p)
     add_quantize_argument(p)
+    add_compile_argument(p)
     p.add_argument("--heads", default=None,
                    help="Medusa heads folder (config.json + medusa_lm_head.safetensors; "
                    "default: the trained heads in weights/ for the default model, none for "
@@ -82,10 +83,12 @@ def parse_args(argv=None):
 
 
 def load(args):
-    """(model, tokenizer) as the flags ask, in the weight format they ask for."""
+    """(model, tokenizer, its step in words) as the flags ask: the model in the weight format
+    they ask for, its decoding step compiled or eager."""
     device, weight_format = device_and_format(args)
     folder = args.model if args.model is not None else ensure_default_model()
-    return decoding_model(folder, device, weight_format), Tokenizer.from_folder(folder)
+    model = decoding_model(folder, device, weight_format)
+    return model, Tokenizer.from_folder(folder), decoding_step(model, args.compile)
 
 
 def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
@@ -134,7 +137,7 @@ def decoder(args, model):
 
 def run(args) -> dict:
     start = time.perf_counter()
-    model, tokenizer = load(args)
+    model, tokenizer, step = load(args)
     describe, decode = decoder(args, model)
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args, tokenizer)  # timed from here: the prompt to the last token
@@ -154,7 +157,8 @@ def run(args) -> dict:
             "accepted_histogram": dict(sorted(stats.histogram.items())),
             "seconds": round(seconds, 4), "tokens_per_s": round(len(output) / seconds, 2),
             "load_seconds": round(loaded, 3), "mode": describe(), "device": str(weight.device),
-            "dtype": str(weight.dtype).removeprefix("torch."), "format": format_of(model)}
+            "dtype": str(weight.dtype).removeprefix("torch."), "format": format_of(model),
+            "step": step}
 
 
 @entry_point
@@ -169,7 +173,7 @@ def main(argv=None):
     print(f"[{result['mode']}] {result['new_tokens']} tokens in {result['seconds']:.2f} s: "
           f"{result['tokens_per_s']:.1f} tokens/s, {result['steps']} steps, "
           f"{result['acceleration_rate']:.2f} tokens/step (tokens per step: {histogram}) "
-          f"({result['device']}, {result['format']} weights; loaded in "
+          f"({result['device']}, {result['format']} weights, {result['step']} step; loaded in "
           f"{result['load_seconds']:.1f} s, not counted)", file=sys.stderr)
 
 

@@ -30,8 +30,9 @@ import torch
 from minimedusa.bench_engines import Engines, engines_to_time, plain_of
 from minimedusa.bench_generate import report_generate_processes
 from minimedusa.bench_report import category_table, markdown, plot, summarize
-from minimedusa.cli import (add_device_arguments, add_quantize_argument, decoding_heads,
-                            decoding_model, decoding_tree, device_and_format)
+from minimedusa.cli import (add_compile_argument, add_device_arguments, add_quantize_argument,
+                            decoding_heads, decoding_model, decoding_step, decoding_tree,
+                            device_and_format)
 from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensure_default_model
 from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
@@ -99,6 +100,13 @@ def add_engine_flags(p) -> None:
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip llama.cpp even if llama-cpp-python is installed (it runs the "
                    "default model's Q4_1 GGUF file, fetched into weights/ on first use)")
+    p.add_argument("--eager-too", action="store_true",
+                   help="also time every plain and greedy Medusa engine with its decoding step "
+                   "eager, as 'NAME (eager)', beside the compiled one (see --compile)")
+    p.add_argument("--reference", default="plain",
+                   help="the engine that overhead and speedup are relative to (default: "
+                   "%(default)s; e.g. '[float32] plain (eager)' with --formats float32 "
+                   "--eager-too)")
     p.add_argument("--formats", default="",
                    help="also time plain decoding and Medusa greedy with the model in these "
                    f"weight formats ({', '.join(FORMATS)}), e.g. float32,int8: engines named "
@@ -114,6 +122,7 @@ def parse_args(argv=None):
     add_engine_flags(p)
     add_device_arguments(p, threads_default=2)  # 2: this project's CI machine
     add_quantize_argument(p)
+    add_compile_argument(p)
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder (default: the default model in weights/)")
     p.add_argument("--questions", type=Path, default=MT_BENCH,
@@ -121,6 +130,9 @@ def parse_args(argv=None):
     p.add_argument("--generate", action="store_true",
                    help="instead of the in-process benchmark, run generate.py once per question "
                    "and round, its default flags against --baseline (as a user runs it)")
+    p.add_argument("--baseline-flags", default="",
+                   help="with --generate: more generate.py flags for the --baseline processes, "
+                   "e.g. \"--dtype float32 --no-compile\" (today's float32 plain decoding)")
     p.add_argument("--rounds", type=int, default=2,
                    help="with --generate: passes over the questions (default: %(default)s)")
     p.add_argument("--profile", action="store_true",
@@ -189,9 +201,9 @@ def add_bandwidth(totals: dict, step_bytes: dict) -> None:
 def report(args, rows: list[dict], engines: Engines, memory: dict, device, dtype) -> None:
     """Print the totals and the per-category table; with --out / --plot, save them."""
     names = list(engines.run)
-    totals = summarize(rows, names)
+    totals = summarize(rows, names, args.reference)
     add_bandwidth(totals, engines.step_bytes)
-    per_category = {c: summarize([r for r in rows if r["category"] == c], names)
+    per_category = {c: summarize([r for r in rows if r["category"] == c], names, args.reference)
                     for c in dict.fromkeys(r["category"] for r in rows)}
     result = {"device": str(device), "device_name": device_name(device),
               "machine": machine_key(device, dtype),
@@ -224,9 +236,10 @@ def main(argv=None):
     tokenizer = Tokenizer.from_folder(folder)
     questions = first_turns(args.questions, args.per_category)
     if args.generate:
-        report_generate_processes(args, questions, machine_key(device, dtype))
+        report_generate_processes(args, questions, machine_key(device, dtype), tokenizer, folder)
         return
     model = decoding_model(folder, device, weight_format)
+    print(f"decoding step: {decoding_step(model, args.compile)}", file=sys.stderr)
     if args.profile:
         heads = decoding_heads(args.heads[0], model)
         _, tree = decoding_tree(args.tree, heads, model)
@@ -234,6 +247,9 @@ def main(argv=None):
         print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
         return
     engines = engines_to_time(args, model, folder, device, dtype)
+    if args.reference not in engines.run:
+        raise UserError(f"--reference {args.reference!r} is not one of the engines: "
+                        f"{', '.join(engines.run)}")
     memory = streaming_bandwidth(device)  # before the questions: the machine's limit, alone
     rows = run_questions(engines, questions, tokenizer, args.max_new_tokens)
     report(args, rows, engines, memory, device, dtype)

@@ -20,12 +20,15 @@ from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.bench_llama_cpp import load_llama_cpp
 from minimedusa.budget import expected_length, expected_length_of, grow_tree, nested_trees, \
     read_calibration
-from minimedusa.cli import decoding_budget, decoding_heads, decoding_model, decoding_tree, \
-    ranked_vocab_size
+from minimedusa.cli import decoding_budget, decoding_heads, decoding_model, decoding_step, \
+    decoding_tree, ranked_vocab_size
 from minimedusa.decoding import adaptive_decode, medusa_decode, plain_decode, ranked_decode
 from minimedusa.errors import UserError
 from minimedusa.memory_bandwidth import weight_bytes
 from minimedusa.sampling import Sampling
+
+
+EAGER = " (eager)"  # the name's suffix of an engine timed with the decoding step eager
 
 
 @dataclass
@@ -42,6 +45,9 @@ def engines_to_time(args, model, folder: Path, device, dtype) -> Engines:
     each of --formats, and, where they are installed, transformers' generate and llama.cpp."""
     engines = Engines()
     engines.run["plain"], engines.step_bytes["plain"] = plain_engine(model), weight_bytes(model)
+    if args.eager_too:
+        engines.run["plain" + EAGER] = eager_engine(engines.run["plain"])
+        engines.step_bytes["plain" + EAGER] = engines.step_bytes["plain"]
     medusa_engines(args, model, device, engines)
     for name in args.formats:
         format_engines(args, folder, device, name, engines)
@@ -61,20 +67,35 @@ def format_engines(args, folder: Path, device, name: str, engines: Engines) -> N
     """--formats: plain decoding and Medusa greedy with the first --heads (the tree as the other
     engines pick it) with the model in weight format `name`, as "[name] plain" and so on."""
     model = decoding_model(folder, device, name)
+    print(f"[{name}] decoding step: {decoding_step(model, args.compile)}", file=sys.stderr)
     heads = decoding_heads(args.heads[0], model)
     tree = None if args.tree is None else decoding_tree(args.tree, heads, model)[1]
     label = f"[{name}] "
-    engines.run[label + "plain"] = plain_engine(model)
-    engines.step_bytes[label + "plain"] = weight_bytes(model)
+    plain = {label + "plain": plain_engine(model)}
+    if args.eager_too:
+        plain[label + "plain" + EAGER] = eager_engine(plain[label + "plain"])
+    engines.run.update(plain)
+    engines.step_bytes.update({n: weight_bytes(model) for n in plain})
     medusa = rule_engines(f"{label}{heads.config.head_kind} ", args.heads[0], model, heads, tree,
-                          0.0, engines.usage)
+                          0.0, engines.usage, args.eager_too)
     engines.run.update(medusa)
     engines.step_bytes.update({n: weight_bytes(model, heads) for n in medusa})
 
 
 def plain_of(name: str) -> str:
-    """The engine whose output `name`'s must equal: plain decoding in its own weight format."""
+    """The engine whose output `name`'s must equal: plain decoding in its own weight format,
+    eager if `name` is (compiled and eager steps round differently: each is its own greedy)."""
+    if name.endswith(EAGER):
+        return plain_of(name.removesuffix(EAGER)) + EAGER
     return name[:name.index("] ") + 2] + "plain" if name.startswith("[") else "plain"
+
+
+def eager_engine(run):
+    """The same engine with the model's decoding step eager, even if it is compiled."""
+    def eager_run(ids, n, seed):
+        with torch.compiler.set_stance("force_eager"):
+            return run(ids, n, seed)
+    return eager_run
 
 
 def timed(steps) -> tuple[list[int], float, int]:
@@ -131,21 +152,31 @@ def transformers_engine(hf_model):
     return run
 
 
-def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dict) -> dict:
+def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dict,
+                 eager_too: bool = False) -> dict:
     """Greedy, and at a temperature typical and rejection sampling: with `tree` (the --tree)
     for every step, or without one with the tree's size adapted (usage[name]: the steps at each
-    size)."""
+    size); with `eager_too`, greedy again with the decoding step eager."""
     rules = {"greedy": greedy()}
     if temperature > 0:
         T = temperature
         rules.update({f"typical T={T}": typical(T), f"rejection T={T}": rejection(T)})
     if tree is not None:
-        return {label + r: medusa_engine(model, heads, tree, a) for r, a in rules.items()}
+        run = {label + r: medusa_engine(model, heads, tree, a) for r, a in rules.items()}
+        if eager_too:
+            run[label + "greedy" + EAGER] = eager_engine(medusa_engine(model, heads, tree,
+                                                                       greedy()))
+        return run
     trees, budget, why = decoding_budget(heads, model, spec)
     print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
+    if eager_too:
+        rules["greedy" + EAGER] = greedy()
     usage.update({label + r: Counter() for r in rules})
-    return {label + r: adaptive_engine(model, heads, trees, budget, a, usage[label + r])
-            for r, a in rules.items()}
+    run = {label + r: adaptive_engine(model, heads, trees, budget, a, usage[label + r])
+           for r, a in rules.items()}
+    if eager_too:
+        run[label + "greedy" + EAGER] = eager_engine(run[label + "greedy" + EAGER])
+    return run
 
 
 def medusa_engines(args, model, device, engines: Engines) -> None:
@@ -174,7 +205,8 @@ def heads_engines(engines: Engines, label, spec, heads, model, device, args) -> 
         print(f"{label.strip()}: tree {tree_name} ({tree.size - 1} nodes)", file=sys.stderr)
         if accuracy is not None:
             expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
-    run.update(rule_engines(label, spec, model, heads, tree, args.temperature, usage))
+    run.update(rule_engines(label, spec, model, heads, tree, args.temperature, usage,
+                            args.eager_too))
     if args.sizes:
         if accuracy is None:
             raise UserError(f"--sizes grows trees from {spec}/calibration.json, "

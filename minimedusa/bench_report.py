@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 
-def summarize(rows: list[dict], engines: list[str]) -> dict:
-    """Totals per engine in the paper's terms, relative to this project's plain decoding."""
+def summarize(rows: list[dict], engines: list[str], reference: str = "plain") -> dict:
+    """Totals per engine in the paper's terms, relative to the `reference` engine (this
+    project's plain decoding, unless --reference names another)."""
     totals = {}
     for e in engines:
         tokens = sum(r[e]["tokens"] for r in rows)
@@ -21,7 +22,7 @@ def summarize(rows: list[dict], engines: list[str]) -> dict:
                      "step_ms": round(1000 * seconds / steps, 2),
                      "identical": sum(r[e]["same_as_plain"] for r in rows),
                      "questions": len(rows)}
-    plain = totals["plain"]
+    plain = totals[reference]
     for t in totals.values():
         t["overhead"] = round(t["step_ms"] / plain["step_ms"], 3)
         t["speedup"] = round(t["tokens_per_s"] / plain["tokens_per_s"], 3)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from minimedusa.acceptance import greedy
+from minimedusa.compiled_step import is_compiled
 from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
 from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
@@ -254,12 +255,13 @@ def cache_file() -> Path:
 
 
 def latency_key(model, heads, device, dtype) -> str:
-    """The machine, and the shapes that set a step's cost: the model's and the heads' (their
-    kind, and how many tokens they rank)."""
+    """The machine, and what sets a step's cost: the weight format, whether the step is compiled,
+    the model's shapes and the heads' (their kind, and how many tokens they rank)."""
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     weights = " | int8 weights" if format_of(model) == "int8" else ""  # the dtype says the rest
-    return (f"{machine_key(device, dtype)}{weights} | model {m.num_hidden_layers}x{m.hidden_size}"
+    step = " | compiled step" if is_compiled(model) else ""
+    return (f"{machine_key(device, dtype)}{weights}{step} | model {m.num_hidden_layers}x{m.hidden_size}"
             f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
             f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
             f"{vocab}")

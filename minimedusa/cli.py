@@ -16,6 +16,7 @@ import torch
 from minimedusa import acceptance
 from minimedusa.budget import (SIZES, Budget, expected_length, grow_tree, machine_latency,
                                nested_trees, read_calibration)
+from minimedusa.compiled_step import compile_blocks, compiler_problem, warm_up
 from minimedusa.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
 from minimedusa.heads import DraftVocabulary, MedusaHeads
@@ -98,6 +99,14 @@ def add_quantize_argument(parser) -> None:
                         "weights in --dtype")
 
 
+def add_compile_argument(parser) -> None:
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the decoding step with torch.compile (compiled_step.py): "
+                        "~20 s the first time on a machine, a few seconds in later runs "
+                        "(cached on disk), then faster steps. Default: on a CPU where a C++ "
+                        "compiler works; --no-compile: eager, the reading path")
+
+
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
@@ -157,6 +166,24 @@ def device_and_format(args) -> tuple[torch.device, str]:
 
 
 # --- the model and the heads, ready to decode ----------------------------------------------------
+
+def decoding_step(model: Llama, compile_flag: bool | None) -> str:
+    """Compile the model's decoding step as --compile asks (compiled_step.py); returns what was
+    done, in words: "compiled (warm-up 3.4 s)" or "eager" and why."""
+    if model.embed.weight.device.type != "cpu":
+        if compile_flag:
+            raise UserError("--compile compiles the CPU's step (on CUDA it would be CUDA "
+                            "graphs, left out): drop --compile")
+        return "eager"
+    if compile_flag is False:
+        return "eager (--no-compile)"
+    problem = compiler_problem()
+    if problem is not None:
+        say(f"minimedusa: torch.compile does not work here, decoding eagerly ({problem})")
+        return "eager (no working compiler)"
+    compile_blocks(model)
+    return f"compiled (warm-up {warm_up(model):.1f} s)"
+
 
 def decoding_model(folder: Path, device, weight_format: str) -> Llama:
     """The model for decoding, in a weight format of weight_formats.py (prepacked or quantized

@@ -39,26 +39,39 @@ def compiler_problem() -> str | None:
 def compile_blocks(model: Llama) -> None:
     """Compile every block of the model in place (its forward becomes a compiled graph).
 
-    note: guards on the blocks' attributes are skipped (the weights never change after
-    loading): checking them on every call of every block would cost a fraction of a step."""
+    note: torch checks its guards on every call (the block's type, attributes and tensors,
+    ~40 us on the 2-core EPYC, 1 ms a step): skipping the modules' guards would halve that, but
+    then a graph made for one model's blocks would run another's (bench compiles one model per
+    weight format in one process, and an int8 block is not a bfloat16 one)."""
+    # every model compiled in a process adds its own few graphs (bench compiles one per
+    # weight format); past torch's default limit of 8 it would fall back to eager, silently
+    torch._dynamo.config.recompile_limit = 64
     for block in model.layers:
-        block.compile(fullgraph=True, options={
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        block.compile(fullgraph=True)
 
 
-@torch.inference_mode()
-def warm_up(model: Llama, tree_sizes) -> float:
-    """Compile the graphs a run needs, before it: plain steps and trees of `tree_sizes` nodes,
-    each at two cache lengths, in two caches of different capacities. Returns the seconds."""
+def is_compiled(model: Llama) -> bool:
+    """Whether compile_blocks compiled this model's blocks (nn.Module.compile's mark)."""
+    return model.layers[0]._compiled_call_impl is not None
+
+
+def warm_up(model: Llama) -> float:
+    """Compile the graphs a run needs, before it; returns the seconds.
+
+    A plain step (T = 1) and trees of 2 and 3 rows, each at two cache lengths, in two caches of
+    different capacities: torch then makes the lengths, the capacity and T >= 2 dynamic, so
+    every later step, whatever its tree's size, finds its graph made."""
     start = time.perf_counter()
     device = model.embed.weight.device
-    rows = sorted({1, *(n + 1 for n in tree_sizes)})  # T of each step
-    for capacity in (2 * max(rows) + 16, 2 * max(rows) + 32):
+    for capacity in (32, 48):
+        # note: made outside inference mode, as decoding makes its caches: torch's graphs are
+        # specific to that (an inference tensor lacks a dispatch key a normal one has)
         cache = KVCache.for_model(model, capacity)
-        for T in rows:
+        for T in (1, 2, 3):
             for length in (8, 9):
                 tokens = torch.zeros(1, T, dtype=torch.long, device=device)  # (1, T)
                 positions = torch.arange(length, length + T, device=device)[None]  # (1, T)
-                model(tokens, positions, causal_mask(length, T, device), cache,
-                      cache.slots(length, T))
+                with torch.inference_mode():
+                    model(tokens, positions, causal_mask(length, T, device), cache,
+                          cache.slots(length, T))
     return time.perf_counter() - start

@@ -68,16 +68,26 @@ def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path
 
 
 def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
-    """--generate: generate.py as a user runs it, once per question, both ways, interleaved."""
+    """--generate: generate.py as a user runs it, once per question, both ways, interleaved,
+    the baseline with its own extra flags, and an in-process engine timed between them."""
     args = bench.parse_args(["--generate", "--rounds", "1", "--max-new-tokens", "6",
                              "--model", str(tiny_folder), "--heads", "untrained-shared:3",
-                             "--threads", "1"])
+                             "--threads", "1", "--baseline-flags", "--dtype float32"])
     question = {"id": 1, "category": "writing", "prompt": "Hi"}
-    totals = bench_generate.generate_processes(args, [question])
+    asked = []
+
+    def other(ids, n, seed):
+        asked.append(ids)
+        return [0] * n, 0.5, n
+    totals = bench_generate.generate_processes(args, [question],
+                                               {"other": (other, lambda p: [len(p)])})
     assert totals["default"]["tokens"] == totals["baseline"]["tokens"] == 6
     assert totals["default"]["modes"][0].startswith("medusa heads, tree of ")
     assert totals["baseline"]["modes"] == ["plain"]
+    assert totals["baseline"]["formats"][0].startswith("float32 ")
+    assert asked == [[2]] and totals["other"]["tokens_per_s"] == 12.0
     assert totals["speedup"] > 0 and totals["wall_ratio"] > 0
+    assert totals["other"]["vs_baseline"] > 0
 
 
 def test_formats_are_timed_side_by_side_each_lossless_against_its_own_plain(tmp_path, tiny_folder):

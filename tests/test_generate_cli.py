@@ -1,6 +1,7 @@
 """generate.py as a user runs it: the real model end to end, and one clear line (no traceback,
 non-zero exit) for each kind of bad input."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_model
+from minimedusa.compiled_step import compiler_problem
 from minimedusa.heads import MedusaHeads
 from minimedusa.heads_files import save_heads
 from minimedusa.weights import save_model
@@ -133,6 +135,24 @@ def test_medusa_greedy_cli_output_equals_baseline(tiny_folder):
     medusa = json.loads(generate(*args, "--heads", "untrained:4", "--tree", "cpu_8").stdout)
     plain = json.loads(generate(*args, "--heads", "untrained:4", "--baseline").stdout)
     assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
+
+
+def test_the_step_is_compiled_where_it_can_be_and_eager_otherwise(tiny_folder, tmp_path):
+    """By default the decoding step is compiled where torch.compile works; --no-compile keeps
+    it eager; with no working C++ compiler it stays eager, with one line saying why."""
+    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4", "--json"]
+    compiles = compiler_problem() is None
+    default = generate(*args)
+    assert default.returncode == 0, default.stderr
+    assert json.loads(default.stdout)["step"].startswith("compiled (warm-up" if compiles
+                                                         else "eager")
+    assert json.loads(generate(*args, "--no-compile").stdout)["step"] == "eager (--no-compile)"
+    env = {**os.environ, "CXX": "/nonexistent/c++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    broken = subprocess.run([sys.executable, str(REPO / "generate.py"), *args],
+                            capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert broken.returncode == 0, broken.stderr
+    assert json.loads(broken.stdout)["step"] == "eager (no working compiler)"
+    assert "torch.compile does not work here, decoding eagerly" in broken.stderr
 
 
 def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder):

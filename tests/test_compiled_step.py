@@ -1,0 +1,77 @@
+"""The compiled decoding step (compiled_step.py) against its eager reference, on a tiny model
+whose linear layers are prepacked as on a CPU: the same logits, Medusa greedy equal to plain
+greedy under compilation too, and no step of a run compiled again after the warm-up. Skipped
+where torch.compile does not work (no C++ compiler)."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import copycat_model, perturbed, tiny_model
+from test_medusa_decoding import trees
+from minimedusa.acceptance import greedy
+from minimedusa.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
+from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_decode, prefill,
+                                 tree_forward)
+from minimedusa.heads import MedusaHeads
+from minimedusa.sampling import Sampling
+from minimedusa.tree import build_tree
+from minimedusa.weight_formats import apply_format
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """A tiny float32 model, packed for the CPU and compiled, warmed up once for the module."""
+    problem = compiler_problem()
+    if problem is not None:
+        pytest.skip(f"torch.compile does not work here: {problem}")
+    model = apply_format(copycat_model(5, embed_scale=3.0, dtype=torch.float32), "float32")
+    compile_blocks(model)
+    warm_up(model)
+    return model
+
+
+def eager(fn, *args):
+    with torch.compiler.set_stance("force_eager"):
+        return fn(*args)
+
+
+def test_compile_marks_the_model_and_eager_stays_unmarked(compiled):
+    assert is_compiled(compiled)
+    assert not is_compiled(tiny_model())
+
+
+def test_compiled_steps_give_the_eager_logits(compiled):
+    """A plain step and a tree step, compiled, give what the eager model gives from the same
+    cache (float32: equal up to the order fused loops add in)."""
+    tree = build_tree([(0,), (1,), (0, 0), (0, 1), (1, 0)], num_heads=2)
+    tokens = torch.tensor([7, 8, 9, 10, 11, 12])
+    with torch.inference_mode():
+        for step in (lambda c: decode_step(compiled, c, tokens[:1].view(1, 1)),
+                     lambda c: tree_forward(compiled, c, tree, tokens)):
+            results = []
+            for run in (step, lambda c: eager(step, c)):
+                cache = new_cache(compiled, len(PROMPT), 8, margin=tree.size)
+                prefill(compiled, cache, torch.tensor([PROMPT]))
+                results.append(run(cache))
+            torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(choices=trees(max_nodes=16, max_depth=4), seed=st.integers(0, 1000),
+       prompt_len=st.integers(1, 20))
+def test_compiled_medusa_greedy_equals_compiled_plain_greedy_and_never_recompiles(
+        compiled, choices, seed, prompt_len):
+    """After the warm-up, every tree size, prompt length and cache capacity finds its graph
+    made (torch raises on any recompilation), and Medusa greedy stays lossless."""
+    heads = perturbed(MedusaHeads.for_model(compiled, 4), seed, 0.05)
+    tree = build_tree(choices, num_heads=4)
+    prompt = torch.randint(2, 64, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        plain = [t for s in plain_decode(compiled, prompt.tolist(), 24, Sampling(), set())
+                 for t in s]
+        medusa = [t for s in medusa_decode(compiled, heads, tree, prompt.tolist(), 24,
+                                           greedy(), set()) for t in s]
+    assert medusa == plain
+
