@@ -83,12 +83,10 @@ def parse_args(argv=None):
 
 
 def load(args):
-    """(model, tokenizer, its step in words) as the flags ask: the model in the weight format
-    they ask for, its decoding step compiled or eager."""
+    """(model, tokenizer) as the flags ask, in the weight format they ask for."""
     device, weight_format = device_and_format(args)
     folder = args.model if args.model is not None else ensure_default_model()
-    model = decoding_model(folder, device, weight_format)
-    return model, Tokenizer.from_folder(folder), decoding_step(model, args.compile)
+    return decoding_model(folder, device, weight_format), Tokenizer.from_folder(folder)
 
 
 def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
@@ -105,15 +103,17 @@ def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
 
 
 def decoder(args, model):
-    """(describe, decode) for the mode the flags ask: decode(prompt ids) iterates over the
+    """(describe, decode, step) for the mode the flags ask: decode(prompt ids) iterates over the
     tokens each step yields, describe() names the mode (after the run: which tree sizes the
-    budget used). The one-time work, the heads and their tree budget, is done here."""
+    budget used), step says whether the decoding step was compiled. The one-time work, the
+    heads, the step's compilation and the tree budget, is done here, the flags checked first."""
     stops, n = model.config.stop_ids, args.max_new_tokens
     if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
         args.heads = str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
-        return lambda: "plain", lambda ids: plain_decode(model, ids, n, sampling, stops)
+        return (lambda: "plain", lambda ids: plain_decode(model, ids, n, sampling, stops),
+                decoding_step(model, args.compile))
     heads = decoding_heads(args.heads, model, args.draft_vocab)
     kind = heads.config.head_kind + (f" heads (draft vocabulary {ranked_vocab_size(heads, model)})"
                                      if heads.vocabulary is not None else " heads")
@@ -123,22 +123,25 @@ def decoder(args, model):
     if ranked and ranked_size(args.tree) is not None:
         size = ranked_size(args.tree)
         return (lambda: f"{kind}, confidence-ranked tree of {size} nodes (--tree), {accept.name}",
-                lambda ids: ranked_decode(model, heads, size, ids, n, accept, stops, args.seed))
+                lambda ids: ranked_decode(model, heads, size, ids, n, accept, stops, args.seed),
+                decoding_step(model, args.compile))
     if args.tree is not None and not ranked:
         name, tree = decoding_tree(args.tree, heads, model)
         return (lambda: f"{kind}, tree {name} ({tree.size - 1} nodes, --tree), {accept.name}",
-                lambda ids: medusa_decode(model, heads, tree, ids, n, accept, stops, args.seed))
+                lambda ids: medusa_decode(model, heads, tree, ids, n, accept, stops, args.seed),
+                decoding_step(model, args.compile))
+    step = decoding_step(model, args.compile)  # before the budget times this machine's steps
     trees, budget, why = decoding_budget(heads, model, args.heads)
     shape = "confidence-ranked tree" if ranked else "tree"
     return (lambda: f"{kind}, {shape} of {budget.summary()}: {why}, {accept.name}",
             lambda ids: adaptive_decode(model, heads, trees, budget, ids, n, accept, stops,
-                                        args.seed, ranked=ranked))
+                                        args.seed, ranked=ranked), step)
 
 
 def run(args) -> dict:
     start = time.perf_counter()
-    model, tokenizer, step = load(args)
-    describe, decode = decoder(args, model)
+    model, tokenizer = load(args)
+    describe, decode, step = decoder(args, model)
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args, tokenizer)  # timed from here: the prompt to the last token
     stream, stats, output = StreamDecoder(tokenizer), StepStats(), []
