@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from minimedusa.cli import (NAMED_TREES, Parser, add_compile_argument, add_device_arguments,
-                            add_draft_vocab_argument, add_quantize_argument, decoding_acceptance,
+from minimedusa.cli import (NAMED_TREES, Parser, add_compile_argument, add_context_argument,
+                            add_device_arguments, add_draft_vocab_argument, add_quantize_argument, decoding_acceptance,
                             decoding_budget, decoding_heads, decoding_model, decoding_step,
                             decoding_tree, device_and_format, non_negative, positive_int,
                             probability, ranked_size, ranked_vocab_size)
@@ -60,6 +60,7 @@ def parse_args(argv=None):
                    "the paper's initialisation, own / shared projection / Hydra's (they only "
                    "guess repeats: for trying the machinery, not for speed)")
     add_draft_vocab_argument(p)
+    add_context_argument(p)
     p.add_argument("--tree", default=None,
                    help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
                    "of head k), or a JSON file of node paths, used for every step; or ranked:N, "
@@ -133,9 +134,10 @@ def decoder(args, model):
     step = decoding_step(model, args.compile)  # before the budget times this machine's steps
     trees, budget, why = decoding_budget(heads, model, args.heads)
     shape = "confidence-ranked tree" if ranked else "tree"
-    return (lambda: f"{kind}, {shape} of {budget.summary()}: {why}, {accept.name}",
+    context = " and context candidates" if args.context else ""
+    return (lambda: f"{kind}, {shape} of {budget.summary()}{context}: {why}, {accept.name}",
             lambda ids: adaptive_decode(model, heads, trees, budget, ids, n, accept, stops,
-                                        args.seed, ranked=ranked), step)
+                                        args.seed, ranked=ranked, context=args.context), step)
 
 
 def run(args) -> dict:

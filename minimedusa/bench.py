@@ -100,6 +100,10 @@ def add_engine_flags(p) -> None:
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip llama.cpp even if llama-cpp-python is installed (it runs the "
                    "default model's Q4_1 GGUF file, fetched into weights/ on first use)")
+    p.add_argument("--context", choices=("on", "off", "both"), default="on",
+                   help="context candidates in the adapted trees (branches read from the prompt "
+                   "and the answer so far, context_candidates.py): on (default, as generate.py), "
+                   "off, or both: greedy also without them, as 'NAME (no context)'")
     p.add_argument("--eager-too", action="store_true",
                    help="also time every plain and greedy Medusa engine with its decoding step "
                    "eager, as 'NAME (eager)', beside the compiled one (see --compile)")

@@ -29,6 +29,7 @@ from minimedusa.sampling import Sampling
 
 
 EAGER = " (eager)"  # the name's suffix of an engine timed with the decoding step eager
+NO_CONTEXT = " (no context)"  # ... of a Medusa engine without context candidates
 
 
 @dataclass
@@ -77,7 +78,7 @@ def format_engines(args, folder: Path, device, name: str, engines: Engines) -> N
     engines.run.update(plain)
     engines.step_bytes.update({n: weight_bytes(model) for n in plain})
     medusa = rule_engines(f"{label}{heads.config.head_kind} ", args.heads[0], model, heads, tree,
-                          0.0, engines.usage, args.eager_too)
+                          0.0, engines.usage, args.eager_too, args.context)
     engines.run.update(medusa)
     engines.step_bytes.update({n: weight_bytes(model, heads) for n in medusa})
 
@@ -116,14 +117,16 @@ def medusa_engine(model, heads, tree, acceptance):
                                                     set(), seed))
 
 
-def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter, ranked=False):
+def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter, ranked=False,
+                    context=False):
     """Medusa with the tree's size adapted step by step, as generate.py decodes by default (with
-    `ranked`: as --tree ranked does): each question starts from the same prior (a fresh copy of
-    `budget`), as each generate.py process does; the steps run at each size go to `usage`."""
+    `ranked`: as --tree ranked does; with `context`: with context candidates): each question
+    starts from the same prior (a fresh copy of `budget`), as each generate.py process does; the
+    steps run at each size go to `usage`."""
     def run(ids, n, seed):
         fresh = copy.deepcopy(budget)
         result = timed(adaptive_decode(model, heads, trees, fresh, ids, n, acceptance, set(),
-                                       seed, ranked=ranked))
+                                       seed, ranked=ranked, context=context))
         usage.update(fresh.used)
         return result
     return run
@@ -153,10 +156,11 @@ def transformers_engine(hf_model):
 
 
 def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dict,
-                 eager_too: bool = False) -> dict:
+                 eager_too: bool = False, context: str = "on") -> dict:
     """Greedy, and at a temperature typical and rejection sampling: with `tree` (the --tree)
     for every step, or without one with the tree's size adapted (usage[name]: the steps at each
-    size); with `eager_too`, greedy again with the decoding step eager."""
+    size) and context candidates as `context` says (on, off, or both: greedy again without);
+    with `eager_too`, greedy again with the decoding step eager."""
     rules = {"greedy": greedy()}
     if temperature > 0:
         T = temperature
@@ -171,8 +175,11 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
     print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
     if eager_too:
         rules["greedy" + EAGER] = greedy()
+    if context == "both":
+        rules["greedy" + NO_CONTEXT] = greedy()
     usage.update({label + r: Counter() for r in rules})
-    run = {label + r: adaptive_engine(model, heads, trees, budget, a, usage[label + r])
+    run = {label + r: adaptive_engine(model, heads, trees, budget, a, usage[label + r],
+                                      context=context != "off" and not r.endswith(NO_CONTEXT))
            for r, a in rules.items()}
     if eager_too:
         run[label + "greedy" + EAGER] = eager_engine(run[label + "greedy" + EAGER])
@@ -206,7 +213,7 @@ def heads_engines(engines: Engines, label, spec, heads, model, device, args) -> 
         if accuracy is not None:
             expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
     run.update(rule_engines(label, spec, model, heads, tree, args.temperature, usage,
-                            args.eager_too))
+                            args.eager_too, args.context))
     if args.sizes:
         if accuracy is None:
             raise UserError(f"--sizes grows trees from {spec}/calibration.json, "

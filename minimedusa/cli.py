@@ -107,6 +107,14 @@ def add_compile_argument(parser) -> None:
                         "compiler works; --no-compile: eager, the reading path")
 
 
+def add_context_argument(parser) -> None:
+    parser.add_argument("--context", action=argparse.BooleanOptionalAction, default=True,
+                        help="context candidates: each step's tree also holds a branch read from "
+                        "the prompt and the answer so far, where their last tokens occurred "
+                        "before (context_candidates.py; output unchanged). With the adapted "
+                        "trees only, not with a fixed --tree (default: on)")
+
+
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 

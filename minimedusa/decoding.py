@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from minimedusa.acceptance import Acceptance
+from minimedusa.context_candidates import ContextIndex, with_chain
 from minimedusa.errors import UserError
 from minimedusa.heads import DraftVocabulary, MedusaHeads, drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads, hydra_candidates
@@ -250,13 +251,19 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
 def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree],
                     budget, prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
                     stop_ids: set[int], seed: int | None = None, clock=time.perf_counter,
-                    ranked: bool = False) -> Iterator[list[int]]:
+                    ranked: bool = False, context: bool = False) -> Iterator[list[int]]:
     """medusa_decode, but each step's tree is trees[n] for the size n that `budget` chooses
     (budget.py), 0 being a plain step, or with `ranked` the n nodes the heads find most probable
-    at that step (ranked_tree.py); every step's time and accepted path go back to the budget.
-    Lossless as medusa_decode is: which tree verifies a step never changes what is accepted."""
+    at that step (ranked_tree.py); with `context`, a chain read from the sequence itself takes
+    the place of the heads' least probable nodes (context_candidates.py); every step's time and
+    accepted path go back to the budget. Lossless as medusa_decode is: which tree verifies a
+    step never changes what is accepted."""
+    sequence = ContextIndex(prompt_ids) if context else None
+
     def step(cache, root, hidden, generator):
         n, start = budget.choose(), clock()
+        if sequence is not None:
+            sequence.extend([root])  # the step's root: the last token emitted
         if n == 0:
             new, _, hidden = root_step(model, cache, root, acceptance, generator)
             budget.record(0, clock() - start, [])
@@ -265,9 +272,14 @@ def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[i
             tree, tokens, order = ranked_draft(heads, model, root, hidden, n)
             rank = {path: i + 1 for i, path in enumerate(order)}
         else:
-            tree, tokens, rank = trees[n], draft(heads, model, trees[n], root, hidden), None
+            tree, tokens, rank = trees[n], draft(heads, model, trees[n], root, hidden), budget.rank
+        chain = sequence.chain() if sequence is not None else []
+        if chain:
+            tree, tokens, rank = with_chain(tree, tokens, rank, n, chain)
         new, nodes, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
         budget.record(n, clock() - start, [tree.nodes[i] for i in nodes[1:]], rank)
+        if sequence is not None:
+            sequence.extend(new[:-1])  # the accepted candidates; the last is the next root
         return new, hidden
     margin = max(tree.size for tree in trees.values())
     return step_by_step(model, prompt_ids, max_new_tokens, margin, acceptance, stop_ids, seed,

@@ -1,0 +1,97 @@
+"""Context candidates (context_candidates.py): the index finds what a slow scan of the sequence
+finds, the chain merged into a step's tree keeps the step within its budget, hangs from the root
+with its tokens in order and never duplicates a sibling, and decoding with it stays lossless and
+accepts what the chain proposes."""
+import random
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import copycat_model
+from minimedusa.acceptance import greedy
+from minimedusa.budget import Budget, nested_trees
+from minimedusa.context_candidates import ContextIndex, with_chain
+from minimedusa.decoding import adaptive_decode, plain_decode
+from minimedusa.heads import MedusaHeads
+from minimedusa.sampling import Sampling
+
+NODES = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0), (0, 0, 0, 0), (3,), (0, 2), (1, 1),
+         (0, 0, 1), (2, 0), (0, 1, 0), (4,), (0, 0, 0, 1)]
+
+
+def scanned_chain(tokens: list[int], max_ngram: int, length: int) -> list[int]:
+    """The slow reference: for the longest suffix first, scan back for its last earlier
+    occurrence and return what followed it, the sequence repeating itself past its end."""
+    for n in range(min(max_ngram, len(tokens)), 0, -1):
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                period = len(tokens) - (start + n)
+                return [tokens[start + n + i % period] for i in range(length)]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), max_size=40), split=st.integers(0, 40),
+       max_ngram=st.integers(1, 4), length=st.integers(1, 6))
+def test_index_finds_the_chain_a_scan_of_the_sequence_finds(tokens, split, max_ngram, length):
+    """Built at once or extended piece by piece, the index agrees with the scan."""
+    index = ContextIndex(tokens[:split], max_ngram, length)
+    index.extend(tokens[split:])
+    assert index.chain() == scanned_chain(tokens, max_ngram, length)
+
+
+def tree_tokens(tree):
+    """Random distinct tokens per sibling group, as the heads' top-k guesses are."""
+    rng, token = random.Random(len(tree.nodes)), {(): 7}
+    for p in tree.nodes[1:]:
+        siblings = {token[q] for q in token if q[:-1] == p[:-1] and len(q) == len(p)}
+        token[p] = rng.choice([t for t in range(20) if t not in siblings])
+    return torch.tensor([token[p] for p in tree.nodes])
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.sampled_from([1, 2, 4, 8, 16]), chain=st.lists(st.integers(0, 19), min_size=1,
+                                                               max_size=6))
+def test_the_merged_tree_keeps_the_budget_holds_the_chain_and_no_twin_siblings(size, chain):
+    trees, rank = nested_trees(NODES, [size], 4, 32, "cpu")
+    tree, tokens = trees[size], tree_tokens(trees[size])
+    merged, merged_tokens, merged_rank = with_chain(tree, tokens, rank, size, chain)
+    token_of = dict(zip(merged.nodes, merged_tokens.tolist()))
+    assert merged.size <= size + 1 and token_of[()] == 7
+    assert set(merged_rank) == set(merged.nodes[1:])
+    # the chain (cut to the budget) is a path from the root
+    node = ()
+    for token in chain[:size]:
+        node = next(p for p in merged.nodes if p[:-1] == node and len(p) == len(node) + 1
+                    and token_of[p] == token)
+    # a node the heads drafted keeps its token; siblings never share one
+    original = dict(zip(tree.nodes, tokens.tolist()))
+    for p in merged.nodes:
+        siblings = [token_of[q] for q in merged.nodes if q and q[:-1] == p[:-1] and
+                    len(q) == len(p)]
+        assert len(siblings) == len(set(siblings))
+    kept = [p for p in merged.nodes if p in original and merged_rank.get(p, 0) != 1]
+    assert all(token_of[p] == original[p] for p in kept)
+
+
+def test_decoding_with_context_candidates_stays_lossless_and_accepts_the_chain():
+    """A model that repeats itself: the chain is right often, greedy output is plain greedy's,
+    and with the chain a run takes fewer steps than the heads alone."""
+    model = copycat_model(4, embed_scale=2.0)
+    heads = MedusaHeads.for_model(model, 4, shared_lm_head=True).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():  # heads mostly wrong: what the chain adds shows
+            p += torch.randn(p.shape, generator=g, dtype=p.dtype)
+    trees, rank = nested_trees(NODES[:8], [4, 8], 4, model.config.vocab_size, "cpu")
+    prompt = [3, 5, 7, 9, 3, 5, 7, 9, 3]
+    plain = [t for s in plain_decode(model, prompt, 48, Sampling(), set()) for t in s]
+    steps = {}
+    for context in (False, True):
+        budget = Budget([0, 4, 8], {4: 2.0, 8: 2.0}, {0: 1.0, 4: 1.0, 8: 1.0}, rank)
+        out = list(adaptive_decode(model, heads, trees, budget, prompt, 48, greedy(), set(),
+                                   context=context))
+        assert [t for s in out for t in s] == plain
+        steps[context] = len(out)
+    assert steps[True] < steps[False]
