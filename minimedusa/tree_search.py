@@ -25,8 +25,9 @@ from minimedusa.budget import (CALIBRATION, SIZES, expected_length, grow_tree, l
                                nested_trees, pick_budget, read_calibration, step_latency,
                                write_cached)
 from minimedusa.checkpoint import write_json
-from minimedusa.cli import (Parser, add_device_arguments, add_quantize_argument,
-                            decoding_heads, decoding_model, device_and_format)
+from minimedusa.cli import (Parser, add_compile_argument, add_device_arguments,
+                            add_quantize_argument, decoding_heads, decoding_model, decoding_step,
+                            device_and_format)
 from minimedusa.default_model import ensure_default_model
 from minimedusa.device import machine_key
 from minimedusa.errors import UserError, entry_point
@@ -165,11 +166,13 @@ def main(argv=None):
                    help="also write the chosen tree's node paths here (a --tree file)")
     add_device_arguments(p)  # time with the thread count you will decode with
     add_quantize_argument(p)
+    add_compile_argument(p)  # ... and the step generate.py will decode with
     args = p.parse_args(argv)
 
     device, weight_format = device_and_format(args)
     folder = args.model or ensure_default_model()
     model = decoding_model(folder, device, weight_format)
+    print(f"decoding step: {decoding_step(model, args.compile)}", file=sys.stderr)
     heads = decoding_heads(str(args.heads), model)
     accuracy = calibrate(args.heads, args.data, heads, model, folder, args.ranks)
     print("a_k^(i), head k per row, guess i per column:\n" + "\n".join(
