@@ -137,9 +137,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated_half * sin).to(x.dtype)
 
 
-# a forward of at most this many new tokens (a plain step, a Medusa tree, a short prompt) attends
-# with exact_attention; a longer one (a long prompt, a training batch) with SDPA's fused kernel,
-# which never holds the (T, S) scores
+# a forward of one sequence and at most this many new tokens (a plain step, a Medusa tree, a
+# short prompt) attends with exact_attention; a batch (self-distillation, training) or a long
+# prompt with SDPA's fused kernel, which never holds the (T, S) scores
 EXACT_ATTENTION_TOKENS = 256
 
 
@@ -148,7 +148,7 @@ def attention(q, k, v, mask):
 
     q: (B, H, T, D); k, v: (B, G, S, D); mask: (B, 1, T, S) bool, True = may attend.
     """
-    if q.shape[2] <= EXACT_ATTENTION_TOKENS:
+    if q.shape[0] == 1 and q.shape[2] <= EXACT_ATTENTION_TOKENS:
         return exact_attention(q, k, v, mask)
     # enable_gqa: each group of H // G query heads reads one key/value head, no repeat copy
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

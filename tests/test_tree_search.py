@@ -15,6 +15,7 @@ from minimedusa.budget import (CALIBRATION, SIZES, expected_length, expected_len
                                grow_tree, latency_key, nested_trees, pick_budget,
                                read_cached, read_calibration, step_latency)
 from minimedusa.cli import decoding_budget, decoding_tree
+from minimedusa.compiled_step import compile_blocks, compiler_problem
 from minimedusa.heads import MedusaHeads
 from minimedusa.training import IGNORE, Rows
 from minimedusa.tree import build_tree, dense_tree
@@ -136,6 +137,8 @@ def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_
     assert chosen == nodes[:len(chosen)]
     build_tree(chosen, num_heads=3)
     heads = load_heads(tmp_path, model)
+    if compiler_problem() is None:  # tree_search timed the compiled step, as generate.py decodes
+        compile_blocks(model)
     dtype = activation_dtype(default_format(torch.device("cpu")))  # the format decoding picks
     cached = read_cached(latency_key(model, heads, torch.device("cpu"), dtype))
     assert set(cached) == {0, 1, 2, 4}  # sizes up to --max-nodes 6, and plain
