@@ -25,16 +25,18 @@ from minimedusa import joint_training, pipeline
 from minimedusa.checkpoint import CHECKPOINT, checkpoint_on_interrupt, resume, save_checkpoint
 from minimedusa.cli import Parser, progress_bar, say
 from minimedusa.default_model import ensure_default_model
-from minimedusa.errors import entry_point
+from minimedusa.draft_layer import (AnswerRows, HydraPlusPlusHeads, answer_rows, featured_rows,
+                                    layer_features)
+from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
 from minimedusa.heads_files import load_heads, save_draft_vocab, save_heads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
 from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import (Losses, Rows, accuracy_line, batch_rows, check_out_is_not,
-                                 cosine_lr, distributed, draft_columns, head_logits,
-                                 head_metrics, medusa_loss, read_rows, setup_distributed,
-                                 total_steps)
+                                 cosine_lr, distill_loss, distributed, draft_columns, head_logits,
+                                 head_metrics, medusa_loss, read_answers, read_rows,
+                                 setup_distributed, split_validation, teacher_states, total_steps)
 from minimedusa.weights import load_model
 
 # Flags whose default depends on where the data comes from: with --data, the paper's Medusa-1;
@@ -81,9 +83,14 @@ def add_loop_flags(p) -> None:
 
 def add_medusa1_flags(p) -> None:
     m1 = p.add_argument_group("Medusa-1 (with --frozen)")
-    m1.add_argument("--kind", choices=("medusa", "hydra"), default=None, help="medusa: the "
-                    "paper's heads, each reads h_t alone (default with --data); hydra: each also "
-                    "reads the tokens drafted before it (hydra.py; default from the model alone)")
+    m1.add_argument("--kind", choices=("medusa", "hydra", "hydra++"), default=None,
+                    help="medusa: the paper's heads, each reads h_t alone (default with --data); "
+                    "hydra: each also reads the tokens drafted before it (hydra.py; default from "
+                    "the model alone); hydra++: Hydra heads behind one decoder layer over the "
+                    "whole accepted sequence (draft_layer.py; batches are whole answers)")
+    m1.add_argument("--distill", action="store_true", help="learn the backbone's whole "
+                    "next-token distribution (read off the stored hidden states) instead of the "
+                    "data's one token: Hydra++'s teacher loss (default: cross-entropy on tokens)")
     m1.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="the heads rank "
                     "only the N tokens most frequent in the training answers, as they will draft "
                     "(a fraction of the LM head's cost; the config makes it the heads' default); "
@@ -95,7 +102,8 @@ def add_medusa1_flags(p) -> None:
     m1.add_argument("--shared", action="store_true",
                     help="heads share the backbone's LM head instead of own projections")
     m1.add_argument("--batch-size", type=int, default=256,
-                    help="answer positions per optimizer step (default: 256)")
+                    help="answer positions per optimizer step (default: 256; --kind hydra++: "
+                    "as many whole answers as hold about this many)")
     m1.add_argument("--lr", type=float, default=None, help="the heads' peak learning rate "
                     "(default: 1e-3; from the model alone: 2e-3)")
 
@@ -121,7 +129,7 @@ def parse_args(argv=None):
     if args.frozen:
         theirs, hint = ["answers_per_batch", "lora_lr"], "Medusa-1's are --batch-size and --lr"
     else:
-        theirs = ["batch_size", "lr", "kind", "draft_vocab"]
+        theirs = ["batch_size", "lr", "kind", "draft_vocab", "distill"]
         hint = "Medusa-2's are --answers-per-batch and --lora-lr; it tunes the paper's heads"
     for name in theirs:
         if getattr(args, name) != DEFAULTS.get(name, p.get_default(name)):
@@ -135,6 +143,8 @@ def medusa1_heads(args, model) -> MedusaHeads:
     """Fresh heads in the paper's initialisation or, with --init-heads, trained ones."""
     if args.init_heads is None and args.kind == "hydra":
         return HydraHeads.for_model(model, args.heads, args.layers)
+    if args.init_heads is None and args.kind == "hydra++":
+        return HydraPlusPlusHeads.for_model(model, args.heads, args.layers)
     if args.init_heads is None:
         return MedusaHeads.for_model(model, args.heads, args.layers, args.shared)
     check_out_is_not(args.out, args.init_heads)
@@ -157,27 +167,46 @@ class Medusa1:
     optimizer: torch.optim.Optimizer
     ranking: tuple[torch.Tensor, torch.Tensor]  # the answers' token ids by frequency, counts
     vocabulary: DraftVocabulary | None  # with --draft-vocab: the tokens the heads rank
+    # Hydra++: the rows with their prompts' states (train, validation); a batch is whole answers
+    answers: tuple[AnswerRows, AnswerRows] | None = None
 
     def rows(self) -> int:
-        return self.train_rows.targets.shape[0]
+        """What a batch draws from: rows (answer positions), or with a draft layer answers."""
+        return self.train_rows.targets.shape[0] if self.answers is None else len(self.answers[0])
 
     def batch_size(self) -> int:
-        return self.args.batch_size
+        if self.answers is None:
+            return self.args.batch_size
+        return max(1, round(self.args.batch_size * self.rows() / self.train_rows.targets.shape[0]))
 
     def peak_lrs(self) -> list[float]:
         return [self.args.lr]
 
     def loss(self, step: int, index: torch.Tensor) -> Losses:
-        """sum_k 0.8^k CE(head k, y_{t+k+1}) at the batch's rows."""
-        hidden = self.train_rows.hidden[index].to(self.device, torch.float32)  # (B, C)
+        """sum_k 0.8^k CE(head k, y_{t+k+1}) at the batch's rows (with --distill, CE against the
+        backbone's distribution at t + k)."""
+        if self.answers is None:
+            hidden = self.train_rows.hidden[index].to(self.device, torch.float32)  # (B, C)
+        else:  # index: answers; the draft layer reads each whole, the heads its rows
+            answers, index = index, self.answers[0].row_index(index)
+            hidden = layer_features(self.heads.draft_layer, self.answers[0], answers, self.device)
         targets = self.train_rows.targets[index].to(self.device)  # (B, K)
         tokens = self.train_rows.tokens[index].to(self.device)  # (B, K): read by Hydra heads
         logits = head_logits(self.trained, hidden, tokens, self.model, self.vocabulary)
-        loss, ce, _ = medusa_loss(logits, draft_columns(targets, self.vocabulary))
+        if self.args.distill:
+            teacher = teacher_states(self.train_rows.hidden, index, targets.shape[1])
+            loss, ce, _ = distill_loss(logits, teacher.to(self.device, torch.float32), targets,
+                                       self.model.lm_head, self.vocabulary)
+        else:
+            loss, ce, _ = medusa_loss(logits, draft_columns(targets, self.vocabulary))
         return Losses(loss, ce, {}, "")
 
     def evaluate(self) -> tuple[dict, str]:
-        metrics = head_metrics(self.heads.eval(), self.model, self.val_rows, self.device,
+        self.heads.eval()
+        val = self.val_rows if self.answers is None else featured_rows(self.heads,
+                                                                       self.answers[1],
+                                                                       self.device)
+        metrics = head_metrics(self.heads, self.model, val, self.device,
                                vocabulary=self.vocabulary)
         self.heads.train()
         return metrics, accuracy_line(metrics)
@@ -205,8 +234,19 @@ def medusa1(args, device, world: int) -> Medusa1:
     torch.manual_seed(args.seed)
     heads = medusa1_heads(args, model).train()
     cfg = heads.config
-    train_rows, val_rows = read_rows(args.data, cfg.medusa_num_heads,
-                                     tokenizer_fingerprint(folder), model.config.vocab_size)
+    answers = None
+    if isinstance(heads, HydraPlusPlusHeads):
+        if world > 1:
+            raise UserError("--kind hydra++ trains in one process (its draft layer runs outside "
+                            "DistributedDataParallel's forward): run train.py without torchrun")
+        say("computing the prompts' hidden states for the draft layer")
+        answers = tuple(answer_rows(model, part, cfg.medusa_num_heads, device)
+                        for part in split_validation(read_answers(
+                            args.data, tokenizer_fingerprint(folder), model.config.vocab_size)))
+        train_rows, val_rows = answers[0].rows, answers[1].rows
+    else:
+        train_rows, val_rows = read_rows(args.data, cfg.medusa_num_heads,
+                                         tokenizer_fingerprint(folder), model.config.vocab_size)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     ranking = token_ranking(train_rows.tokens[:, 0])  # column 0: every answer token once
     vocabulary = (DraftVocabulary(ranking[0][:args.draft_vocab].sort().values, model.lm_head)
@@ -214,13 +254,15 @@ def medusa1(args, device, world: int) -> Medusa1:
     intro = (f"training {cfg.medusa_num_heads} {cfg.head_kind} heads "
              f"({'shared' if cfg.shared_lm_head else 'own'}"
              f" projection{', from ' + str(args.init_heads) if args.init_heads else ''}) on "
-             f"{train_rows.targets.shape[0]} positions ({val_rows.targets.shape[0]} held out)")
+             f"{train_rows.targets.shape[0]} positions ({val_rows.targets.shape[0]} held out)"
+             f"{', whole answers per batch' if answers else ''}"
+             f"{', against the backbone distribution (--distill)' if args.distill else ''}")
     if vocabulary is not None:
         covered = ranking[1][:args.draft_vocab].sum() / ranking[1].sum()
         intro += f", ranking a draft vocabulary of {args.draft_vocab} tokens ({covered:.1%} of " \
             "them)"
     return Medusa1(args, device, folder, intro, model, heads, distributed(heads, world),
-                   train_rows, val_rows, optimizer, ranking, vocabulary)
+                   train_rows, val_rows, optimizer, ranking, vocabulary, answers)
 
 
 # --- the loop both modes share: the step, validation, checkpoint ----------------------------

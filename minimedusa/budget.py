@@ -226,7 +226,7 @@ def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 2
     for r in range(repeats + 1):  # round 0 warms up: the first product of a shape is slow
         for n in times:
             cache.rewind(prompt_len)  # every size starts from the same prefix
-            seconds = time_one_step(model, heads, trees.get(n), cache, hidden[0])
+            seconds = time_one_step(model, heads, trees.get(n), cache, hidden[-1])
             if r > 0:
                 times[n].append(seconds)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}

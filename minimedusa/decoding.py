@@ -23,6 +23,7 @@ import torch
 
 from minimedusa.acceptance import Acceptance
 from minimedusa.context_candidates import ContextIndex, with_chain
+from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
 from minimedusa.errors import UserError
 from minimedusa.heads import DraftVocabulary, MedusaHeads, drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads, hydra_candidates
@@ -52,8 +53,9 @@ def new_cache(model: Llama, prompt_len: int, max_new_tokens: int, margin: int = 
 def prefill(model: Llama, cache: KVCache, prompt: torch.Tensor):
     """Run the prompt (1, T) through the model into an empty cache.
 
-    Returns (logits (1, V), hidden (1, C)) at the prompt's last position only: the LM head
-    over every prompt token would be wasted work (49k x 576 per token on the default model).
+    Returns (logits (1, V) at the prompt's last position only: the LM head over every prompt
+    token would be wasted work (49k x 576 per token on the default model), hidden (T, C) at
+    every position: a draft layer reads them all, other heads the last).
     Logits come back in float32 (or float64) whatever the weights' dtype, as from every step: the
     acceptance and sampling math runs in float32 (and on a CPU torch's argmax over bfloat16 is
     4x slower than over float32: 0.9 ms for a 9-node tree's logits).
@@ -66,8 +68,7 @@ def prefill(model: Llama, cache: KVCache, prompt: torch.Tensor):
         hidden = model.hidden_states(prompt, positions, causal_mask(0, T, prompt.device),
                                      cache, cache.next_slots(T))  # (1, T, C)
     cache.advance(T)
-    last = hidden[:, -1]  # (1, C)
-    return at_least_float32(model.lm_head(last)), last
+    return at_least_float32(model.lm_head(hidden[:, -1])), hidden[0]
 
 
 # --- plain decoding: one forward per token -----------------------------------------------------
@@ -157,14 +158,14 @@ def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, tokens: torch.Te
     emitted, not yet in the cache) in one forward.
 
     Returns (the new tokens: the accepted candidates, then the next token drawn at the last
-    accepted node; the accepted nodes' indices, root first; the hidden state (C,) at the last
-    accepted node, from which the heads guess the next step's candidates).
+    accepted node; the accepted nodes' indices, root first; the hidden states (a, C) at the
+    accepted nodes, the last of which the heads guess the next step's candidates from).
     """
     logits, hidden = tree_forward(model, cache, tree, tokens)  # (N, V), (N, C)
     path, length, next_token = acceptance.verify(logits, tree, tokens, generator)
     nodes, new_tokens = accepted_on_host(tree, tokens, path, length, next_token)
     cache.compact(nodes)  # the accepted nodes' keys/values into place; rejected ones dropped
-    return new_tokens, nodes, hidden[nodes[-1]]
+    return new_tokens, nodes, hidden[nodes]
 
 
 @torch.inference_mode()
@@ -177,7 +178,7 @@ def guess(heads: MedusaHeads, model: Llama, hidden: torch.Tensor) -> torch.Tenso
 def draft(heads: MedusaHeads | HydraHeads, model: Llama, tree: MedusaTree, root: int,
           hidden: torch.Tensor) -> torch.Tensor:
     """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
-    is hidden (C,). Medusa heads guess every depth at once from h_t alone; Hydra heads read the
+    (or draft layer output, context_reader) is hidden (C,). Medusa heads guess every depth at once from h_t alone; Hydra heads read the
     draft's own tokens, so they guess depth by depth (hydra.py)."""
     root = torch.tensor(root, device=hidden.device)
     if isinstance(heads, HydraHeads):
@@ -195,8 +196,8 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads, tree: MedusaTre
                                      acceptance, generator)
         return new, hidden
     # the margin: a step writes all N tree tokens before compaction drops the rejected ones
-    return step_by_step(model, prompt_ids, max_new_tokens, tree.size, acceptance, stop_ids,
-                        seed, step)
+    return step_by_step(model, heads, prompt_ids, max_new_tokens, tree.size, acceptance,
+                        stop_ids, seed, step)
 
 
 def ranked_decode(model: Llama, heads: MedusaHeads | HydraHeads, size: int,
@@ -208,21 +209,33 @@ def ranked_decode(model: Llama, heads: MedusaHeads | HydraHeads, size: int,
         tree, tokens, _ = ranked_draft(heads, model, root, hidden, size)
         new, _, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
         return new, hidden
-    return step_by_step(model, prompt_ids, max_new_tokens, size + 1, acceptance, stop_ids,
-                        seed, step)
+    return step_by_step(model, heads, prompt_ids, max_new_tokens, size + 1, acceptance,
+                        stop_ids, seed, step)
 
 
-def step_by_step(model: Llama, prompt_ids: list[int], max_new_tokens: int, margin: int,
+def context_reader(heads, capacity: int):
+    """What the heads read after each forward, from the backbone's hidden states (a, C) at the
+    a positions it kept: the last one's, or for Hydra++ heads the draft layer's output there,
+    the layer reading every kept position into its own cache (draft_layer.py)."""
+    if not isinstance(heads, HydraPlusPlusHeads):
+        return lambda hidden: hidden[-1]
+    cache = new_draft_cache(heads, capacity)
+    return lambda hidden: read_accepted(heads, cache, hidden)
+
+
+def step_by_step(model: Llama, heads, prompt_ids: list[int], max_new_tokens: int, margin: int,
                  acceptance: Acceptance, stop_ids: set[int], seed: int | None,
                  step) -> Iterator[list[int]]:
     """The loop around Medusa's steps: prefill, the first token (drawn as acceptance draws
-    each step's last one), then step(cache, root, hidden (C,), generator) -> (new tokens,
-    hidden (C,) at the last one fed), yielded step by step, cut at a stop id or the limit."""
+    each step's last one), then step(cache, root, features (C,), generator) -> (new tokens,
+    hidden states (a, C) at the a positions it kept), yielded step by step, cut at a stop id or
+    the limit. features: what the heads read (context_reader)."""
     device = model.embed.weight.device
     generator = make_generator(device, seed)
     cache = new_cache(model, len(prompt_ids), max_new_tokens, margin)
+    read = context_reader(heads, cache.capacity)
     logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
-    new, hidden = [acceptance.first(logits[0], generator).item()], hidden[0]
+    new, features = [acceptance.first(logits[0], generator).item()], read(hidden)
     produced = 0
     while True:
         new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
@@ -230,7 +243,8 @@ def step_by_step(model: Llama, prompt_ids: list[int], max_new_tokens: int, margi
         yield new
         if stop or produced == max_new_tokens:
             return
-        new, hidden = step(cache, new[-1], hidden, generator)
+        new, hidden = step(cache, new[-1], features, generator)
+        features = read(hidden)
 
 
 def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -248,7 +262,7 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
     does not need."""
     token = torch.tensor([[root]], device=cache.device)  # (1, 1)
     logits, hidden = decode_step(model, cache, token)  # (1, V), (1, C)
-    return [acceptance.first(logits[0], generator).item()], [0], hidden[0]
+    return [acceptance.first(logits[0], generator).item()], [0], hidden
 
 
 def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree],
@@ -285,8 +299,8 @@ def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[i
             sequence.extend(new[:-1])  # the accepted candidates; the last is the next root
         return new, hidden
     margin = max(tree.size for tree in trees.values())
-    return step_by_step(model, prompt_ids, max_new_tokens, margin, acceptance, stop_ids, seed,
-                        step)
+    return step_by_step(model, heads, prompt_ids, max_new_tokens, margin, acceptance, stop_ids,
+                        seed, step)
 
 
 @dataclass

@@ -16,12 +16,14 @@ from safetensors.torch import save_file
 
 from minimedusa.checkpoint import write_atomically
 from minimedusa.errors import UserError
+from minimedusa.draft_layer import HydraPlusPlusHeads
 from minimedusa.heads import MedusaConfig, MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import LlamaConfig
 
 HEADS_FILE = "medusa_lm_head.safetensors"
-HEAD_KINDS = {"medusa": MedusaHeads, "hydra": HydraHeads}  # config.json's head_kind -> class
+# config.json's head_kind -> class
+HEAD_KINDS = {"medusa": MedusaHeads, "hydra": HydraHeads, "hydra++": HydraPlusPlusHeads}
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # token ids by frequency in the training answers
 
 
@@ -42,13 +44,22 @@ def save_heads(heads: MedusaHeads, folder, extra_config: dict | None = None) -> 
     config.json holds whole heads (pipeline.py takes it as training's end)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    # heads.heads alone: not a draft vocabulary set for decoding (a slice of the LM head)
-    state = {name: t.contiguous() for name, t in heads.heads.state_dict().items()}
+    state = {name: t.contiguous() for name, t in files_state(heads).items()}
     write_atomically(folder / HEADS_FILE,
                      lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = {**asdict(heads.config), **(extra_config or {})}
     write_atomically(folder / "config.json",
                      lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def files_state(heads) -> dict[str, torch.Tensor]:
+    """The tensors the files hold, by their names there: the heads' under the reference's keys
+    (heads.heads), a Hydra++ draft layer's under draft_layer.*; never a draft vocabulary set
+    for decoding (a slice of the LM head)."""
+    state = dict(heads.heads.state_dict())
+    if isinstance(heads, HydraPlusPlusHeads):
+        state.update({f"draft_layer.{k}": t for k, t in heads.draft_layer.state_dict().items()})
+    return state
 
 
 def read_heads_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -87,7 +98,7 @@ def heads_config(raw: dict, state: dict, model_config) -> MedusaConfig:
     if kind not in HEAD_KINDS:
         raise HeadsError(f"unknown head_kind {kind!r} in the heads' config.json: "
                          f"one of {', '.join(HEAD_KINDS)}")
-    if kind == "hydra" and not shared:
+    if kind in ("hydra", "hydra++") and not shared:
         raise HeadsError("Hydra heads project with the backbone's LM head: their config.json "
                          "must not say shared_lm_head false")
     return MedusaConfig(raw["medusa_num_heads"], L, hidden, vocab, bool(shared), kind)
@@ -103,8 +114,9 @@ def load_heads(folder, model) -> MedusaHeads:
     state = read_heads_state(folder)
     cfg = heads_config(json.loads(config_path.read_text()), state, model.config)
     check_heads_fit(cfg, model.config)
-    heads = HEAD_KINDS[cfg.head_kind](cfg)
-    expected = {k.removeprefix("heads."): v for k, v in heads.state_dict().items()}
+    heads = (HydraPlusPlusHeads(cfg, model.config) if cfg.head_kind == "hydra++"
+             else HEAD_KINDS[cfg.head_kind](cfg))
+    expected = files_state(heads)
     missing = sorted(expected.keys() - state.keys())
     if missing:
         raise HeadsError(f"the heads in {folder} lack tensor {missing[0]}")
@@ -114,7 +126,12 @@ def load_heads(folder, model) -> MedusaHeads:
         if t.shape != expected[name].shape:
             raise HeadsError(f"tensor {name} has shape {tuple(t.shape)}, "
                              f"the config needs {tuple(expected[name].shape)}")
-    heads.heads.load_state_dict(state)
+    heads.heads.load_state_dict({k: t for k, t in state.items()
+                                 if not k.startswith("draft_layer.")})
+    if isinstance(heads, HydraPlusPlusHeads):
+        heads.draft_layer.load_state_dict({k.removeprefix("draft_layer."): t
+                                           for k, t in state.items()
+                                           if k.startswith("draft_layer.")})
     weight = model.lm_head.weight
     return heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
 

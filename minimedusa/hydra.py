@@ -43,7 +43,7 @@ class HydraHead(nn.Module):
 class HydraHeads(nn.Module):
     def __init__(self, cfg: MedusaConfig):
         super().__init__()
-        assert cfg.head_kind == "hydra" and cfg.shared_lm_head
+        assert cfg.head_kind in ("hydra", "hydra++") and cfg.shared_lm_head
         self.config = cfg
         self.heads = nn.ModuleList([HydraHead(k, cfg.hidden_size, cfg.medusa_num_layers)
                                     for k in range(1, cfg.medusa_num_heads + 1)])

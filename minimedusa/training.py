@@ -117,10 +117,14 @@ def read_rows(folder: Path, num_heads: int, tokenizer_fingerprint: str,
               vocab_size: int) -> tuple[Rows, Rows]:
     """(train, validation) rows from every shard's stored hidden states."""
     answers = read_answers(folder, tokenizer_fingerprint, vocab_size)
-    stack = lambda part: Rows(torch.cat([h for _, _, h in part]),  # noqa: E731
-                              torch.cat([head_targets(a, num_heads) for _, a, _ in part]),
-                              torch.cat([head_inputs(a, num_heads) for _, a, _ in part]))
-    return tuple(stack(part) for part in split_validation(answers))
+    return tuple(rows_of(part, num_heads) for part in split_validation(answers))
+
+
+def rows_of(answers: list[tuple], num_heads: int) -> Rows:
+    """The rows of answers (prompt ids, answer ids (n,), hidden (n, C)), answer after answer."""
+    return Rows(torch.cat([h for _, _, h in answers]),
+                torch.cat([head_targets(a, num_heads) for _, a, _ in answers]),
+                torch.cat([head_inputs(a, num_heads) for _, a, _ in answers]))
 
 
 def head_logits(heads, hidden: torch.Tensor, tokens: torch.Tensor | None, model,
@@ -130,7 +134,7 @@ def head_logits(heads, hidden: torch.Tensor, tokens: torch.Tensor | None, model,
     they read the answer's own tokens y_{t+1}..y_{t+K} (B, K), which is what a correct draft
     holds. heads: the heads, or the heads wrapped by DistributedDataParallel."""
     lm_head = drafting_lm_head(vocabulary, model.lm_head)
-    if getattr(heads, "module", heads).config.head_kind == "hydra":
+    if getattr(heads, "module", heads).config.head_kind in ("hydra", "hydra++"):
         return heads(hidden, tokens, model.embed, lm_head)
     return heads(hidden, lm_head)
 
@@ -156,6 +160,32 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float =
     counted = (targets != IGNORE).sum(dim=0)  # (K,)
     ce = torch.where(counted > 0, ce, 0.0)  # a head with no target in the batch adds nothing
     weights = decay ** torch.arange(1, K + 1, device=ce.device, dtype=ce.dtype)  # lambda_k
+    return (weights * ce).sum(), ce.detach(), counted
+
+
+def teacher_states(hidden: torch.Tensor, index: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """h_{t+k} for k = 1..K at rows `index` (M,) of the rows' hidden states (R, C): (K, M, C).
+    Row t + k predicted y_{t+k+1}, head k's target: where head k has a target, that row is in
+    the same answer (the target is its root token); elsewhere it is any row, and unused."""
+    k = torch.arange(1, num_heads + 1).unsqueeze(1)  # (K, 1)
+    return hidden[(index.unsqueeze(0) + k).clamp(max=hidden.shape[0] - 1)]
+
+
+def distill_loss(head_logits: torch.Tensor, teacher_hidden: torch.Tensor, targets: torch.Tensor,
+                 lm_head: torch.nn.Module, vocabulary=None, decay: float = 0.8):
+    """sum_k decay^k CE(p_base(. | y_<=t+k), p^(k)): head k learns the backbone's whole
+    next-token distribution at t + k, softmax(W_lm h_{t+k}), instead of the one token the data
+    holds there (Hydra++'s teacher loss; train.py --distill), over the draft vocabulary's
+    columns if there is one (the teacher renormalised there). head_logits (K, M, V'),
+    teacher_hidden (K, M, C) (teacher_states), targets (M, K). Returns what medusa_loss returns.
+    """
+    teacher = F.log_softmax(drafting_lm_head(vocabulary, lm_head)(teacher_hidden).float(), -1)
+    student = F.log_softmax(head_logits.float(), dim=-1)  # (K, M, V')
+    has = targets.T != IGNORE  # (K, M): row t + k is in the answer
+    ce = -(teacher.exp() * student).sum(-1)  # (K, M)
+    counted = has.sum(dim=1)
+    ce = (ce * has).sum(dim=1) / counted.clamp(min=1)
+    weights = decay ** torch.arange(1, ce.shape[0] + 1, device=ce.device, dtype=ce.dtype)
     return (weights * ce).sum(), ce.detach(), counted
 
 

@@ -30,10 +30,12 @@ from minimedusa.cli import (Parser, add_compile_argument, add_device_arguments,
                             device_and_format)
 from minimedusa.default_model import ensure_default_model
 from minimedusa.device import machine_key
+from minimedusa.draft_layer import HydraPlusPlusHeads, answer_rows, featured_rows
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import token_ids
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import IGNORE, Rows, head_logits, read_rows
+from minimedusa.training import (IGNORE, Rows, head_logits, read_answers, read_rows,
+                                 split_validation)
 
 MAX_NODES = 64  # the largest tree considered: the paper's
 LATENCY_REPEATS = 8  # timed rounds of every size; the median is kept
@@ -84,7 +86,14 @@ def calibrate(heads_dir: Path, data: Path | None, heads, model, folder: Path,
 
 
 def held_out_rows(data: Path, heads, model, folder: Path) -> Rows:
-    """The held-out answers of `data`, as the heads' rows: what calibration measures on."""
+    """The held-out answers of `data`, as the heads' rows: what calibration measures on (for
+    Hydra++ heads, with their draft layer's output in place of h_t)."""
+    if isinstance(heads, HydraPlusPlusHeads):
+        _, val = split_validation(read_answers(data, tokenizer_fingerprint(folder),
+                                               model.config.vocab_size))
+        device = model.embed.weight.device
+        return featured_rows(heads, answer_rows(model, val, heads.config.medusa_num_heads, device),
+                             device)
     _, val = read_rows(data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
                        model.config.vocab_size)
     return val

@@ -108,11 +108,11 @@ def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(devi
     prompt = [3, 1, 4, 1, 5]
     cache = KVCache.for_model(model, capacity=len(prompt) + 5 * n_steps + tree.size)
     logits, hidden = prefill(model, cache, torch.tensor([prompt], device=device))
-    sequence, hidden = prompt + [logits[0].argmax().item()], hidden[0]
+    sequence, hidden = prompt + [logits[0].argmax().item()], hidden[-1]
     for _ in range(n_steps):
-        new, _, hidden = medusa_step(model, tree, cache,
-                                     draft(heads, model, tree, sequence[-1], hidden), greedy(),
-                                     None)
+        new, _, kept = medusa_step(model, tree, cache,
+                                   draft(heads, model, tree, sequence[-1], hidden), greedy(), None)
+        hidden = kept[-1]
         sequence += new
         n = len(sequence) - 1  # the cache holds all but the newest token (the next root)
         assert cache.length == n

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_model
 from minimedusa.acceptance import Acceptance, pick_by_draws, rejection
 from minimedusa.heads import MedusaHeads
+from minimedusa.draft_layer import HydraPlusPlusHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.sampling import Sampling, probabilities
@@ -35,8 +36,8 @@ def chi_square_p_value(a: Counter, b: Counter) -> float:
 
 def setup(kind="medusa"):
     model = tiny_model(1, vocab_size=VOCAB)
-    heads = (HydraHeads.for_model(model, 3) if kind == "hydra" else
-             MedusaHeads.for_model(model, 3)).requires_grad_(False)
+    kinds = {"medusa": MedusaHeads, "hydra": HydraHeads, "hydra++": HydraPlusPlusHeads}
+    heads = kinds[kind].for_model(model, 3).requires_grad_(False)
     with torch.no_grad():  # untrained-looking heads: their guesses are right only sometimes
         for p in heads.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2),
@@ -61,7 +62,8 @@ def plain_samples(temperature, top_p) -> Counter:
 
 
 @pytest.mark.parametrize("kind, temperature, top_p", [
-    ("medusa", 1.0, 1.0), ("medusa", 0.7, 1.0), ("medusa", 1.0, 0.8), ("hydra", 1.0, 1.0)])
+    ("medusa", 1.0, 1.0), ("medusa", 0.7, 1.0), ("medusa", 1.0, 0.8), ("hydra", 1.0, 1.0),
+    ("hydra++", 1.0, 1.0)])
 def test_rejection_sampling_matches_plain_sampling(kind, temperature, top_p):
     p = chi_square_p_value(medusa_samples(rejection(temperature, top_p), kind),
                            plain_samples(temperature, top_p))

@@ -1,0 +1,163 @@
+"""Hydra++'s draft layer (draft_layer.py): a fresh one passes h_t through (a fresh Hydra++ draft
+is a fresh Hydra draft); its cache equals a fresh prefill of the accepted sequence after any
+steps; what it reads while decoding equals what training feeds it (teacher forcing, an
+off-by-one in the answer's positions caught); decoding with it is lossless over random trees;
+its files hold the layer; train.py --kind hydra++ learns, with and without --distill."""
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import train
+from conftest import DEVICES, copycat_model, perturbed, tiny_model
+from minimedusa.acceptance import greedy
+from minimedusa.cli import decoding_heads
+from minimedusa.decoding import (context_reader, draft, medusa_decode, medusa_step, new_cache,
+                                 plain_decode, prefill, root_step)
+from minimedusa.draft_layer import (HydraPlusPlusHeads, answer_rows, layer_features,
+                                    new_draft_cache, read_accepted)
+from minimedusa.heads_files import load_heads, save_heads
+from minimedusa.hydra import HydraHeads
+from minimedusa.model import causal_mask
+from minimedusa.sampling import Sampling
+from minimedusa.self_distill import tokenizer_fingerprint
+from minimedusa.training import read_answers
+from minimedusa.tree import build_tree
+from minimedusa.weights import load_model
+from test_tree import trees
+
+VOCAB = 64
+
+
+def perturbed_hydra_pp(model, num_heads, seed, scale):
+    """Fresh Hydra++ heads, every parameter perturbed (the draft layer's zero output
+    projections too: the layer then changes what the heads read)."""
+    return perturbed(HydraPlusPlusHeads.for_model(model, num_heads), seed, scale)
+
+
+def flat(steps):
+    return [t for step in steps for t in step]
+
+
+def test_a_fresh_draft_layer_passes_the_hidden_states_through():
+    model = tiny_model()
+    heads = HydraPlusPlusHeads.for_model(model, 3)
+    hidden = torch.randn(2, 5, 32, dtype=torch.float64)  # (B, T, C)
+    positions = torch.arange(5).expand(2, 5)
+    out = heads.draft_layer(hidden, positions, causal_mask(0, 5).expand(2, 5, 5))
+    torch.testing.assert_close(out, hidden, rtol=0, atol=0)
+    hydra = HydraHeads.for_model(model, 3)
+    tokens = torch.randint(0, VOCAB, (4, 3))
+    torch.testing.assert_close(heads(hidden[0, :4], tokens, model.embed, model.lm_head),
+                               hydra(hidden[0, :4], tokens, model.embed, model.lm_head))
+
+
+@settings(max_examples=15, deadline=None)
+@given(choices=trees(max_nodes=10, max_depth=3), seed=st.integers(0, 10_000),
+       n_steps=st.integers(1, 6), plain_steps=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_the_draft_cache_equals_a_fresh_prefill_of_the_accepted_sequence(choices, seed, n_steps,
+                                                                        plain_steps):
+    """After a prefill and any mix of tree steps and plain steps, the draft layer's cache holds
+    exactly what the layer computes from the accepted sequence's hidden states in one go, and
+    its last output is that one-go output's last row."""
+    model = copycat_model(seed, 4.0)
+    heads = perturbed_hydra_pp(model, 3, seed, 0.1)
+    tree = build_tree(choices, num_heads=3)
+    prompt = [3, 1, 4, 1, 5]
+    cache = new_cache(model, len(prompt), 6 * n_steps, margin=tree.size)
+    draft_cache = new_draft_cache(heads, cache.capacity)
+    logits, hidden = prefill(model, cache, torch.tensor([prompt]))
+    features = read_accepted(heads, draft_cache, hidden)
+    sequence = prompt + [logits[0].argmax().item()]
+    for plain in plain_steps[:n_steps]:
+        if plain:
+            new, _, kept = root_step(model, cache, sequence[-1], greedy(), None)
+        else:
+            tokens = draft(heads, model, tree, sequence[-1], features)
+            new, _, kept = medusa_step(model, tree, cache, tokens, greedy(), None)
+        features = read_accepted(heads, draft_cache, kept)
+        sequence += new
+    n = len(sequence) - 1  # both caches hold all but the newest token
+    assert cache.length == draft_cache.length == n
+    all_hidden = model.hidden_states(torch.tensor([sequence[:n]]), torch.arange(n)[None],
+                                     causal_mask(0, n))  # (1, n, C)
+    fresh = new_draft_cache(heads, n)
+    expected = heads.draft_layer(all_hidden, torch.arange(n)[None], causal_mask(0, n), fresh,
+                                 fresh.slots(0, n))
+    for name in ("k", "v"):
+        torch.testing.assert_close(getattr(draft_cache.layers[0], name)[:, :, :n],
+                                   getattr(fresh.layers[0], name), rtol=0, atol=1e-10)
+    torch.testing.assert_close(features, expected[0, -1], rtol=0, atol=1e-10)
+
+
+def test_decoding_reads_what_training_feeds_the_layer(tiny_setup):
+    """The data's greedy answers, decoded again step by step: at every answer position the
+    draft layer's output while decoding (its cache fed step by step) equals training's output
+    for that answer (prompt states, then the stored rows, in one forward). An off-by-one in how
+    training lays the answer after its prompt shifts every position and fails this."""
+    model_dir, data = tiny_setup
+    model = load_model(model_dir)  # float32, as training runs it
+    heads = perturbed_hydra_pp(model, 3, 1, 0.2)
+    answers = read_answers(data, tokenizer_fingerprint(model_dir), VOCAB)[:4]
+    rows = answer_rows(model, answers, 3, torch.device("cpu"))
+    trained = layer_features(heads.draft_layer, rows, torch.arange(len(answers)),
+                             torch.device("cpu"))  # (M, C): the rows of the 4 answers
+    decoded = []
+    for prompt, answer, _ in answers:
+        cache = new_cache(model, len(prompt), len(answer))
+        read = context_reader(heads, cache.capacity)
+        _, hidden = prefill(model, cache, prompt[None])
+        decoded.append(read(hidden))  # row 0: predicts answer[0]
+        for token in answer[:-1].tolist():
+            _, _, kept = root_step(model, cache, token, greedy(), None)
+            decoded.append(read(kept))  # row i: the state after answer[i - 1]
+    # the stored rows are bfloat16, so the two agree to bfloat16's precision
+    torch.testing.assert_close(trained, torch.stack(decoded), rtol=0.05, atol=0.05)
+    shifted = torch.cat([trained[1:], trained[-1:]])
+    assert not torch.allclose(shifted, torch.stack(decoded), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=20, deadline=None)
+@given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
+       scale=st.sampled_from([0.0, 0.05, 0.3]), repetitive=st.sampled_from([None, 4.0]),
+       prompt_len=st.integers(1, 8), max_new=st.integers(1, 30))
+def test_hydra_pp_greedy_equals_plain_greedy(device, choices, seed, scale, repetitive,
+                                             prompt_len, max_new):
+    model = (tiny_model(seed, device=device) if repetitive is None
+             else copycat_model(seed, repetitive, device=device))
+    heads = perturbed_hydra_pp(model, 4, seed, scale)
+    tree = build_tree(choices, num_heads=4, device=device)
+    prompt = torch.randint(0, VOCAB, (prompt_len,),
+                           generator=torch.Generator().manual_seed(seed)).tolist()
+    stop = {int(seed % VOCAB)}
+    plain = flat(plain_decode(model, prompt, max_new, Sampling(), stop))
+    assert flat(medusa_decode(model, heads, tree, prompt, max_new, greedy(), stop)) == plain
+
+
+def test_hydra_pp_heads_save_and_load_with_their_draft_layer(tmp_path):
+    model = tiny_model()
+    heads = perturbed_hydra_pp(model, 3, 0, 0.1)
+    save_heads(heads, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["head_kind"] == "hydra++"
+    loaded = load_heads(tmp_path, model)
+    assert isinstance(loaded, HydraPlusPlusHeads)
+    assert heads.state_dict().keys() == loaded.state_dict().keys()
+    for name, theirs in loaded.state_dict().items():  # loading goes through float32
+        torch.testing.assert_close(heads.state_dict()[name], theirs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("distill", [False, True])
+def test_train_frozen_hydra_pp_learns(tiny_setup, tmp_path, distill):
+    model_dir, data = tiny_setup
+    train.main(["--frozen", "--kind", "hydra++", "--model", str(model_dir), "--data", str(data),
+                "--out", str(tmp_path), "--batch-size", "64", "--heads", "3", "--warmup", "2",
+                "--eval-every", "4", "--lr", "3e-3", "--epochs", "6"]
+               + (["--distill"] if distill else []))
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log[-1]["loss"][0] < log[0]["loss"][0]  # held-out CE of head 1
+    heads = decoding_heads(str(tmp_path), load_model(model_dir))  # as generate.py loads them
+    assert isinstance(heads, HydraPlusPlusHeads)
+    assert heads.draft_layer.block.mlp.down.weight.abs().sum() > 0  # the layer learned
