@@ -25,8 +25,8 @@ from minimedusa import joint_training, pipeline
 from minimedusa.checkpoint import CHECKPOINT, checkpoint_on_interrupt, resume, save_checkpoint
 from minimedusa.cli import Parser, progress_bar, say
 from minimedusa.default_model import ensure_default_model
-from minimedusa.draft_layer import (AnswerRows, HydraPlusPlusHeads, answer_rows, featured_rows,
-                                    layer_features)
+from minimedusa.draft_layer import (ANSWERS_PER_BATCH, AnswerRows, HydraPlusPlusHeads,
+                                    answer_rows, featured_rows)
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
 from minimedusa.heads_files import load_heads, save_draft_vocab, save_heads
@@ -103,7 +103,7 @@ def add_medusa1_flags(p) -> None:
                     help="heads share the backbone's LM head instead of own projections")
     m1.add_argument("--batch-size", type=int, default=256,
                     help="answer positions per optimizer step (default: 256; --kind hydra++: "
-                    "as many whole answers as hold about this many)")
+                    f"drawn from {ANSWERS_PER_BATCH} whole answers)")
     m1.add_argument("--lr", type=float, default=None, help="the heads' peak learning rate "
                     "(default: 1e-3; from the model alone: 2e-3)")
 
@@ -167,17 +167,21 @@ class Medusa1:
     optimizer: torch.optim.Optimizer
     ranking: tuple[torch.Tensor, torch.Tensor]  # the answers' token ids by frequency, counts
     vocabulary: DraftVocabulary | None  # with --draft-vocab: the tokens the heads rank
-    # Hydra++: the rows with their prompts' states (train, validation); a batch is whole answers
+    # Hydra++: the rows with their prompts' states (train, validation)
     answers: tuple[AnswerRows, AnswerRows] | None = None
 
     def rows(self) -> int:
-        """What a batch draws from: rows (answer positions), or with a draft layer answers."""
-        return self.train_rows.targets.shape[0] if self.answers is None else len(self.answers[0])
+        return self.train_rows.targets.shape[0]
 
     def batch_size(self) -> int:
+        return self.args.batch_size
+
+    def batch(self, step: int) -> torch.Tensor:
+        """The step's rows: shuffled rows, or (Hydra++) rows drawn from a few whole answers,
+        which the draft layer reads whole."""
         if self.answers is None:
-            return self.args.batch_size
-        return max(1, round(self.args.batch_size * self.rows() / self.train_rows.targets.shape[0]))
+            return batch_rows(self.rows(), step, self.batch_size(), self.args.seed)
+        return self.answers[0].sample_rows(step, self.batch_size(), self.args.seed)
 
     def peak_lrs(self) -> list[float]:
         return [self.args.lr]
@@ -187,9 +191,8 @@ class Medusa1:
         backbone's distribution at t + k)."""
         if self.answers is None:
             hidden = self.train_rows.hidden[index].to(self.device, torch.float32)  # (B, C)
-        else:  # index: answers; the draft layer reads each whole, the heads its rows
-            answers, index = index, self.answers[0].row_index(index)
-            hidden = layer_features(self.heads.draft_layer, self.answers[0], answers, self.device)
+        else:  # the draft layer reads the rows' answers whole
+            hidden = self.answers[0].features_at(self.heads.draft_layer, index, self.device)
         targets = self.train_rows.targets[index].to(self.device)  # (B, K)
         tokens = self.train_rows.tokens[index].to(self.device)  # (B, K): read by Hydra heads
         logits = head_logits(self.trained, hidden, tokens, self.model, self.vocabulary)
@@ -255,7 +258,7 @@ def medusa1(args, device, world: int) -> Medusa1:
              f"({'shared' if cfg.shared_lm_head else 'own'}"
              f" projection{', from ' + str(args.init_heads) if args.init_heads else ''}) on "
              f"{train_rows.targets.shape[0]} positions ({val_rows.targets.shape[0]} held out)"
-             f"{', whole answers per batch' if answers else ''}"
+             f"{f', {ANSWERS_PER_BATCH} whole answers a batch' if answers else ''}"
              f"{', against the backbone distribution (--distill)' if args.distill else ''}")
     if vocabulary is not None:
         covered = ranking[1][:args.draft_vocab].sum() / ranking[1].sum()
@@ -297,7 +300,7 @@ def train_loop(mode, args, rank: int, world: int, device, say) -> int:
     show, first = progress_bar() if rank == 0 else None, step
     with checkpoint_on_interrupt(world == 1) as interrupted:
         while step < last:
-            index = batch_rows(mode.rows(), step, mode.batch_size(), args.seed)[rank::world]
+            index = mode.batch(step)[rank::world]
             losses = train_step(mode, args, step, total, index, autocast)
             step += 1
             if show is not None:  # group 0: the heads (Medusa-1), the adapters (Medusa-2)

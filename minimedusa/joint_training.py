@@ -44,7 +44,8 @@ from minimedusa.lora import (adapter_state, adapters_off, add_adapters, load_ada
 from minimedusa.model import Llama, causal_mask
 from minimedusa.quality_guard import greedy_agreement, original_in_bfloat16, quality_verdict
 from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import (Losses, Rows, accuracy_line, check_out_is_not, distributed,
+from minimedusa.training import (Losses, Rows, accuracy_line, batch_rows, check_out_is_not,
+                                 distributed,
                                  head_metrics, head_targets, medusa_loss, read_answers,
                                  split_validation, total_steps)
 from minimedusa.tree_search import head_accuracies
@@ -230,6 +231,10 @@ class Medusa2:
 
     def batch_size(self) -> int:
         return self.args.answers_per_batch
+
+    def batch(self, step: int) -> torch.Tensor:
+        """The step's answers (whole answers: the backbone runs over each)."""
+        return batch_rows(self.rows(), step, self.batch_size(), self.args.seed)
 
     def peak_lrs(self) -> list[float]:
         return [group["peak_lr"] for group in self.optimizer.param_groups]

@@ -16,8 +16,8 @@ from minimedusa.acceptance import greedy
 from minimedusa.cli import decoding_heads
 from minimedusa.decoding import (context_reader, draft, medusa_decode, medusa_step, new_cache,
                                  plain_decode, prefill, root_step)
-from minimedusa.draft_layer import (HydraPlusPlusHeads, answer_rows, layer_features,
-                                    new_draft_cache, read_accepted)
+from minimedusa.draft_layer import (ANSWERS_PER_BATCH, HydraPlusPlusHeads, answer_rows,
+                                    layer_features, new_draft_cache, read_accepted)
 from minimedusa.heads_files import load_heads, save_heads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import causal_mask
@@ -117,6 +117,22 @@ def test_decoding_reads_what_training_feeds_the_layer(tiny_setup):
     torch.testing.assert_close(trained, torch.stack(decoded), rtol=0.05, atol=0.05)
     shifted = torch.cat([trained[1:], trained[-1:]])
     assert not torch.allclose(shifted, torch.stack(decoded), rtol=0.05, atol=0.05)
+
+
+def test_a_training_step_reads_the_answers_of_its_rows_whole(tiny_setup):
+    """A step's rows come from at most ANSWERS_PER_BATCH answers, and the layer's output at
+    them is its output over their answers whole, picked at those rows."""
+    model_dir, data = tiny_setup
+    model = load_model(model_dir)
+    layer = perturbed_hydra_pp(model, 3, 2, 0.2).draft_layer
+    rows = answer_rows(model, read_answers(data, tokenizer_fingerprint(model_dir), VOCAB), 3,
+                       torch.device("cpu"))
+    index = rows.sample_rows(step=3, batch_size=40, seed=0)
+    assert len(index) == 40 and (index[1:] > index[:-1]).all()
+    assert len((torch.searchsorted(rows.offsets, index, right=True) - 1).unique()) \
+        <= ANSWERS_PER_BATCH
+    every = layer_features(layer, rows, torch.arange(len(rows)), torch.device("cpu"))
+    torch.testing.assert_close(rows.features_at(layer, index, torch.device("cpu")), every[index])
 
 
 @pytest.mark.parametrize("device", DEVICES)
