@@ -38,6 +38,7 @@ import torch
 from minimedusa.acceptance import greedy
 from minimedusa.compiled_step import is_compiled
 from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
+from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
 from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
 from minimedusa.weight_formats import format_of
@@ -222,27 +223,36 @@ def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 2
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device,
                            generator=torch.Generator(device).manual_seed(0))
     _, hidden = prefill(model, cache, prompt)
+    draft_cache = new_draft_cache(heads, cache.capacity) if isinstance(
+        heads, HydraPlusPlusHeads) else None  # a draft layer's: every step feeds it too
+    features = hidden[-1] if draft_cache is None else read_accepted(heads, draft_cache, hidden)
     times = {n: [] for n in [0, *trees]}
     for r in range(repeats + 1):  # round 0 warms up: the first product of a shape is slow
         for n in times:
             cache.rewind(prompt_len)  # every size starts from the same prefix
-            seconds = time_one_step(model, heads, trees.get(n), cache, hidden[-1])
+            if draft_cache is not None:
+                draft_cache.rewind(prompt_len)
+            seconds = time_one_step(model, heads, trees.get(n), cache, features, draft_cache)
             if r > 0:
                 times[n].append(seconds)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
-def time_one_step(model, heads, tree, cache, hidden) -> float:
-    """Seconds of one step: the heads and the tree forward, or (tree None) a plain step."""
+def time_one_step(model, heads, tree, cache, features, draft_cache=None) -> float:
+    """Seconds of one step: the heads and the tree forward, or (tree None) a plain step; and
+    feeding the kept positions to a draft layer, if the heads have one (its cache)."""
     if model.embed.weight.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     if tree is None:
-        logits, _ = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
-                                                          device=cache.device))
+        logits, kept = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
+                                                             device=cache.device))
         logits.argmax().item()  # the host sync a plain step makes too
     else:
-        medusa_step(model, tree, cache, draft(heads, model, tree, 0, hidden), greedy(), None)
+        _, _, kept = medusa_step(model, tree, cache, draft(heads, model, tree, 0, features),
+                                 greedy(), None)
+    if draft_cache is not None:
+        read_accepted(heads, draft_cache, kept)
     return time.perf_counter() - start
 
 

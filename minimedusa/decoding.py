@@ -191,10 +191,11 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads, tree: MedusaTre
                   stop_ids: set[int], seed: int | None = None) -> Iterator[list[int]]:
     """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
     first the prefill's token, then each step's accepted candidates + the next token."""
-    def step(cache, root, hidden, generator):
-        new, _, hidden = medusa_step(model, tree, cache, draft(heads, model, tree, root, hidden),
-                                     acceptance, generator)
-        return new, hidden
+    def step(cache, root, features, generator, read):
+        new, _, hidden = medusa_step(model, tree, cache,
+                                     draft(heads, model, tree, root, features), acceptance,
+                                     generator)
+        return new, read(hidden)
     # the margin: a step writes all N tree tokens before compaction drops the rejected ones
     return step_by_step(model, heads, prompt_ids, max_new_tokens, tree.size, acceptance,
                         stop_ids, seed, step)
@@ -205,10 +206,10 @@ def ranked_decode(model: Llama, heads: MedusaHeads | HydraHeads, size: int,
                   stop_ids: set[int], seed: int | None = None) -> Iterator[list[int]]:
     """medusa_decode, but each step's tree is the `size` nodes the heads find most probable at
     that step, built anew (ranked_tree.py), instead of one tree for every step."""
-    def step(cache, root, hidden, generator):
-        tree, tokens, _ = ranked_draft(heads, model, root, hidden, size)
+    def step(cache, root, features, generator, read):
+        tree, tokens, _ = ranked_draft(heads, model, root, features, size)
         new, _, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
-        return new, hidden
+        return new, read(hidden)
     return step_by_step(model, heads, prompt_ids, max_new_tokens, size + 1, acceptance,
                         stop_ids, seed, step)
 
@@ -227,9 +228,10 @@ def step_by_step(model: Llama, heads, prompt_ids: list[int], max_new_tokens: int
                  acceptance: Acceptance, stop_ids: set[int], seed: int | None,
                  step) -> Iterator[list[int]]:
     """The loop around Medusa's steps: prefill, the first token (drawn as acceptance draws
-    each step's last one), then step(cache, root, features (C,), generator) -> (new tokens,
-    hidden states (a, C) at the a positions it kept), yielded step by step, cut at a stop id or
-    the limit. features: what the heads read (context_reader)."""
+    each step's last one), then step(cache, root, features (C,), generator, read) -> (new
+    tokens, features (C,) for the next step), yielded step by step, cut at a stop id or the
+    limit. features: what the heads read, read(hidden states (a, C) at the a positions a forward
+    kept) (context_reader)."""
     device = model.embed.weight.device
     generator = make_generator(device, seed)
     cache = new_cache(model, len(prompt_ids), max_new_tokens, margin)
@@ -243,8 +245,7 @@ def step_by_step(model: Llama, heads, prompt_ids: list[int], max_new_tokens: int
         yield new
         if stop or produced == max_new_tokens:
             return
-        new, hidden = step(cache, new[-1], features, generator)
-        features = read(hidden)
+        new, features = step(cache, new[-1], features, generator, read)
 
 
 def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -277,27 +278,32 @@ def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[i
     step never changes what is accepted."""
     sequence = ContextIndex(prompt_ids) if context else None
 
-    def step(cache, root, hidden, generator):
+    def step(cache, root, features, generator, read):
+        # note: a step's time includes reading its kept positions into a draft layer (read):
+        # every step pays it, plain ones too
         n, start = budget.choose(), clock()
         if sequence is not None:
             sequence.extend([root])  # the step's root: the last token emitted
         if n == 0:
             new, _, hidden = root_step(model, cache, root, acceptance, generator)
+            features = read(hidden)
             budget.record(0, clock() - start, [])
-            return new, hidden
+            return new, features
         if ranked:  # the step's own order ranks its nodes: its first m are its tree of m
-            tree, tokens, order = ranked_draft(heads, model, root, hidden, n)
+            tree, tokens, order = ranked_draft(heads, model, root, features, n)
             rank = {path: i + 1 for i, path in enumerate(order)}
         else:
-            tree, tokens, rank = trees[n], draft(heads, model, trees[n], root, hidden), budget.rank
+            tree, tokens = trees[n], draft(heads, model, trees[n], root, features)
+            rank = budget.rank
         chain = sequence.chain() if sequence is not None else []
         if chain:
             tree, tokens, rank = with_chain(tree, tokens, rank, n, chain)
         new, nodes, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
+        features = read(hidden)
         budget.record(n, clock() - start, [tree.nodes[i] for i in nodes[1:]], rank)
         if sequence is not None:
             sequence.extend(new[:-1])  # the accepted candidates; the last is the next root
-        return new, hidden
+        return new, features
     margin = max(tree.size for tree in trees.values())
     return step_by_step(model, heads, prompt_ids, max_new_tokens, margin, acceptance, stop_ids,
                         seed, step)

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 import train
 from conftest import DEVICES, copycat_model, perturbed, tiny_model
 from minimedusa.acceptance import greedy
+from minimedusa.budget import Budget, nested_trees
 from minimedusa.cli import decoding_heads
-from minimedusa.decoding import (context_reader, draft, medusa_decode, medusa_step, new_cache,
-                                 plain_decode, prefill, root_step)
+from minimedusa.decoding import (adaptive_decode, context_reader, draft, medusa_decode,
+                                 medusa_step, new_cache, plain_decode, prefill, root_step)
 from minimedusa.draft_layer import (ANSWERS_PER_BATCH, HydraPlusPlusHeads, answer_rows,
                                     layer_features, new_draft_cache, read_accepted)
 from minimedusa.heads_files import load_heads, save_heads
@@ -26,6 +27,7 @@ from minimedusa.self_distill import tokenizer_fingerprint
 from minimedusa.training import read_answers
 from minimedusa.tree import build_tree
 from minimedusa.weights import load_model
+from test_context_candidates import NODES
 from test_tree import trees
 
 VOCAB = 64
@@ -177,3 +179,18 @@ def test_train_frozen_hydra_pp_learns(tiny_setup, tmp_path, distill):
     heads = decoding_heads(str(tmp_path), load_model(model_dir))  # as generate.py loads them
     assert isinstance(heads, HydraPlusPlusHeads)
     assert heads.draft_layer.block.mlp.down.weight.abs().sum() > 0  # the layer learned
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), context=st.booleans())
+def test_hydra_pp_adapted_trees_with_plain_steps_stay_lossless(seed, context):
+    """generate.py's default loop: the budget mixes plain steps (size 0) and trees of 4 and 8,
+    each feeding the draft layer its kept positions; greedy output is plain greedy's."""
+    model = copycat_model(seed, 4.0)
+    heads = perturbed_hydra_pp(model, 4, seed, 0.1)
+    trees, rank = nested_trees(NODES[:8], [4, 8], 4, model.config.vocab_size, "cpu")
+    prompt = [3, 5, 7, 9, 3, 5, 7, 9, 3]
+    budget = Budget([0, 4, 8], {4: 2.0, 8: 2.4}, {0: 1.0, 4: 1.2, 8: 1.5}, rank)
+    out = adaptive_decode(model, heads, trees, budget, prompt, 40, greedy(), set(),
+                          context=context)
+    assert flat(out) == flat(plain_decode(model, prompt, 40, Sampling(), set()))
