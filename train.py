@@ -87,7 +87,8 @@ def add_medusa1_flags(p) -> None:
                     help="medusa: the paper's heads, each reads h_t alone (default with --data); "
                     "hydra: each also reads the tokens drafted before it (hydra.py; default from "
                     "the model alone); hydra++: Hydra heads behind one decoder layer over the "
-                    "whole accepted sequence (draft_layer.py; batches are whole answers)")
+                    "whole accepted sequence (draft_layer.py; with --init-heads of the hydra "
+                    "kind, those heads behind a fresh layer)")
     m1.add_argument("--distill", action="store_true", help="learn the backbone's whole "
                     "next-token distribution (read off the stored hidden states) instead of the "
                     "data's one token: Hydra++'s teacher loss (default: cross-entropy on tokens)")
@@ -148,7 +149,19 @@ def medusa1_heads(args, model) -> MedusaHeads:
     if args.init_heads is None:
         return MedusaHeads.for_model(model, args.heads, args.layers, args.shared)
     check_out_is_not(args.out, args.init_heads)
-    return load_heads(args.init_heads, model).requires_grad_(True)
+    heads = load_heads(args.init_heads, model)
+    if args.kind == "hydra++" and type(heads) is HydraHeads:  # behind a fresh draft layer
+        heads = with_draft_layer(heads, model)
+    return heads.requires_grad_(True)
+
+
+def with_draft_layer(hydra: HydraHeads, model) -> HydraPlusPlusHeads:
+    """Trained Hydra heads behind a fresh draft layer: they start as they were (a fresh layer
+    passes h_t through), and the layer learns what the context adds."""
+    heads = HydraPlusPlusHeads.for_model(model, hydra.config.medusa_num_heads,
+                                         hydra.config.medusa_num_layers)
+    heads.heads.load_state_dict(hydra.heads.state_dict())
+    return heads
 
 
 @dataclass

@@ -147,7 +147,7 @@ class AnswerRows:
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         return rows[torch.randperm(len(rows), generator=g)[:batch_size].sort().values]
 
-    def features_at(self, layer: "DraftLayer", index: torch.Tensor, device) -> torch.Tensor:
+    def features_at(self, layer: DraftLayer, index: torch.Tensor, device) -> torch.Tensor:
         """The layer's output f at rows `index` (M,) (increasing), (M, C): it reads each of the
         rows' answers whole."""
         answers = torch.searchsorted(self.offsets, index, right=True) - 1  # (M,)

@@ -194,3 +194,19 @@ def test_hydra_pp_adapted_trees_with_plain_steps_stay_lossless(seed, context):
     out = adaptive_decode(model, heads, trees, budget, prompt, 40, greedy(), set(),
                           context=context)
     assert flat(out) == flat(plain_decode(model, prompt, 40, Sampling(), set()))
+
+
+def test_trained_hydra_heads_behind_a_fresh_layer_draft_as_before():
+    """train.py --kind hydra++ --init-heads HYDRA: the heads start where they were."""
+    model = tiny_model(5)
+    hydra = perturbed(HydraHeads.for_model(model, 3), 5, 0.2)
+    heads = train.with_draft_layer(hydra, model)
+    tree = build_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]], num_heads=3)
+    prompt = [4, 8, 15, 16]
+    assert flat(medusa_decode(model, heads, tree, prompt, 30, greedy(), set())) == \
+        flat(plain_decode(model, prompt, 30, Sampling(), set()))
+    cache = new_cache(model, len(prompt), 1)
+    _, hidden = prefill(model, cache, torch.tensor([prompt]))
+    features = context_reader(heads, cache.capacity)(hidden)
+    torch.testing.assert_close(draft(heads, model, tree, 9, features),
+                               draft(hydra, model, tree, 9, hidden[-1]), rtol=0, atol=0)
