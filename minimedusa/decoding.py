@@ -178,8 +178,9 @@ def guess(heads: MedusaHeads, model: Llama, hidden: torch.Tensor) -> torch.Tenso
 def draft(heads: MedusaHeads | HydraHeads, model: Llama, tree: MedusaTree, root: int,
           hidden: torch.Tensor) -> torch.Tensor:
     """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
-    (or draft layer output, context_reader) is hidden (C,). Medusa heads guess every depth at once from h_t alone; Hydra heads read the
-    draft's own tokens, so they guess depth by depth (hydra.py)."""
+    (or a draft layer's output there, context_reader) is hidden (C,). Medusa heads guess every
+    depth at once from h_t alone; Hydra heads read the draft's own tokens, so they guess depth by
+    depth (hydra.py)."""
     root = torch.tensor(root, device=hidden.device)
     if isinstance(heads, HydraHeads):
         return hydra_candidates(heads, model, hidden, root, tree)
