@@ -14,6 +14,7 @@ from conftest import DEVICES, copycat_model, perturbed, tiny_model
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import draft, medusa_decode, plain_decode
 from minimedusa.heads import DraftVocabulary, MedusaHeads
+from minimedusa.draft_layer import HydraPlusPlusHeads
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.self_distill import tokenizer_fingerprint
@@ -102,15 +103,16 @@ def test_siblings_hold_the_best_guesses_at_their_parent():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", [HydraHeads, HydraPlusPlusHeads], ids=["hydra", "hydra++"])
 @settings(max_examples=20, deadline=None)
 @given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
        scale=st.sampled_from([0.0, 0.05, 0.5]), repetitive=st.sampled_from([None, 4.0, 10.0]),
        prompt_len=st.integers(1, 8), max_new=st.integers(1, 30))
-def test_hydra_greedy_equals_plain_greedy(device, choices, seed, scale, repetitive, prompt_len,
-                                          max_new):
+def test_hydra_greedy_equals_plain_greedy(device, kind, choices, seed, scale, repetitive,
+                                          prompt_len, max_new):
     model = (tiny_model(seed, device=device) if repetitive is None
              else copycat_model(seed, repetitive, device=device))
-    heads = perturbed_hydra(model, 4, seed, scale)
+    heads = perturbed(kind.for_model(model, 4), seed, scale)  # a Hydra++ layer's too
     tree = build_tree(choices, num_heads=4, device=device)
     prompt = torch.randint(0, VOCAB, (prompt_len,),
                            generator=torch.Generator().manual_seed(seed)).tolist()
