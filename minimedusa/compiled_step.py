@@ -1,7 +1,7 @@
 """A compiled decoding step: the transformer block compiled by torch.compile (inductor), one
 graph for all of the model's blocks, made before the run (warm-up) and cached on disk.
 
-Why: around its 7 products, a block of the default model calls ~30 small operators (norms, RoPE,
+Why: around its 4 products, a block of the default model calls ~30 small operators (norms, RoPE,
 the cache write, attention, SwiGLU), each a few microseconds of dispatch on a CPU, 30 blocks a
 step; inductor fuses them into a few C++ loops. The products stay oneDNN's prepacked ones,
 called as they are (packed_linear.packed_product).

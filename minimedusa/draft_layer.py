@@ -80,7 +80,7 @@ class HydraPlusPlusHeads(HydraHeads):
 
 def new_draft_cache(heads: HydraPlusPlusHeads, capacity: int) -> KVCache:
     """An empty one-layer cache for the draft layer, as long as the backbone's."""
-    cfg, weight = heads.draft_layer.config, heads.draft_layer.block.attn.wq.weight
+    cfg, weight = heads.draft_layer.config, heads.draft_layer.block.attn.wqkv.weight
     return KVCache(1, 1, cfg.num_key_value_heads, capacity, cfg.head_dim, weight.device,
                    weight.dtype)
 
@@ -172,7 +172,7 @@ def layer_features(layer: DraftLayer, data: AnswerRows, answers: torch.Tensor,
     seqs = [torch.cat([data.prompts[j], data.rows.hidden[data.offsets[j]:data.offsets[j + 1]]])
             for j in answers.tolist()]
     B, T = len(seqs), max(len(s) for s in seqs)
-    hidden = torch.zeros(B, T, seqs[0].shape[1], dtype=layer.block.attn.wq.weight.dtype)
+    hidden = torch.zeros(B, T, seqs[0].shape[1], dtype=layer.block.attn.wqkv.weight.dtype)
     for b, s in enumerate(seqs):
         hidden[b, :len(s)] = s
     positions = torch.arange(T, device=device).expand(B, T)

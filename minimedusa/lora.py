@@ -11,7 +11,8 @@ KL(p_original || p) starts at exactly zero. Two verbs make Medusa-2 cheap:
 - merge_adapters(model): fold (alpha / r) B A into W and put plain layers back,
   so the tuned model costs nothing extra at inference and saves in the ordinary HF layout
   (remove_adapters puts the original layers back instead).
-Adapted: every linear layer of every block (q, k, v, o, gate, up, down), as the paper does.
+Adapted: every linear layer of every block (qkv, o, gate_up, down), as the paper does; q, k
+and v share one adapter, and gate and up another, as model.py runs them as one product.
 Not adapted: the embedding and the LM head, which SmolLM2 ties together and which the shared
 Medusa heads project with; tuning them would move the heads' output space under them.
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from minimedusa.errors import UserError
 
-TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
+TARGETS = ("attn.wqkv", "attn.wo", "mlp.gate_up", "mlp.down")
 
 
 class LoRALinear(nn.Module):
@@ -62,7 +63,7 @@ class LoRALinear(nn.Module):
 
 
 def adapted_layers(model) -> dict[str, LoRALinear]:
-    """Every adapter in the model, by module name (layers.{i}.attn.wq, ...)."""
+    """Every adapter in the model, by module name (layers.{i}.attn.wqkv, ...)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 

@@ -11,7 +11,7 @@ RoPE scalings (yarn, dynamic, longrope), partial rotary dims, MLP or output bias
 activations, attention beyond a sliding window.
 
 Shapes: B batch, T new tokens, S attended cache slots, C model dim, H query heads,
-G key/value heads (grouped-query attention), D head dim, V vocab, L layers.
+G key/value heads (grouped-query attention), D head dim, I SwiGLU inner dim, V vocab, L layers.
 """
 import math
 from dataclasses import dataclass
@@ -184,9 +184,11 @@ class Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         # note: D is the config's head_dim, which need not be C / H (Mistral NeMo: C 5120, H 32,
         # D 128): q is H * D wide and wo reads H * D, never C
-        self.wq = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
+        # q, k and v in one product, as gpt-fast does (weights.py concatenates HF's q_proj,
+        # k_proj, v_proj into it): decoding on a CPU pays per product it calls, not only per
+        # weight it reads (one product of 960 outputs costs less than three of 576, 192, 192)
+        self.wqkv = nn.Linear(cfg.hidden_size, (self.n_head + 2 * self.n_kv_head) * self.head_dim,
+                              bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache, slots):
@@ -197,27 +199,29 @@ class Attention(nn.Module):
         tokens attend to slots [0, S).
         """
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, G, T, D)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        H, G, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, G * D, G * D], dim=-1)  # (B, T, H*D), 2x (B, T, G*D)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, G, D).transpose(1, 2)  # (B, G, T, D)
+        v = v.view(B, T, G, D).transpose(1, 2)  # (B, G, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(slots, k, v, n_read=mask.shape[-1])  # (B, G, S, D)
         y = attention(q, k, v, mask)  # (B, H, T, D)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one product (as wqkv above)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, I) each
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):

@@ -6,10 +6,10 @@ Decoding multiplies 1 row (plain) or N + 1 rows (a Medusa tree) by every weight,
 that costs reading the weights from memory: 424 MB for the default model's 30 blocks in float32,
 113 MB for its LM head. MKL's x @ W^T, what nn.Linear calls, handles such skinny products badly,
 and worse the more rows. Measured on a 2-core AMD EPYC with AVX-512 (torch 2.13), the 30 blocks'
-210 weights at 1 / 2 / 9 / 17 / 65 / 256 rows:
+120 products (q, k, v fused, gate and up fused: model.py) at 1 / 2 / 9 / 17 / 65 / 256 rows:
 
-    nn.Linear (x @ W^T)    54 / 82 / 67 / 63 / 240 / 502 ms
-    prepacked (oneDNN)     33 / 35 / 36 / 42 / 112 / 332 ms
+    nn.Linear (x @ W^T)    44 / 80 / 56 / 70 / 132 / 395 ms
+    prepacked (oneDNN)     25 / 29 / 30 / 34 /  82 / 315 ms
 
 With the weights read once whatever the rows, a small tree's step costs little more than a plain
 step: what Medusa relies on. The gain is a fact of that machine; the tree budget is measured on

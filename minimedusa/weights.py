@@ -21,22 +21,24 @@ class WeightsError(UserError):
     """A model folder or weights file that cannot be loaded as the config describes."""
 
 
-# HF name inside model.layers.{i}  ->  name inside this project's layers.{i}
+# HF name inside model.layers.{i}  ->  name inside this project's layers.{i}. Several HF tensors
+# map to one of ours where model.py runs their products as one (q, k, v; gate, up): they are
+# stacked along the output rows in the order listed here.
 LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn.wq.weight",
-    "self_attn.k_proj.weight": "attn.wk.weight",
-    "self_attn.v_proj.weight": "attn.wv.weight",
+    "self_attn.q_proj.weight": "attn.wqkv.weight",
+    "self_attn.k_proj.weight": "attn.wqkv.weight",
+    "self_attn.v_proj.weight": "attn.wqkv.weight",
     "self_attn.o_proj.weight": "attn.wo.weight",
     "post_attention_layernorm.weight": "mlp_norm.weight",
-    "mlp.gate_proj.weight": "mlp.gate.weight",
-    "mlp.up_proj.weight": "mlp.up.weight",
+    "mlp.gate_proj.weight": "mlp.gate_up.weight",
+    "mlp.up_proj.weight": "mlp.gate_up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
 }
 QKV_BIAS_NAMES = {  # the same, for the biases of a config with qkv_bias (Qwen2)
-    "self_attn.q_proj.bias": "attn.wq.bias",
-    "self_attn.k_proj.bias": "attn.wk.bias",
-    "self_attn.v_proj.bias": "attn.wv.bias",
+    "self_attn.q_proj.bias": "attn.wqkv.bias",
+    "self_attn.k_proj.bias": "attn.wqkv.bias",
+    "self_attn.v_proj.bias": "attn.wqkv.bias",
 }
 
 
@@ -50,6 +52,20 @@ def hf_name_map(cfg: LlamaConfig) -> dict[str, str]:
         for hf, ours in layer_names.items():
             names[f"model.layers.{i}.{hf}"] = f"layers.{i}.{ours}"
     return names
+
+
+def hf_parts(cfg: LlamaConfig) -> dict[str, list[tuple[str, int | None]]]:
+    """Our parameter name -> the HF tensors it stacks, in order, each with its rows (None: one
+    HF tensor is the whole parameter)."""
+    H, G, D, I = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                  cfg.intermediate_size)
+    fused_rows = {"attn.wqkv": [H * D, G * D, G * D], "mlp.gate_up": [I, I]}  # model.py's
+    parts = {}
+    for hf, ours in hf_name_map(cfg).items():
+        parts.setdefault(ours, []).append(hf)
+    # "layers.{i}.attn.wqkv.weight" -> "attn.wqkv"
+    return {ours: list(zip(hfs, fused_rows.get(".".join(ours.split(".")[2:4]), [None])))
+            for ours, hfs in parts.items()}
 
 
 def read_config(folder: Path) -> LlamaConfig:
@@ -91,7 +107,8 @@ def read_tensors(files: list[Path], device, dtype) -> dict[str, torch.Tensor]:
 
 
 def match_names(model: Llama, hf_tensors: dict) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to ours, strictly: every error names the tensor as the file does."""
+    """Rename HF tensors to ours (stacking those model.py fuses), strictly: every error names
+    the tensor as the file does."""
     names = hf_name_map(model.config)
     if model.config.tie_word_embeddings:
         # note: some tied checkpoints store the LM head anyway; it is the embedding, so drop it.
@@ -105,11 +122,15 @@ def match_names(model: Llama, hf_tensors: dict) -> dict[str, torch.Tensor]:
         raise WeightsError(f"unexpected tensor {unexpected[0]} in the weights" +
                            (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     shapes = {n: p.shape for n, p in model.state_dict().items()}
-    for hf, ours in names.items():
-        if hf_tensors[hf].shape != shapes[ours]:
-            raise WeightsError(f"tensor {hf} has shape {tuple(hf_tensors[hf].shape)}, "
-                               f"the config needs {tuple(shapes[ours])}")
-    return {names[n]: t for n, t in hf_tensors.items()}
+    state = {}
+    for ours, parts in hf_parts(model.config).items():
+        for hf, rows in parts:
+            needed = shapes[ours] if rows is None else (rows, *shapes[ours][1:])
+            if hf_tensors[hf].shape != needed:
+                raise WeightsError(f"tensor {hf} has shape {tuple(hf_tensors[hf].shape)}, "
+                                   f"the config needs {tuple(needed)}")
+        state[ours] = torch.cat([hf_tensors.pop(hf) for hf, _ in parts])  # one HF tensor: as is
+    return state
 
 
 def load_model(folder, device="cpu", dtype=torch.float32) -> Llama:
@@ -130,7 +151,9 @@ def save_model(model: Llama, folder) -> None:
     """Write config.json + model.safetensors in the HF layout (what load_model reads)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    ours_to_hf = {ours: hf for hf, ours in hf_name_map(model.config).items()}
-    state = {ours_to_hf[n]: t.contiguous() for n, t in model.state_dict().items() if n in ours_to_hf}
+    ours, state = model.state_dict(), {}
+    for name, parts in hf_parts(model.config).items():
+        pieces = [ours[name]] if len(parts) == 1 else ours[name].split([r for _, r in parts])
+        state.update({hf: t.contiguous() for (hf, _), t in zip(parts, pieces)})
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")

@@ -111,8 +111,7 @@ def test_teacher_receives_no_gradient(tiny_setup):
     state = model.state_dict()
     assert all(torch.equal(state[k.replace(w, f"{w}.base")] if k not in state else state[k], v)
                for k, v in frozen.items()
-               for w in [next((t for t in (".wq", ".wk", ".wv", ".wo", ".gate", ".up",
-                                           ".down") if t + ".weight" in k), "")])
+               for w in [next((t for t in (".wqkv", ".wo", ".gate_up", ".down") if t + ".weight" in k), "")])
 
 
 def test_lambda0_rises_as_a_sine_to_its_peak():

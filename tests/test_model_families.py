@@ -154,8 +154,7 @@ def test_rope_scaling_changes_the_logits(tmp_path, family):
 def test_qkv_biases_change_the_logits():
     model = load_model(FIXTURES / "qwen2")
     for layer in model.layers:
-        for linear in (layer.attn.wq, layer.attn.wk, layer.attn.wv):
-            linear.bias.zero_()
+        layer.attn.wqkv.bias.zero_()
     ids, expected = transformers_cases("qwen2")[2]
     assert (full_logits(model, ids) - expected).abs().max() > 0.1
 

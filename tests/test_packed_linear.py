@@ -44,7 +44,7 @@ def test_packed_model_and_heads_give_the_same_logits(shared):
         swapped = pack_linear_layers(model) + pack_linear_layers(heads)
         packed_logits, packed_hidden = model(tokens, torch.arange(9)[None], causal_mask(0, 9))
         packed_heads = heads(packed_hidden, model.lm_head)
-    assert swapped == 2 * 7 + 1 + 3 * (1 if shared else 2)  # 2 blocks, LM head, the heads
+    assert swapped == 2 * 4 + 1 + 3 * (1 if shared else 2)  # 2 blocks, LM head, the heads
     assert model.lm_head.weight is model.embed.weight
     torch.testing.assert_close(packed_logits, logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed_heads, head_logits, rtol=1e-5, atol=1e-5)

@@ -32,7 +32,7 @@ def test_save_then_load_round_trips_exactly(tmp_path, tied, qkv_bias):
     loaded = load_model(tmp_path)
     assert same_weights(model, loaded)
     assert (loaded.lm_head.weight is loaded.embed.weight) == tied
-    assert (loaded.layers[0].attn.wq.bias is not None) == qkv_bias
+    assert (loaded.layers[0].attn.wqkv.bias is not None) == qkv_bias
 
 
 @pytest.mark.parametrize("overrides", [
@@ -96,6 +96,17 @@ def test_wrong_shape_is_an_error_naming_the_tensor(tmp_path):
     save_model(tiny_model(), tmp_path)
     edit_tensors(tmp_path, lambda s: s.update({"model.norm.weight": torch.ones(7)}))
     with pytest.raises(WeightsError, match=r"tensor model\.norm\.weight has shape \(7,\)"):
+        load_model(tmp_path)
+
+
+def test_a_part_of_a_fused_product_is_checked_on_its_own(tmp_path):
+    """q, k and v load into one wqkv: a k_proj with v_proj's rows too many fits the stack's
+    size, and is still an error naming it."""
+    save_model(tiny_model(), tmp_path)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    edit_tensors(tmp_path, lambda s: s.update({k: torch.cat([s[k], s[k]])}))
+    with pytest.raises(WeightsError, match=r"tensor model\.layers\.0\.self_attn\.k_proj\.weight "
+                                           r"has shape \(32, 32\), the config needs \(16, 32\)"):
         load_model(tmp_path)
 
 
