@@ -12,8 +12,8 @@ seconds. A whole-model graph with frozen weights ran ~15% faster a step here, bu
 ~45 s per shape in every process (frozen graphs are not cached).
 Shapes: T rows (1 for a plain step, n + 1 for a tree of n nodes) and S attended slots, which
 grows every step. warm_up runs each step shape at two lengths and in two caches, so that torch
-makes S, the cache's capacity and T (for T >= 2) dynamic: one graph for plain steps, one for
-every tree; after it no step of a run compiles again (tests/test_compiled_step.py).
+makes S, the cache's capacity and T (for T >= 2) dynamic: one graph for plain steps, two for
+trees (small and not); after it no step of a run compiles again (tests/test_compiled_step.py).
 The prompt runs eagerly (decoding.prefill): its length is new with every prompt.
 Eager stays the reading path and the reference: compiled steps give its logits (tested).
 Left out: CUDA (CUDA graphs would be its way: mode="reduce-overhead"), the heads' drafting.
@@ -58,16 +58,17 @@ def is_compiled(model: Llama) -> bool:
 def warm_up(model: Llama) -> float:
     """Compile the graphs a run needs, before it; returns the seconds.
 
-    A plain step (T = 1) and trees of 2 and 3 rows, each at two cache lengths, in two caches of
+    A plain step (T = 1) and trees of 2 to 5 rows, each at two cache lengths, in two caches of
     different capacities: torch then makes the lengths, the capacity and T >= 2 dynamic, so
-    every later step, whatever its tree's size, finds its graph made."""
+    every later step, whatever its tree's size, finds its graph made. (Two graphs for trees:
+    fewer than packed_linear.MIN_ROWS rows are padded, more are not.)"""
     start = time.perf_counter()
     device = model.embed.weight.device
     for capacity in (32, 48):
         # note: made outside inference mode, as decoding makes its caches: torch's graphs are
         # specific to that (an inference tensor lacks a dispatch key a normal one has)
         cache = KVCache.for_model(model, capacity)
-        for T in (1, 2, 3):
+        for T in (1, 2, 3, 4, 5):
             for length in (8, 9):
                 tokens = torch.zeros(1, T, dtype=torch.long, device=device)  # (1, T)
                 positions = torch.arange(length, length + T, device=device)[None]  # (1, T)

@@ -45,6 +45,15 @@ def _(rows, packed, bias, out_features):  # its output's shape, for the compiler
     return rows.new_empty(rows.shape[0], out_features)
 
 
+# The fewest rows a product is run with (PackedLinear adds zero rows): at least 2, for the
+# exactness below, and 4 because oneDNN's kernels for 1 or 2 rows are its slowest. The 30 blocks'
+# products on the 2-core AVX-512 EPYC at 1 / 2 / 3 / 4 / 5 rows: bfloat16 16.4 / 17.1 / 13.9 /
+# 15.6 / 14.9 ms, float32 20.6 / 22.4 / 18.2 / 17.4 / 17.4 ms; the default model's 1-row eager
+# forward in bfloat16 (interleaved, median of 6): 32.2 ms as 2 rows, 28.8 as 4. The weights are
+# read once whatever the rows, so the extra rows cost next to nothing on any CPU.
+MIN_ROWS = 4
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout. Shares the Parameters it was made
     from (a tied LM head stays tied to the embedding)."""
@@ -58,11 +67,14 @@ class PackedLinear(nn.Module):
         if x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)  # not what it was packed for
         rows = x.reshape(-1, x.shape[-1])  # (M, I)
+        M = rows.shape[0]
         # subtle: oneDNN multiplies a single row with another kernel than two or more, and it
-        # rounds a few outputs differently (measured in bf16 at I = 1536: 1 or 2 of 576). A
-        # plain step's row is multiplied as one of two, so that it equals, to the bit, the same
-        # token's row in a Medusa tree step (lossless greedy; model.exact_attention does the rest)
-        y = self.product(rows.repeat(2, 1) if rows.shape[0] == 1 else rows)[:rows.shape[0]]
+        # rounds a few outputs differently (measured at I = 1536: 1 or 2 of 576). Fewer than
+        # MIN_ROWS rows are multiplied as MIN_ROWS (zero rows added), so that a plain step's
+        # row equals, to the bit, the same token's row in a Medusa tree step (lossless greedy;
+        # model.exact_attention does the rest): every M >= 2 gives a row the same bits.
+        padded = rows if M >= MIN_ROWS else F.pad(rows, (0, 0, 0, MIN_ROWS - M))
+        y = self.product(padded)[:M]  # (M, O)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def product(self, rows):  # (M, I) -> (M, O)

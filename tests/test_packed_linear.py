@@ -29,6 +29,22 @@ def test_packed_linear_equals_nn_linear(seed, shape, bias):
 
 
 @needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_has_the_same_bits_whatever_rows_beside_it(dtype):
+    """A plain step's one row equals, to the bit, the same row multiplied in a tree step of any
+    size (what keeps Medusa greedy lossless); at 1536 inputs oneDNN's one-row kernel alone would
+    round some outputs differently."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN does not multiply bfloat16 natively on this CPU")
+    torch.manual_seed(0)
+    layer = PackedLinear(nn.Linear(1536, 576, bias=False).to(dtype))
+    rows = torch.randn(17, 1536, dtype=dtype)  # (M, I)
+    with torch.inference_mode():
+        alone = layer(rows[:1])  # (1, O)
+        assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
+
+
+@needs_onednn
 @pytest.mark.parametrize("shared", [False, True])
 def test_packed_model_and_heads_give_the_same_logits(shared):
     """Every projection of the model and the heads swapped (tied LM head included): the same
