@@ -47,10 +47,10 @@ def _(rows, packed, bias, out_features):  # its output's shape, for the compiler
 
 # The fewest rows a product is run with (PackedLinear adds zero rows): at least 2, for the
 # exactness below, and 4 because oneDNN's kernels for 1 or 2 rows are its slowest. The 30 blocks'
-# products on the 2-core AVX-512 EPYC at 1 / 2 / 3 / 4 / 5 rows: bfloat16 16.4 / 17.1 / 13.9 /
-# 15.6 / 14.9 ms, float32 20.6 / 22.4 / 18.2 / 17.4 / 17.4 ms; the default model's 1-row eager
-# forward in bfloat16 (interleaved, median of 6): 32.2 ms as 2 rows, 28.8 as 4. The weights are
-# read once whatever the rows, so the extra rows cost next to nothing on any CPU.
+# products at 1 / 2 / 3 / 4 / 5 rows on the 2-core AVX-512 EPYC (`python -m minimedusa.bench
+# --profile`, records weights/SmolLM2-135M-Instruct-hydra/profile-step-*-avx512bf16.txt):
+# bfloat16 13.9 / 13.2 / 12.1 / 13.1 / 11.2 ms, float32 22.7 / 23.7 / 19.8 / 19.1 / 19.0 ms.
+# The weights are read once whatever the rows, so the extra rows cost next to nothing.
 MIN_ROWS = 4
 
 

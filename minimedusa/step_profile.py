@@ -1,7 +1,8 @@
 """Where a decoding step's time goes: `python -m minimedusa.bench --profile`.
 
 torch.profiler over a few plain and Medusa steps from one prompt, operators by their own time and
-split by input shape, so that a tree step's extra cost shows operator by operator.
+split by input shape, so that a tree step's extra cost shows operator by operator; and what the
+products alone cost at each number of rows (the table behind packed_linear.MIN_ROWS).
 """
 import time
 
@@ -9,6 +10,7 @@ import torch
 
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 
 
@@ -38,3 +40,42 @@ def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> 
                       + prof.key_averages(group_by_input_shape=True).table(
                           sort_by="self_cpu_time_total", row_limit=12))
     return "\n".join(tables)
+
+
+ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)  # a plain step, small trees, the 8- and 16-node trees
+
+
+@torch.inference_mode()
+def product_times(model, rows=ROWS, rounds: int = 5) -> str:
+    """The blocks' products and the LM head at each number of rows M, as oneDNN runs them
+    (PackedLinear.product: no padding to MIN_ROWS), in ms and the GB/s of weights that implies.
+    The row counts take turns round by round, so that machine noise hits all alike; medians."""
+    blocks = [m for m in model.layers.modules() if isinstance(m, PackedLinear)]
+    if not blocks or not isinstance(model.lm_head, PackedLinear):
+        return "products: this model's layers are not prepacked (packed_linear.py): not timed"
+    parts = {"blocks": blocks, "LM head": [model.lm_head]}
+    times = {(name, M): [] for name in parts for M in rows}
+    for r in range(rounds + 1):  # round 0 warms up
+        for M in rows:
+            for name, layers in parts.items():
+                seconds = time_products(layers, M)
+                if r > 0:
+                    times[name, M].append(seconds)
+    lines = ["products alone, ms (GB/s of weights): M rows, the blocks' and the LM head's"]
+    for M in rows:
+        cells = []
+        for name, layers in parts.items():
+            ms = 1000 * sorted(times[name, M])[rounds // 2]
+            gigabytes = sum(m.weight.numel() * m.weight.element_size() for m in layers) / 1e9
+            cells.append(f"{name} {ms:.1f} ({1000 * gigabytes / ms:.1f})")
+        lines.append(f"  M = {M:2d}: " + ", ".join(cells))
+    return "\n".join(lines)
+
+
+def time_products(layers, M: int) -> float:
+    """Seconds to multiply M random rows by each layer's prepacked weight, one after another."""
+    inputs = [torch.randn(M, m.weight.shape[1], dtype=m.weight.dtype) for m in layers]
+    start = time.perf_counter()
+    for layer, x in zip(layers, inputs):
+        layer.product(x)  # (M, O)
+    return time.perf_counter() - start
