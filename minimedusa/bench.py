@@ -37,7 +37,7 @@ from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensur
 from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.memory_bandwidth import implied_bandwidth, streaming_bandwidth
-from minimedusa.step_profile import product_times, profile_steps
+from minimedusa.step_profile import forward_times, product_times, profile_steps
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.weight_formats import FORMATS, activation_dtype
 
@@ -142,7 +142,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
                    "the first question (torch.profiler, operators by their own time), then time "
-                   "the products alone at 1 to 17 rows")
+                   "a forward and the products alone at 1 to 17 rows")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None,
                    help="write a PNG plot here (needs matplotlib, which is optional)")
@@ -250,6 +250,7 @@ def main(argv=None):
         _, tree = decoding_tree(args.tree, heads, model)
         prompt = [{"role": "user", "content": questions[0]["prompt"]}]
         print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
+        print(forward_times(model))
         print(product_times(model))
         return
     engines = engines_to_time(args, model, folder, device, dtype)

@@ -1,8 +1,8 @@
 """Where a decoding step's time goes: `python -m minimedusa.bench --profile`.
 
 torch.profiler over a few plain and Medusa steps from one prompt, operators by their own time and
-split by input shape, so that a tree step's extra cost shows operator by operator; and what the
-products alone cost at each number of rows (the table behind packed_linear.MIN_ROWS).
+split by input shape, so that a tree step's extra cost shows operator by operator; then what a
+forward and its products alone cost at each number of rows (a tree of n nodes runs n + 1).
 """
 import time
 
@@ -10,6 +10,8 @@ import torch
 
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.kv_cache import KVCache
+from minimedusa.model import causal_mask
 from minimedusa.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 
@@ -79,3 +81,23 @@ def time_products(layers, M: int) -> float:
     for layer, x in zip(layers, inputs):
         layer.product(x)  # (M, O)
     return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def forward_times(model, rows=ROWS, cached: int = 256, rounds: int = 5) -> str:
+    """The model's forward of M new rows after `cached` tokens, for each M (ms, medians, the row
+    counts taking turns round by round): what a tree's extra rows cost, products and all."""
+    device = model.embed.weight.device
+    cache = KVCache.for_model(model, cached + max(rows))
+    times = {M: [] for M in rows}
+    for r in range(rounds + 1):  # round 0 warms up
+        for M in rows:
+            tokens = torch.zeros(1, M, dtype=torch.long, device=device)  # (1, M)
+            positions = torch.arange(cached, cached + M, device=device)[None]  # (1, M)
+            start = time.perf_counter()
+            model(tokens, positions, causal_mask(cached, M, device), cache,
+                  cache.slots(cached, M))
+            if r > 0:
+                times[M].append(time.perf_counter() - start)
+    return (f"a forward of M rows after {cached} cached tokens, ms: " +
+            ", ".join(f"M = {M} {1000 * sorted(t)[rounds // 2]:.1f}" for M, t in times.items()))
