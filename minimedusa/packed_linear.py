@@ -6,7 +6,9 @@ Decoding multiplies 1 row (plain) or N + 1 rows (a Medusa tree) by every weight,
 that costs reading the weights from memory: 424 MB for the default model's 30 blocks in float32,
 113 MB for its LM head. MKL's x @ W^T, what nn.Linear calls, handles such skinny products badly,
 and worse the more rows. Measured on a 2-core AMD EPYC with AVX-512 (torch 2.13), the 30 blocks'
-120 products (q, k, v fused, gate and up fused: model.py) at 1 / 2 / 9 / 17 / 65 / 256 rows:
+120 products (q, k, v fused, gate and up fused: model.py) at 1 / 2 / 9 / 17 / 65 / 256 rows, in
+float32 (random weights of the default model's shapes, each product once per pass; `bench
+--profile` times the prepacked ones alone at 1 to 17 rows):
 
     nn.Linear (x @ W^T)    44 / 80 / 56 / 70 / 132 / 395 ms
     prepacked (oneDNN)     25 / 29 / 30 / 34 /  82 / 315 ms
