@@ -97,6 +97,8 @@ def forward_times(model, rows=ROWS, cached: int = 256, rounds: int = 5) -> str:
             start = time.perf_counter()
             model(tokens, positions, causal_mask(cached, M, device), cache,
                   cache.slots(cached, M))
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the forward is queued, not done, until then
             if r > 0:
                 times[M].append(time.perf_counter() - start)
     return (f"a forward of M rows after {cached} cached tokens, ms: " +
