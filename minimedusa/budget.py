@@ -34,6 +34,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from minimedusa.acceptance import greedy
 from minimedusa.compiled_step import is_compiled
@@ -41,7 +42,8 @@ from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, pref
 from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
 from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
-from minimedusa.weight_formats import format_of
+from minimedusa.packed_linear import MIN_ROWS, PackedLinear
+from minimedusa.weight_formats import Int8Linear, format_of
 
 CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (tree_search.py measures it)
 
@@ -266,12 +268,19 @@ def cache_file() -> Path:
 
 def latency_key(model, heads, device, dtype) -> str:
     """The machine, and what sets a step's cost: the weight format, whether the step is compiled,
-    the model's shapes and the heads' (their kind, and how many tokens they rank)."""
+    how a block runs its products (how many, at least how many rows: latencies cached by a
+    version of this code that ran them otherwise are not reused), the model's shapes and the
+    heads' (their kind, and how many tokens they rank)."""
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     weights = " | int8 weights" if format_of(model) == "int8" else ""  # the dtype says the rest
     step = " | compiled step" if is_compiled(model) else ""
-    return (f"{machine_key(device, dtype)}{weights}{step} | model {m.num_hidden_layers}x{m.hidden_size}"
+    layers = [layer for layer in model.layers[0].modules()
+              if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear))]
+    rows = (f", of >= {MIN_ROWS} rows" if any(isinstance(layer, PackedLinear) for layer in layers)
+            else "")
+    return (f"{machine_key(device, dtype)}{weights}{step} | {len(layers)} products a block{rows}"
+            f" | model {m.num_hidden_layers}x{m.hidden_size}"
             f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
             f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
             f"{vocab}")

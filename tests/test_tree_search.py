@@ -21,7 +21,7 @@ from minimedusa.training import IGNORE, Rows
 from minimedusa.tree import build_tree, dense_tree
 from minimedusa.tree_search import head_accuracies
 from minimedusa.heads_files import load_heads, save_heads
-from minimedusa.weight_formats import activation_dtype, default_format
+from minimedusa.weight_formats import activation_dtype, apply_format, default_format
 
 
 def test_calibration_counts_each_rank_of_each_head():
@@ -136,11 +136,13 @@ def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_
     chosen = [tuple(p) for p in json.loads((tmp_path / "t.json").read_text())]
     assert chosen == nodes[:len(chosen)]
     build_tree(chosen, num_heads=3)
+    weight_format = default_format(torch.device("cpu"))  # the format decoding picks
+    model = apply_format(model, weight_format)  # the step tree_search timed, as generate.py's
     heads = load_heads(tmp_path, model)
-    if compiler_problem() is None:  # tree_search timed the compiled step, as generate.py decodes
+    if compiler_problem() is None:
         compile_blocks(model)
-    dtype = activation_dtype(default_format(torch.device("cpu")))  # the format decoding picks
-    cached = read_cached(latency_key(model, heads, torch.device("cpu"), dtype))
+    cached = read_cached(latency_key(model, heads, torch.device("cpu"),
+                                     activation_dtype(weight_format)))
     assert set(cached) == {0, 1, 2, 4}  # sizes up to --max-nodes 6, and plain
 
 
