@@ -228,16 +228,28 @@ def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 2
     draft_cache = new_draft_cache(heads, cache.capacity) if isinstance(
         heads, HydraPlusPlusHeads) else None  # a draft layer's: every step feeds it too
     features = hidden[-1] if draft_cache is None else read_accepted(heads, draft_cache, hidden)
-    times = {n: [] for n in [0, *trees]}
-    for r in range(repeats + 1):  # round 0 warms up: the first product of a shape is slow
-        for n in times:
+
+    def timer(n):
+        def seconds():
             cache.rewind(prompt_len)  # every size starts from the same prefix
             if draft_cache is not None:
                 draft_cache.rewind(prompt_len)
-            seconds = time_one_step(model, heads, trees.get(n), cache, features, draft_cache)
+            return time_one_step(model, heads, trees.get(n), cache, features, draft_cache)
+        return seconds
+    return round_robin_medians({n: timer(n) for n in [0, *trees]}, repeats)
+
+
+def round_robin_medians(timers: dict, rounds: int) -> dict:
+    """{key: the median of `rounds` calls of timers[key]() (each returns its seconds)}, the
+    timers taking turns round by round so that machine noise hits all of them alike; a first
+    round warms up, uncounted (the first product of a shape is slow)."""
+    times = {key: [] for key in timers}
+    for r in range(rounds + 1):
+        for key, seconds in timers.items():
+            elapsed = seconds()
             if r > 0:
-                times[n].append(seconds)
-    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+                times[key].append(elapsed)
+    return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
 
 
 def time_one_step(model, heads, tree, cache, features, draft_cache=None) -> float:

@@ -4,11 +4,13 @@ torch.profiler over a few plain and Medusa steps from one prompt, operators by t
 split by input shape, so that a tree step's extra cost shows operator by operator; then what a
 forward and its products alone cost at each number of rows (a tree of n nodes runs n + 1).
 """
+import functools
 import time
 
 import torch
 
 from minimedusa.acceptance import greedy
+from minimedusa.budget import round_robin_medians
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
@@ -50,27 +52,21 @@ ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)  # a plain step, small trees, the 8- and 16
 @torch.inference_mode()
 def product_times(model, rows=ROWS, rounds: int = 5) -> str:
     """The blocks' products and the LM head at each number of rows M, as oneDNN runs them
-    (PackedLinear.product: no padding to MIN_ROWS), in ms and the GB/s of weights that implies.
-    The row counts take turns round by round, so that machine noise hits all alike; medians."""
+    (PackedLinear.product: no padding to MIN_ROWS), in ms and the GB/s of weights that implies;
+    medians, the row counts taking turns (budget.round_robin_medians)."""
     blocks = [m for m in model.layers.modules() if isinstance(m, PackedLinear)]
     if not blocks or not isinstance(model.lm_head, PackedLinear):
         return "products: this model's layers are not prepacked (packed_linear.py): not timed"
     parts = {"blocks": blocks, "LM head": [model.lm_head]}
-    times = {(name, M): [] for name in parts for M in rows}
-    for r in range(rounds + 1):  # round 0 warms up
-        for M in rows:
-            for name, layers in parts.items():
-                seconds = time_products(layers, M)
-                if r > 0:
-                    times[name, M].append(seconds)
+    gigabytes = {name: sum(m.weight.numel() * m.weight.element_size() for m in layers) / 1e9
+                 for name, layers in parts.items()}
+    seconds = round_robin_medians({(name, M): functools.partial(time_products, layers, M)
+                                   for M in rows for name, layers in parts.items()}, rounds)
     lines = ["products alone, ms (GB/s of weights): M rows, the blocks' and the LM head's"]
     for M in rows:
-        cells = []
-        for name, layers in parts.items():
-            ms = 1000 * sorted(times[name, M])[rounds // 2]
-            gigabytes = sum(m.weight.numel() * m.weight.element_size() for m in layers) / 1e9
-            cells.append(f"{name} {ms:.1f} ({1000 * gigabytes / ms:.1f})")
-        lines.append(f"  M = {M:2d}: " + ", ".join(cells))
+        lines.append(f"  M = {M:2d}: " + ", ".join(
+            f"{name} {1000 * seconds[name, M]:.1f} ({gigabytes[name] / seconds[name, M]:.1f})"
+            for name in parts))
     return "\n".join(lines)
 
 
@@ -86,20 +82,21 @@ def time_products(layers, M: int) -> float:
 @torch.inference_mode()
 def forward_times(model, rows=ROWS, cached: int = 256, rounds: int = 5) -> str:
     """The model's forward of M new rows after `cached` tokens, for each M (ms, medians, the row
-    counts taking turns round by round): what a tree's extra rows cost, products and all."""
-    device = model.embed.weight.device
+    counts taking turns): what a tree's extra rows cost, products and all."""
     cache = KVCache.for_model(model, cached + max(rows))
-    times = {M: [] for M in rows}
-    for r in range(rounds + 1):  # round 0 warms up
-        for M in rows:
-            tokens = torch.zeros(1, M, dtype=torch.long, device=device)  # (1, M)
-            positions = torch.arange(cached, cached + M, device=device)[None]  # (1, M)
-            start = time.perf_counter()
-            model(tokens, positions, causal_mask(cached, M, device), cache,
-                  cache.slots(cached, M))
-            if device.type == "cuda":
-                torch.cuda.synchronize()  # the forward is queued, not done, until then
-            if r > 0:
-                times[M].append(time.perf_counter() - start)
+    seconds = round_robin_medians({M: functools.partial(time_forward, model, cache, cached, M)
+                                   for M in rows}, rounds)
     return (f"a forward of M rows after {cached} cached tokens, ms: " +
-            ", ".join(f"M = {M} {1000 * sorted(t)[rounds // 2]:.1f}" for M, t in times.items()))
+            ", ".join(f"M = {M} {1000 * t:.1f}" for M, t in seconds.items()))
+
+
+def time_forward(model, cache: KVCache, cached: int, M: int) -> float:
+    """Seconds of one forward of M rows written after `cached` tokens (the same slots each time)."""
+    device = model.embed.weight.device
+    tokens = torch.zeros(1, M, dtype=torch.long, device=device)  # (1, M)
+    positions = torch.arange(cached, cached + M, device=device)[None]  # (1, M)
+    start = time.perf_counter()
+    model(tokens, positions, causal_mask(cached, M, device), cache, cache.slots(cached, M))
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the forward is queued, not done, until then
+    return time.perf_counter() - start
