@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from minimedusa.acceptance import greedy
+from minimedusa.attention_kernel import kernel_attention
 from minimedusa.compiled_step import is_compiled
 from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
 from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
@@ -279,14 +280,16 @@ def cache_file() -> Path:
 
 
 def latency_key(model, heads, device, dtype) -> str:
-    """The machine, and what sets a step's cost: the weight format, whether the step is compiled,
-    how a block runs its products (how many, at least how many rows: latencies cached by a
+    """The machine, and what sets a step's cost: the weight format, whether the step is compiled
+    (and its attention the C kernel), how a block runs its products (how many, at least how many rows: latencies cached by a
     version of this code that ran them otherwise are not reused), the model's shapes and the
     heads' (their kind, and how many tokens they rank)."""
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     weights = " | int8 weights" if format_of(model) == "int8" else ""  # the dtype says the rest
     step = " | compiled step" if is_compiled(model) else ""
+    if model.layers[0].attn.exact_attention is kernel_attention:
+        step += ", C attention"
     layers = [layer for layer in model.layers[0].modules()
               if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear))]
     rows = (f", of >= {MIN_ROWS} rows" if any(isinstance(layer, PackedLinear) for layer in layers)

@@ -16,6 +16,7 @@ import torch
 from minimedusa import acceptance
 from minimedusa.budget import (SIZES, Budget, expected_length, grow_tree, machine_latency,
                                nested_trees, read_calibration)
+from minimedusa.attention_kernel import kernel_problem
 from minimedusa.compiled_step import compile_blocks, compiler_problem, warm_up
 from minimedusa.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
@@ -190,7 +191,9 @@ def decoding_step(model: Llama, compile_flag: bool | None) -> str:
         say(f"minimedusa: torch.compile does not work here, decoding eagerly ({problem})")
         return "eager (no working compiler)"
     compile_blocks(model)
-    return f"compiled (warm-up {warm_up(model):.1f} s)"
+    kernel = kernel_problem()
+    attention = "" if kernel is None else f"; attention in PyTorch, no C kernel: {kernel}"
+    return f"compiled (warm-up {warm_up(model):.1f} s{attention})"
 
 
 def decoding_model(folder: Path, device, weight_format: str) -> Llama:

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from minimedusa.attention_kernel import use_kernel
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, causal_mask
 
@@ -37,7 +38,8 @@ def compiler_problem() -> str | None:
 
 
 def compile_blocks(model: Llama) -> None:
-    """Compile every block of the model in place (its forward becomes a compiled graph).
+    """Compile every block of the model in place (its forward becomes a compiled graph), its
+    attention the C kernel where it builds (attention_kernel.py; else the reference).
 
     note: torch checks its guards on every call (the block's type, attributes and tensors,
     ~40 us on the 2-core EPYC, 1 ms a step): skipping the modules' guards would halve that, but
@@ -46,6 +48,7 @@ def compile_blocks(model: Llama) -> None:
     # every model compiled in a process adds its own few graphs (bench compiles one per
     # weight format); past torch's default limit of 8 it would fall back to eager, silently
     torch._dynamo.config.recompile_limit = 64
+    use_kernel(model)
     for block in model.layers:
         block.compile(fullgraph=True)
 

@@ -143,13 +143,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 EXACT_ATTENTION_TOKENS = 256
 
 
-def attention(q, k, v, mask):
+def attention(q, k, v, mask, exact):
     """Each query's softmax over the keys it may see, times the values: (B, H, T, D).
 
     q: (B, H, T, D); k, v: (B, G, S, D); mask: (B, 1, T, S) bool, True = may attend.
+    exact: exact_attention below, or a function that computes what it computes (the compiled
+    step's C kernel, attention_kernel.py).
     """
     if q.shape[0] == 1 and q.shape[2] <= EXACT_ATTENTION_TOKENS:
-        return exact_attention(q, k, v, mask)
+        return exact(q, k, v, mask)
     # enable_gqa: each group of H // G query heads reads one key/value head, no repeat copy
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -190,6 +192,9 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.hidden_size, (self.n_head + 2 * self.n_kv_head) * self.head_dim,
                               bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+        # the decoding steps' attention: the reference below, or its C twin, which compiled
+        # steps swap in (attention_kernel.py)
+        self.exact_attention = exact_attention
 
     def forward(self, x, cos, sin, mask, cache, slots):
         """x: (B, T, C); mask: (B, 1, T, S) bool, True = may attend.
@@ -207,7 +212,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(slots, k, v, n_read=mask.shape[-1])  # (B, G, S, D)
-        y = attention(q, k, v, mask)  # (B, H, T, D)
+        y = attention(q, k, v, mask, self.exact_attention)  # (B, H, T, D)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 

@@ -1,0 +1,106 @@
+"""The compiled step's C attention (attention_kernel.py) against its reference,
+model.exact_attention: the same outputs to float32's precision, and the property that keeps greedy
+Medusa lossless, to the bit: a row's output depends only on the keys it sees, in their order, not
+on the slots they sit in nor on the rows beside it. Skipped where the kernel cannot be built."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import tiny_model
+from minimedusa.attention_kernel import kernel_attention, kernel_problem, step_attention
+from minimedusa.compiled_step import compile_blocks, compiler_problem
+from minimedusa.kv_cache import KVCache
+from minimedusa.model import causal_mask, exact_attention
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    problem = kernel_problem()
+    if problem is not None:
+        pytest.skip(f"the C attention kernel is not built here: {problem}")
+
+
+def step_inputs(H, G, T, S, D, dtype, seed, capacity=None):
+    """q as a block makes it ((1, T, H, D) memory, seen as (1, H, T, D)), k and v as slices of
+    a cache of `capacity` slots, and a random mask where every row sees its own slot."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, H, D, generator=g).to(dtype).transpose(1, 2)
+    cache = torch.randn(2, 1, G, capacity or S + 7, D, generator=g).to(dtype)
+    k, v = cache[0, :, :, :S], cache[1, :, :, :S]
+    mask = torch.rand(1, 1, T, S, generator=g) < 0.7
+    mask[0, 0, torch.arange(T), S - T + torch.arange(T)] = True
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H, G, D", [(9, 3, 64), (4, 2, 8), (4, 4, 80), (8, 2, 128)])
+@pytest.mark.parametrize("T", [1, 5, 17])
+def test_kernel_gives_the_reference_attention(dtype, H, G, D, T):
+    """Equal to float64 sums rounded once, within float32's precision (bfloat16: within one
+    rounding of the output). Head dims that are not a multiple of 16 included (80, 8)."""
+    q, k, v, mask = step_inputs(H, G, T, 40 + 3 * T, D, dtype, seed=H * T + D)
+    expected = exact_attention(q, k, v, mask)
+    got = step_attention(q, k, v, mask)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+@st.composite
+def step_trees(draw):
+    """A random tree of N nodes (each node's parent comes before it) after n cached tokens."""
+    N = draw(st.integers(2, 17))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, N)]
+    return draw(st.integers(1, 300)), parents
+
+
+def path_of(parents, i):
+    path = [i]
+    while parents[path[-1]] != -1:
+        path.append(parents[path[-1]])
+    return path[::-1]  # root .. i: increasing node indices
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree=step_trees(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 1000))
+def test_a_rows_output_is_the_same_wherever_its_keys_sit(tree, dtype, seed):
+    """A tree step's row for node i (its ancestors in slots n + node index, the other nodes
+    masked, N rows computed together) equals, to the bit, a plain step's row for the same
+    token (its ancestors in slots n, n + 1, ..., computed alone): what Medusa's losslessness
+    needs of attention."""
+    n, parents = tree
+    N = len(parents)
+    q, k, v, _ = step_inputs(9, 3, N, n + N, 64, dtype, seed)
+    mask = torch.zeros(1, 1, N, n + N, dtype=torch.bool)
+    mask[..., :n] = True
+    for i in range(N):
+        mask[0, 0, i, [n + a for a in path_of(parents, i)]] = True
+    tree_rows = step_attention(q, k, v, mask)  # (1, H, N, D)
+    for i in range(N):
+        path = path_of(parents, i)
+        order = list(range(n)) + [n + a for a in path]  # the keys a plain step holds, in order
+        S = len(order)
+        plain = step_attention(q[:, :, i:i + 1], k[:, :, order], v[:, :, order],
+                               torch.ones(1, 1, 1, S, dtype=torch.bool))
+        assert torch.equal(plain[:, :, 0], tree_rows[:, :, i])
+
+
+def test_compiled_blocks_attend_with_the_kernel():
+    """compile_blocks swaps the kernel in, and a compiled step runs it (eager steps do not)."""
+    if compiler_problem() is not None:
+        pytest.skip("torch.compile does not work here")
+    model = tiny_model(dtype=torch.float32)
+    compile_blocks(model)
+    assert model.layers[0].attn.exact_attention is kernel_attention
+    cache = KVCache.for_model(model, 16)
+
+    def kernel_calls(stance):
+        with torch.inference_mode(), torch.compiler.set_stance(stance), \
+                profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[3]]),
+                  causal_mask(3, 1), cache, cache.slots(3, 1))
+        return sum(e.count for e in prof.key_averages() if e.key == "minimedusa::step_attention")
+    assert kernel_calls("default") >= len(model.layers)  # the profiler may count a call twice
+    assert kernel_calls("force_eager") == 0
