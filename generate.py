@@ -85,8 +85,8 @@ def parse_args(argv=None):
 
 def load(args):
     """(model, tokenizer) as the flags ask, in the weight format they ask for."""
-    device, weight_format = device_and_format(args)
     folder = args.model if args.model is not None else ensure_default_model()
+    device, weight_format = device_and_format(args, folder)
     return decoding_model(folder, device, weight_format), Tokenizer.from_folder(folder)
 
 

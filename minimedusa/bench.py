@@ -235,9 +235,9 @@ def report(args, rows: list[dict], engines: Engines, memory: dict, device, dtype
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
-    device, weight_format = device_and_format(args)
-    dtype = activation_dtype(weight_format)
     folder = args.model or ensure_default_model(DEFAULT_MODEL_DIR)
+    device, weight_format = device_and_format(args, folder)
+    dtype = activation_dtype(weight_format)
     tokenizer = Tokenizer.from_folder(folder)
     questions = first_turns(args.questions, args.per_category)
     if args.generate:

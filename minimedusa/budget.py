@@ -44,13 +44,14 @@ from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_acc
 from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
 from minimedusa.packed_linear import MIN_ROWS, PackedLinear
-from minimedusa.weight_formats import Int8Linear, format_of
+from minimedusa.weight_formats import Int4Linear, Int8Linear, format_of
 
 CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (tree_search.py measures it)
 
 # the tree sizes to choose from, doubling (few sizes: few probing steps): beyond 64 nodes the
-# paper's GPU was already compute bound, and a CPU long before
-SIZES = (1, 2, 4, 8, 16, 32, 64)
+# paper's GPU was already compute bound, and a CPU long before; and 3, the most nodes whose
+# step (4 rows) int4's kernel multiplies in one pass over the weights (weight_formats.py)
+SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
 
 
 def read_calibration(heads_dir: Path) -> torch.Tensor | None:
@@ -286,12 +287,13 @@ def latency_key(model, heads, device, dtype) -> str:
     heads' (their kind, and how many tokens they rank)."""
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
-    weights = " | int8 weights" if format_of(model) == "int8" else ""  # the dtype says the rest
+    fmt = format_of(model)
+    weights = f" | {fmt} weights" if fmt in ("int8", "int4") else ""  # the dtype says the rest
     step = " | compiled step" if is_compiled(model) else ""
     if model.layers[0].attn.exact_attention is kernel_attention:
         step += ", C attention"
     layers = [layer for layer in model.layers[0].modules()
-              if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear))]
+              if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear, Int4Linear))]
     rows = (f", of >= {MIN_ROWS} rows" if any(isinstance(layer, PackedLinear) for layer in layers)
             else "")
     return (f"{machine_key(device, dtype)}{weights}{step} | {len(layers)} products a block{rows}"

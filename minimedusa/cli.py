@@ -93,11 +93,14 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
 
 
 def add_quantize_argument(parser) -> None:
-    parser.add_argument("--quantize", choices=("none", "int8"), default="none",
-                        help="int8: weight-only int8 (a scale per output channel) for every "
-                        "linear layer, the LM head and the heads' included, bfloat16 "
-                        "activations; a CPU format (weight_formats.py). Default: none, the "
-                        "weights in --dtype")
+    parser.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                        help="int4: the blocks' weights in 4 bits, a scale and a minimum per 32 "
+                        "(as the GGUF's Q4_1), the LM head and the heads in bfloat16; lossless "
+                        "for a model whose weights came from a 4-bit file, where it is the "
+                        "default on a CPU with native bfloat16. int8: weight-only int8 (a scale "
+                        "per output channel) for every linear layer, the LM head and the heads' "
+                        "included. Both run bfloat16 activations on a CPU (weight_formats.py). "
+                        "Default: none, the weights in --dtype (whose auto may pick int4)")
 
 
 def add_compile_argument(parser) -> None:
@@ -155,17 +158,18 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     return device, pick_dtype(args.dtype, device)
 
 
-def device_and_format(args) -> tuple[torch.device, str]:
-    """The flags' device and weight format for decoding (weight_formats.py): --quantize int8,
-    else --dtype, whose auto is the machine's default_format. Sets torch's CPU threads."""
+def device_and_format(args, folder: Path) -> tuple[torch.device, str]:
+    """The flags' device and weight format for decoding the model in `folder`
+    (weight_formats.py): --quantize int8 or int4, else --dtype, whose auto is the machine's and
+    the model's default_format. Sets torch's CPU threads."""
     device, dtype = device_and_dtype(args)
-    if args.quantize == "int8":
+    if args.quantize != "none":
         if device.type != "cpu" or args.dtype not in ("auto", "bfloat16", "bf16"):
-            raise UserError("--quantize int8 runs on a CPU with bfloat16 activations (torch's "
-                            "int8 product is vectorised for those only): drop --dtype/--device")
-        return device, "int8"
+            raise UserError(f"--quantize {args.quantize} runs on a CPU with bfloat16 activations "
+                            "(torch's kernel is vectorised for those only): drop --dtype/--device")
+        return device, args.quantize
     if args.dtype == "auto":
-        return device, default_format(device)
+        return device, default_format(device, folder)
     name = str(dtype).removeprefix("torch.")
     if device.type == "cpu" and name == "bfloat16" and not bf16_is_native():
         print("minimedusa: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products run "
@@ -201,8 +205,8 @@ def decoding_model(folder: Path, device, weight_format: str) -> Llama:
     linear layers on a CPU)."""
     if not Path(folder).is_dir():
         raise UserError(f"model folder {folder} does not exist")
-    # int8 rounds the float32 weights; a dtype's weights are read straight into it, so that no
-    # float32 copy of the model is ever held beside them (peak memory)
+    # int8 and int4 round the float32 weights; a dtype's weights are read straight into it, so
+    # that no float32 copy of the model is ever held beside them (peak memory)
     dtype = DTYPE_FORMATS.get(weight_format, torch.float32)
     return apply_format(load_model(folder, device, dtype), weight_format)
 

@@ -69,9 +69,13 @@ class KVCache:
     def compact(self, kept: list[int]) -> None:
         """Keep, of the tokens written at next_slots(...), those at offsets `kept` (increasing:
         the accepted tree nodes, root first), moved to slots length, length + 1, ...; the
-        others (rejected nodes) are dropped: later steps overwrite them."""
-        src = torch.tensor(kept, device=self.device) + self.length  # (N,)
-        self.copy_slots(src, self.next_slots(len(kept)))
+        others (rejected nodes) are dropped: later steps overwrite them. The leading nodes
+        already in place (offset i kept as the i-th) are not copied: often the root alone, or
+        the root and the first node."""
+        in_place = next((i for i, node in enumerate(kept) if node != i), len(kept))
+        if in_place < len(kept):
+            src = torch.tensor(kept[in_place:], device=self.device) + self.length  # (N,)
+            self.copy_slots(src, self.slots(self.length + in_place, len(kept) - in_place))
         self.advance(len(kept))
 
     def rewind(self, length: int) -> None:

@@ -12,20 +12,22 @@ import torch
 import torch.nn as nn
 
 from minimedusa.packed_linear import PackedLinear
-from minimedusa.weight_formats import Int8Linear
+from minimedusa.weight_formats import Int4Linear, Int8Linear
 
 STREAM_BYTES = 512 << 20  # far past any cache, as STREAM asks (>= 4x the last-level cache)
 
 
 def weight_bytes(*modules: nn.Module) -> int:
-    """Bytes of the matrices one step reads: every linear layer's weight once (int8 layers:
-    their int8 weight and scales). A weight shared between modules (the LM head that shared
+    """Bytes of the matrices one step reads: every linear layer's weight once (int8 and int4
+    layers: their packed weight and scales). A weight shared between modules (the LM head that shared
     heads reuse) counts once; the embedding is left out, since a step reads one row of it."""
     seen, total = set(), 0
     for module in modules:
         for m in module.modules():
             if isinstance(m, Int8Linear):
                 tensors = [m.q, m.scales]
+            elif isinstance(m, Int4Linear):
+                tensors = [m.packed, m.scales_and_zeros]
             elif isinstance(m, (nn.Linear, PackedLinear)):
                 tensors = [m.weight]
             else:

@@ -134,7 +134,7 @@ def tree_stage(args, folder: Path, device, say) -> None:
     """Stage 3: calibrate the heads on held-out answers and time each tree size here, for
     generate.py (tree_search.py). Done when both the calibration and this machine's step
     latencies are there."""
-    model = decoding_model(folder, device, default_format(device))
+    model = decoding_model(folder, device, default_format(device, folder))
     heads = decoding_heads(str(args.out), model)
     dtype = model.embed.weight.dtype
     if read_calibration(args.out) is not None and read_cached(latency_key(model, heads, device,

@@ -178,8 +178,8 @@ def main(argv=None):
     add_compile_argument(p)  # ... and the step generate.py will decode with
     args = p.parse_args(argv)
 
-    device, weight_format = device_and_format(args)
     folder = args.model or ensure_default_model()
+    device, weight_format = device_and_format(args, folder)
     model = decoding_model(folder, device, weight_format)
     print(f"decoding step: {decoding_step(model, args.compile)}", file=sys.stderr)
     heads = decoding_heads(str(args.heads), model)

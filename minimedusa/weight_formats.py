@@ -11,12 +11,17 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
     int8      weight-only int8 with a float scale per output channel, ~1 byte a weight, through
               torch's _weight_int8pack_mm, vectorised for bfloat16 activations only (so the
               rest of the model runs in bfloat16); the LM head and the heads' projections too.
+    int4      the blocks' weights in 4 bits, a scale and a minimum per 32 input features (the
+              GGUF's Q4_1 layout), through torch's _weight_int4pack_mm_for_cpu, bfloat16
+              activations; the LM head and the heads stay bfloat16. Half a byte a weight, and
+              for a model whose weights came from a 4-bit file (the default model: a Q4_1
+              GGUF) no loss at all in the weights: the 4-bit grid found again is theirs, to
+              the bit (four_bit_checkpoint). Its kernel reads the weights once per 4 rows: a
+              plain step's blocks took 4.3 ms against bfloat16's 12.0 on the 2-core AVX-512
+              EPYC, 6.9 at 4 rows, 12.8 at 5-8 and 18.1 at 9 (bfloat16: 12.1, 12.1, 13.8), so
+              trees of up to 3 nodes pay there.
 
-Left out: int4 weight-only (torch's _weight_int4pack_mm_for_cpu, groups of 32). On the 2-core
-AVX-512 EPYC its products over the whole model took 5.5 ms at 1 row against int8's 13.5 (18.6
-against 27.5 at 8 rows), but with about 9x int8's relative error (7.5e-2 against 8e-3), and int8
-already falls short of the 98% top-1 agreement with float32 a default needs (96.8%,
-format_quality.py); also left out: activation quantization.
+Left out: activation quantization.
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
 step (one row): bfloat16 logits tie often, so a rounding difference anywhere flips tokens. Two
@@ -28,10 +33,13 @@ Shapes: N output features, K input features, M rows.
 import torch
 import torch.nn as nn
 
+from minimedusa.model import Llama
 from minimedusa.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
+from minimedusa.weights import safetensors_files
 
 DTYPE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FORMATS = (*DTYPE_FORMATS, "int8")
+FORMATS = (*DTYPE_FORMATS, "int8", "int4")
+GROUP = 32  # int4: input features that share a scale and a minimum (the GGUF's Q4_1 blocks)
 
 
 def bf16_is_native() -> bool:
@@ -77,6 +85,61 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def quantize_int4(weight: torch.Tensor):
+    """(N, K) float -> q (N, K) int32 in 0..15, scales and minimums (N, K / GROUP) float32:
+    w ~= q * scale + minimum, the group's minimum and (maximum - minimum) / 15, as Q4_1 does.
+    A group of a 4-bit file holds its minimum at q = 0 and its maximum at q = 15, so this finds
+    the file's own scale and minimum again."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // GROUP, GROUP)
+    minimums = w.amin(dim=-1)  # (N, K / GROUP)
+    scales = (w.amax(dim=-1) - minimums) / 15
+    steps = (w - minimums[..., None]) / scales.clamp(min=1e-30)[..., None]
+    q = torch.round(steps).clamp(0, 15).to(torch.int32).view(N, K)
+    return q, scales, minimums
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
+    """The slow reference: the (N, K) float32 weight that quantize_int4's output holds."""
+    N, K = q.shape
+    w = q.view(N, K // GROUP, GROUP).float() * scales[..., None] + minimums[..., None]
+    return w.view(N, K)
+
+
+def on_four_bit_grid(weight: torch.Tensor) -> bool:
+    """Whether quantize_int4 keeps this weight as it is (to float32's rounding of the scale)."""
+    if weight.shape[1] % GROUP:
+        return False
+    q, scales, minimums = quantize_int4(weight)
+    error = (dequantize_int4(q, scales, minimums) - weight.float()).abs().max()
+    return bool(error <= 1e-4 * scales.max())
+
+
+class Int4Linear(nn.Module):
+    """y = x (q * scale + minimum)^T + b, weights held as 4-bit groups, bfloat16 activations."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        q, scales, minimums = quantize_int4(linear.weight)
+        # torch's layout: two 4-bit values a byte, blocked for its kernel (N a multiple of 16)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # its kernel computes w = (q - 8) * scale + zero, so zero = minimum + 8 scale: (K / GROUP,
+        # N, 2), in the activations' dtype
+        zeros = minimums + 8 * scales
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(dtype)
+                             .contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
+                                                        self.scales_and_zeros)  # (M, N)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
     """Replace every nn.Linear inside `module` by an Int8Linear, in place; returns how many.
     note: a tied LM head becomes its own int8 copy; the embedding it was tied to stays whole."""
@@ -90,34 +153,70 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
     return count
 
 
+def four_bit_layers(model: Llama) -> int:
+    """Replace every nn.Linear of the model's blocks by an Int4Linear, in place; how many."""
+    count = 0
+    for block in model.layers:
+        for parent in (block.attn, block.mlp):
+            for name, child in parent.named_children():
+                if type(child) is nn.Linear:
+                    setattr(parent, name, Int4Linear(child))
+                    count += 1
+    return count
+
+
 def apply_format(module: nn.Module, name: str) -> nn.Module:
     """The model (or the heads), loaded in float32, in format `name`: cast, then its layers
-    swapped (prepacked where that pays, or quantized)."""
+    swapped (prepacked where that pays, or quantized). int4 quantizes only a model's blocks."""
     if name == "int8":
         quantize_linear_layers(module)  # from the float32 weights: rounded once, not twice
         return module.to(torch.bfloat16)
-    module = module.to(DTYPE_FORMATS[name])
-    if can_pack(next(module.parameters()).device, DTYPE_FORMATS[name]):
-        pack_linear_layers(module)
+    if name == "int4" and isinstance(module, Llama):
+        four_bit_layers(module)  # from the float32 weights: the file's grid, found again
+    dtype = activation_dtype(name)
+    module = module.to(dtype)
+    if can_pack(next(module.parameters()).device, dtype):
+        pack_linear_layers(module)  # int4: the LM head
     return module
 
 
 def format_of(model: nn.Module) -> str:
-    """The format a loaded model (or heads) runs in: "int8", or its dtype's name."""
+    """The format a loaded model (or heads) runs in: "int8", "int4", or its dtype's name."""
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return "int8"
+    if any(isinstance(m, Int4Linear) for m in model.modules()):
+        return "int4"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def default_format(device: torch.device) -> str:
-    """generate.py's format when none is asked for: bfloat16 on CUDA, and on a CPU where oneDNN
-    multiplies it natively (there it reads half float32's bytes, with a step as flat in the
-    tree's size); float32 on other CPUs, where bfloat16 products are slower than float32's."""
-    if device.type == "cuda" or bf16_is_native():
+def default_format(device: torch.device, folder=None) -> str:
+    """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA;
+    on a CPU where oneDNN multiplies bfloat16 natively, int4 if the model's weights came from a
+    4-bit file (four_bit_checkpoint: then int4 loses nothing in the weights, and its top-1
+    agreement with float32 was measured at 98.5%, format_quality.py), else bfloat16 (half
+    float32's bytes, a step as flat in the tree's size); float32 on other CPUs, where bfloat16
+    products are slower than float32's (int4 there: measured nowhere, so never a default)."""
+    if device.type == "cuda":
         return "bfloat16"
-    return "float32"
+    if not bf16_is_native():
+        return "float32"
+    return "int4" if folder is not None and four_bit_checkpoint(folder) else "bfloat16"
+
+
+def four_bit_checkpoint(folder) -> bool:
+    """Whether every weight of the model's blocks in `folder` lies on a 4-bit grid of GROUP
+    (what a GGUF's Q4_0, Q4_1 or Q4_K file converted to floats holds); stops at the first that
+    does not (one matrix read for most models)."""
+    from safetensors import safe_open  # the files are read one tensor at a time
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if ".layers." in name and name.endswith("proj.weight"):
+                    if not on_four_bit_grid(f.get_tensor(name)):
+                        return False
+    return True
 
 
 def activation_dtype(name: str) -> torch.dtype:
     """The dtype a format's activations, KV cache and heads run in."""
-    return torch.bfloat16 if name == "int8" else DTYPE_FORMATS[name]
+    return torch.bfloat16 if name in ("int8", "int4") else DTYPE_FORMATS[name]

@@ -15,8 +15,11 @@ from minimedusa.model import causal_mask
 from minimedusa.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.weight_formats import (Int8Linear, apply_format, bf16_is_native,
-                                       dequantize_int8, format_of, quantize_int8)
+from minimedusa.weight_formats import (GROUP, Int4Linear, Int8Linear, apply_format,
+                                       bf16_is_native, dequantize_int4, dequantize_int8,
+                                       format_of, four_bit_checkpoint, on_four_bit_grid,
+                                       quantize_int4, quantize_int8)
+from minimedusa.weights import save_model
 from test_medusa_decoding import flat
 
 
@@ -41,6 +44,55 @@ def test_int8_rounding_error_is_at_most_half_a_step_per_channel():
     assert ((dequantize_int8(q, scales) - w).abs() <= scales[:, None] / 2 + 1e-7).all()
 
 
+def four_bit_weight(N: int, K: int, seed: int = 0) -> torch.Tensor:
+    """A weight as a 4-bit file holds it: per group of 32 inputs, q * scale + minimum with
+    q in 0..15, 0 and 15 both used, scale and minimum float16 (as Q4_1 stores them)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K // GROUP, GROUP), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    scales = (torch.rand(N, K // GROUP, 1, generator=g) * 0.01).half().float()
+    minimums = (-torch.rand(N, K // GROUP, 1, generator=g) * 0.08).half().float()
+    return (q * scales + minimums).view(N, K).float()
+
+
+def test_int4_finds_a_four_bit_files_grid_again_to_the_bit():
+    """A weight from a 4-bit file comes back as it was (what makes int4 lossless for the
+    default model's weights), and a weight off the grid is told apart."""
+    w = four_bit_weight(48, 96)
+    assert torch.equal(dequantize_int4(*quantize_int4(w)), w)
+    assert on_four_bit_grid(w)
+    assert not on_four_bit_grid(torch.randn(48, 96))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 16), bias=st.booleans())
+def test_int4_product_equals_dequantize_then_matmul(seed, rows, bias):
+    """The int4 kernel's product at 1-16 rows == the dequantized weight's, to bfloat16's
+    rounding (the activations and the scales are bfloat16)."""
+    torch.manual_seed(seed)
+    linear = nn.Linear(96, 48, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(four_bit_weight(48, 96, seed))
+    layer = Int4Linear(linear)
+    x = torch.randn(rows, 96).bfloat16()
+    reference = x.float() @ dequantize_int4(*quantize_int4(linear.weight)).T
+    if bias:
+        reference += layer.bias.float()
+    torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_checkpoint_is_four_bit_when_all_its_blocks_weights_are(tmp_path):
+    model = tiny_model(1, dtype=torch.float32)
+    save_model(model, tmp_path / "random")
+    assert not four_bit_checkpoint(tmp_path / "random")
+    with torch.no_grad():
+        for i, m in enumerate(model.layers.modules()):
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(four_bit_weight(*m.weight.shape, seed=i))
+    save_model(model, tmp_path / "four-bit")
+    assert four_bit_checkpoint(tmp_path / "four-bit")
+
+
 @pytest.mark.skipif(not bf16_is_native(), reason="this CPU has no native bfloat16 (oneDNN)")
 @pytest.mark.parametrize("rows", [1, 4, 8, 16])
 def test_bfloat16_packed_linear_equals_bfloat16_linear(rows):
@@ -52,11 +104,11 @@ def test_bfloat16_packed_linear_equals_bfloat16_linear(rows):
                                    rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("name", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int8", "int4"])
 def test_a_model_in_a_format_stays_close_to_float32(name):
     """The whole model swapped (tied LM head included): its logits near float32's (the largest
     difference, relative to the largest logit), and the format says what it is."""
-    model = tiny_model(3, dtype=torch.float32, tie_word_embeddings=True)
+    model = four_bit_model(3)
     tokens, positions, mask = torch.randint(0, 64, (1, 9)), torch.arange(9)[None], causal_mask(0, 9)
     with torch.inference_mode():
         reference, _ = model(tokens, positions, mask)
@@ -64,10 +116,20 @@ def test_a_model_in_a_format_stays_close_to_float32(name):
         logits, _ = formatted(tokens, positions, mask)
     assert format_of(formatted) == name
     error = (logits.float() - reference).abs().max() / reference.abs().max()
-    assert error <= {"float32": 1e-6, "bfloat16": 2e-2, "int8": 2e-2}[name]
+    assert error <= {"float32": 1e-6, "bfloat16": 2e-2, "int8": 2e-2, "int4": 2e-2}[name]
 
 
-@pytest.mark.parametrize("name", ["bfloat16", "int8"])
+def four_bit_model(seed: int, **overrides):
+    """A tiny float32 model whose blocks' weights lie on a 4-bit grid, as the default model's."""
+    model = tiny_model(seed, dtype=torch.float32, tie_word_embeddings=True, **overrides)
+    with torch.no_grad():
+        for i, m in enumerate(model.layers.modules()):
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(four_bit_weight(*m.weight.shape, seed=seed * 100 + i) * 8)
+    return model
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_medusa_greedy_equals_the_formats_plain_greedy(name, kind, seed):
