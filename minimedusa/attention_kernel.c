@@ -31,7 +31,7 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 typedef uint32_t u16x32 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
-enum { LANES = 16, MAX_D = 256, MAX_CHUNKS = MAX_D / LANES, ROWS = 4 };
+enum { LANES = 16, MAX_D = 256, ROWS = 4 };
 
 /* 16 values from p[i..i + n), bfloat16 (bf16 != 0) or float32, as floats; zeros past n (the
    last chunk of a head dim that is not a multiple of 16) */

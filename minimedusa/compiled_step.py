@@ -11,9 +11,10 @@ whole model took ~7 s, and inductor's disk cache keeps its C++: a later process 
 seconds. A whole-model graph with frozen weights ran ~15% faster a step here, but compiled for
 ~45 s per shape in every process (frozen graphs are not cached).
 Shapes: T rows (1 for a plain step, n + 1 for a tree of n nodes) and S attended slots, which
-grows every step. warm_up runs each step shape at two lengths and in two caches, so that torch
-makes S, the cache's capacity and T (for T >= 2) dynamic: one graph for plain steps, two for
-trees (small and not); after it no step of a run compiles again (tests/test_compiled_step.py).
+grows every step. warm_up runs a plain step at two lengths, then two trees, in a cache whose
+capacity is marked dynamic, so that torch makes S, the capacity and T (for T >= 2) dynamic: one
+graph for plain steps, two for trees (small and not); after it no step of a run compiles again
+(tests/test_compiled_step.py).
 The prompt runs eagerly (decoding.prefill): its length is new with every prompt.
 Eager stays the reading path and the reference: compiled steps give its logits (tested).
 Left out: CUDA (CUDA graphs would be its way: mode="reduce-overhead"), the heads' drafting.
@@ -61,21 +62,23 @@ def is_compiled(model: Llama) -> bool:
 def warm_up(model: Llama) -> float:
     """Compile the graphs a run needs, before it; returns the seconds.
 
-    A plain step (T = 1) and trees of 2 to 5 rows, each at two cache lengths, in two caches of
-    different capacities: torch then makes the lengths, the capacity and T >= 2 dynamic, so
-    every later step, whatever its tree's size, finds its graph made. (Two graphs for trees:
-    fewer than packed_linear.MIN_ROWS rows are padded, more are not.)"""
+    A plain step (T = 1) at two cache lengths, then trees of 2 and of 4 rows, in a cache whose
+    capacity is marked dynamic: torch then makes the length, the capacity and T >= 2 dynamic,
+    so every later step, whatever its tree's size, finds its graph made: four graphs (a plain
+    step's first, at one length; a plain step's; trees of fewer than packed_linear.MIN_ROWS
+    rows, which are padded; the other trees)."""
     start = time.perf_counter()
     device = model.embed.weight.device
-    for capacity in (32, 48):
-        # note: made outside inference mode, as decoding makes its caches: torch's graphs are
-        # specific to that (an inference tensor lacks a dispatch key a normal one has)
-        cache = KVCache.for_model(model, capacity)
-        for T in (1, 2, 3, 4, 5):
-            for length in (8, 9):
-                tokens = torch.zeros(1, T, dtype=torch.long, device=device)  # (1, T)
-                positions = torch.arange(length, length + T, device=device)[None]  # (1, T)
-                with torch.inference_mode():
-                    model(tokens, positions, causal_mask(length, T, device), cache,
-                          cache.slots(length, T))
+    # note: made outside inference mode, as decoding makes its caches: torch's graphs are
+    # specific to that (an inference tensor lacks a dispatch key a normal one has)
+    cache = KVCache.for_model(model, 48)
+    for layer in cache.layers:
+        torch._dynamo.mark_dynamic(layer.k, 2)
+        torch._dynamo.mark_dynamic(layer.v, 2)
+    for T, length in ((1, 8), (1, 9), (2, 8), (4, 8)):
+        tokens = torch.zeros(1, T, dtype=torch.long, device=device)  # (1, T)
+        positions = torch.arange(length, length + T, device=device)[None]  # (1, T)
+        with torch.inference_mode():
+            model(tokens, positions, causal_mask(length, T, device), cache,
+                  cache.slots(length, T))
     return time.perf_counter() - start

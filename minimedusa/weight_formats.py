@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from minimedusa.model import Llama
 from minimedusa.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
-from minimedusa.weights import safetensors_files
+from minimedusa.weights import file_tensors, safetensors_files
 
 DTYPE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = (*DTYPE_FORMATS, "int8", "int4")
@@ -207,13 +207,9 @@ def four_bit_checkpoint(folder) -> bool:
     """Whether every weight of the model's blocks in `folder` lies on a 4-bit grid of GROUP
     (what a GGUF's Q4_0, Q4_1 or Q4_K file converted to floats holds); stops at the first that
     does not (one matrix read for most models)."""
-    from safetensors import safe_open  # the files are read one tensor at a time
-    for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if ".layers." in name and name.endswith("proj.weight"):
-                    if not on_four_bit_grid(f.get_tensor(name)):
-                        return False
+    for name, tensor in file_tensors(safetensors_files(folder)):
+        if ".layers." in name and name.endswith("proj.weight") and not on_four_bit_grid(tensor):
+            return False
     return True
 
 

@@ -7,6 +7,7 @@ requested one. The heads' files are heads_files.py's. No pickle of code anywhere
 """
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -94,16 +95,19 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_tensors(files: list[Path], device, dtype) -> dict[str, torch.Tensor]:
-    tensors = {}
+def file_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each (HF name, tensor) of the files, read one at a time, as stored."""
     for f in files:
         try:
             with safe_open(f, framework="pt", device="cpu") as st:
                 for name in st.keys():
-                    tensors[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+                    yield name, st.get_tensor(name)
         except Exception as e:  # safetensors reports truncation/corruption with varied types
             raise WeightsError(f"cannot read {f} (truncated or corrupt?): {e}") from None
-    return tensors
+
+
+def read_tensors(files: list[Path], device, dtype) -> dict[str, torch.Tensor]:
+    return {name: t.to(device=device, dtype=dtype) for name, t in file_tensors(files)}
 
 
 def match_names(model: Llama, hf_tensors: dict) -> dict[str, torch.Tensor]:

@@ -65,7 +65,7 @@ def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path
     assert result["totals"]["medusa greedy"]["identical"] == 8
     steps = result["steps_by_tree_size"]["medusa greedy"]
     assert sum(steps.values()) == result["totals"]["medusa greedy"]["steps"] - 8  # - prefills
-    assert result["machine"].startswith(f"cpu/{default_format(torch.device('cpu'))}/")
+    assert result["machine"].startswith(f"cpu/{default_format(torch.device('cpu'), tiny_folder)}/")
 
 
 def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):

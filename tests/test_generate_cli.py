@@ -119,9 +119,13 @@ def test_generate_peak_memory_stays_below_1_5_gb(default_model_dir):
     assert peak_kb < 1.5 * 1024 * 1024, f"peak RSS {peak_kb / 1024:.0f} MiB"
 
 
+# note: --no-compile where what a test checks does not depend on the step (compiled steps:
+# test_compiled_step.py; the default flags: the tests around these): each process then skips
+# its ~5 s of torch.compile start-up and warm-up
+
 def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder):
     done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "12",
-                    "--heads", "untrained:3", "--tree", "chain3", "--json")
+                    "--heads", "untrained:3", "--tree", "chain3", "--json", "--no-compile")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["mode"].startswith("medusa heads, tree chain3 (3 nodes, --tree)")
@@ -131,7 +135,8 @@ def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder):
 
 
 def test_medusa_greedy_cli_output_equals_baseline(tiny_folder):
-    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json"]
+    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json",
+            "--no-compile"]
     medusa = json.loads(generate(*args, "--heads", "untrained:4", "--tree", "cpu_8").stdout)
     plain = json.loads(generate(*args, "--heads", "untrained:4", "--baseline").stdout)
     assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
@@ -176,7 +181,7 @@ def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder
 def test_confidence_ranked_trees_decode_as_the_baseline(tiny_folder, tree):
     """ranked:N, each step's N most probable nodes; ranked, N chosen by the budget."""
     args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json",
-            "--heads", "untrained-hydra:3"]
+            "--heads", "untrained-hydra:3", "--no-compile"]
     ranked = json.loads(generate(*args, "--tree", tree).stdout)
     plain = json.loads(generate(*args, "--baseline").stdout)
     assert ranked["output_ids"] == plain["output_ids"]
