@@ -30,6 +30,7 @@ import torch
 from minimedusa.bench_engines import Engines, engines_to_time, plain_of
 from minimedusa.bench_generate import report_generate_processes
 from minimedusa.bench_report import category_table, markdown, plot, summarize
+from minimedusa.budget import read_calibration
 from minimedusa.cli import (add_compile_argument, add_device_arguments, add_quantize_argument,
                             decoding_heads, decoding_model, decoding_step, decoding_tree,
                             device_and_format)
@@ -37,7 +38,7 @@ from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensur
 from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.memory_bandwidth import implied_bandwidth, streaming_bandwidth
-from minimedusa.step_profile import forward_times, product_times, profile_steps
+from minimedusa.step_profile import forward_times, product_times, profile_steps, step_times
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.weight_formats import FORMATS, activation_dtype
 
@@ -142,7 +143,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
                    "the first question (torch.profiler, operators by their own time), then time "
-                   "a forward and the products alone at 1 to 17 rows")
+                   "a forward and the products alone at 1 to 17 rows, and a whole step at each "
+                   "tree size grown from the heads' calibration against a plain step")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None,
                    help="write a PNG plot here (needs matplotlib, which is optional)")
@@ -252,6 +254,9 @@ def main(argv=None):
         print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
         print(forward_times(model))
         print(product_times(model))
+        accuracy = read_calibration(Path(args.heads[0])) if Path(args.heads[0]).is_dir() else None
+        print(step_times(model, heads, accuracy) if accuracy is not None else
+              "steps by tree size: the heads have no calibration.json to grow trees from")
         return
     engines = engines_to_time(args, model, folder, device, dtype)
     if args.reference not in engines.run:

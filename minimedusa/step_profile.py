@@ -2,7 +2,8 @@
 
 torch.profiler over a few plain and Medusa steps from one prompt, operators by their own time and
 split by input shape, so that a tree step's extra cost shows operator by operator; then what a
-forward and its products alone cost at each number of rows (a tree of n nodes runs n + 1).
+forward and its products alone cost at each number of rows (a tree of n nodes runs n + 1), and
+a whole step at each tree size against a plain one.
 """
 import functools
 import time
@@ -10,12 +11,15 @@ import time
 import torch
 
 from minimedusa.acceptance import greedy
-from minimedusa.budget import round_robin_medians
+from minimedusa.budget import grow_tree, nested_trees, round_robin_medians, step_latency
+from minimedusa.cli import ranked_vocab_size
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
+from minimedusa.memory_bandwidth import weight_bytes
 from minimedusa.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
+from minimedusa.weight_formats import Int4Linear, Int8Linear
 
 
 def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> str:
@@ -49,17 +53,19 @@ def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)  # a plain step, small trees, the 8- and 16-node trees
 
 
+FAST_LAYERS = (PackedLinear, Int4Linear, Int8Linear)  # the layers a weight format swaps in
+
+
 @torch.inference_mode()
 def product_times(model, rows=ROWS, rounds: int = 5) -> str:
-    """The blocks' products and the LM head at each number of rows M, as oneDNN runs them
-    (PackedLinear.product: no padding to MIN_ROWS), in ms and the GB/s of weights that implies;
-    medians, the row counts taking turns (budget.round_robin_medians)."""
-    blocks = [m for m in model.layers.modules() if isinstance(m, PackedLinear)]
-    if not blocks or not isinstance(model.lm_head, PackedLinear):
-        return "products: this model's layers are not prepacked (packed_linear.py): not timed"
+    """The blocks' products and the LM head at each number of rows M, as the format's layers run
+    them (prepacked ones without their padding to MIN_ROWS), in ms and the GB/s of weights
+    that implies; medians, the row counts taking turns (budget.round_robin_medians)."""
+    blocks = [m for m in model.layers.modules() if isinstance(m, FAST_LAYERS)]
+    if not blocks or not isinstance(model.lm_head, FAST_LAYERS):
+        return "products: this model's layers are not a CPU format's (weight_formats.py): not timed"
     parts = {"blocks": blocks, "LM head": [model.lm_head]}
-    gigabytes = {name: sum(m.weight.numel() * m.weight.element_size() for m in layers) / 1e9
-                 for name, layers in parts.items()}
+    gigabytes = {name: weight_bytes(*layers) / 1e9 for name, layers in parts.items()}
     seconds = round_robin_medians({(name, M): functools.partial(time_products, layers, M)
                                    for M in rows for name, layers in parts.items()}, rounds)
     lines = ["products alone, ms (GB/s of weights): M rows, the blocks' and the LM head's"]
@@ -71,12 +77,34 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
 
 
 def time_products(layers, M: int) -> float:
-    """Seconds to multiply M random rows by each layer's prepacked weight, one after another."""
-    inputs = [torch.randn(M, m.weight.shape[1], dtype=m.weight.dtype) for m in layers]
+    """Seconds to multiply M random rows by each layer's weight, one after another."""
+    inputs = [torch.randn(M, m.in_features, dtype=torch.bfloat16) if not isinstance(
+        m, PackedLinear) else torch.randn(M, m.weight.shape[1], dtype=m.weight.dtype)
+        for m in layers]
     start = time.perf_counter()
     for layer, x in zip(layers, inputs):
-        layer.product(x)  # (M, O)
+        layer.product(x) if isinstance(layer, PackedLinear) else layer(x)  # (M, O)
     return time.perf_counter() - start
+
+
+# tree sizes whose steps step_times times: rows = nodes + 1, so 7 and 15 nodes are 8- and
+# 16-row steps, the multiples of 4 rows int4's kernel reads its weights once per
+STEP_SIZES = (1, 2, 3, 4, 7, 8, 15, 16)
+
+
+def step_times(model, heads, accuracy) -> str:
+    """A whole step at each tree size, as the Budget times it (budget.step_latency: the heads'
+    draft, the tree's forward, acceptance and compaction, after 256 cached tokens), against a
+    plain step: what a tree of n nodes costs on this machine, in this format."""
+    nodes, _ = grow_tree(accuracy, max(STEP_SIZES))
+    sizes = [n for n in STEP_SIZES if n <= len(nodes)]  # few heads and ranks: few nodes
+    trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
+                            ranked_vocab_size(heads, model), model.embed.weight.device)
+    seconds = step_latency(model, heads, trees)
+    return ("a whole step after 256 cached tokens, ms (x a plain step): plain "
+            f"{1000 * seconds[0]:.1f}, " + ", ".join(
+                f"{n} nodes ({n + 1} rows) {1000 * seconds[n]:.1f} ({seconds[n] / seconds[0]:.2f}x)"
+                for n in trees))
 
 
 @torch.inference_mode()

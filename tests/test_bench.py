@@ -8,8 +8,11 @@ import torch
 
 from conftest import tiny_model
 from minimedusa import bench, bench_generate
+from minimedusa.budget import CALIBRATION
+from minimedusa.heads import MedusaHeads
+from minimedusa.heads_files import save_heads
 from minimedusa.weight_formats import default_format
-from minimedusa.weights import save_model
+from minimedusa.weights import load_model, save_model
 
 
 @pytest.fixture
@@ -48,6 +51,20 @@ def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, c
     assert out.startswith("plain: ") and "\nmedusa greedy: " in out
     assert "aten::" in out  # the operator table
     assert "\na forward of M rows" in out and "\nproducts" in out  # row count by row count
+    assert "\nsteps by tree size: the heads have no calibration.json" in out  # untrained heads
+
+
+def test_profile_times_a_whole_step_at_each_tree_size(tiny_folder, tmp_path, capsys):
+    """With calibrated heads, --profile also times a step at each size grown from them, 8- and
+    16-row steps included, against a plain step."""
+    heads = MedusaHeads.for_model(load_model(tiny_folder), 3, shared_lm_head=True)
+    save_heads(heads, tmp_path)
+    (tmp_path / CALIBRATION).write_text(json.dumps({"accuracy": [[0.6, 0.2, 0.1]] * 3}))
+    bench.main(["--profile", "--model", str(tiny_folder), "--heads", str(tmp_path),
+                "--tree", "chain3", "--threads", "1"])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("a whole step after 256 cached tokens, ms (x a plain step): plain ")
+    assert "7 nodes (8 rows)" in line and "16 nodes (17 rows)" in line
 
 
 def test_bad_tree_is_one_line_not_a_traceback(tiny_folder):

@@ -81,6 +81,19 @@ def test_int4_product_equals_dequantize_then_matmul(seed, rows, bias):
     torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=2e-2)
 
 
+def test_an_int4_rows_product_has_the_same_bits_whatever_rows_beside_it():
+    """As packed_linear's test: a plain step's row equals, to the bit, the same row multiplied in
+    a tree step of any size and at any place in it (what keeps Medusa greedy lossless in int4)."""
+    linear = nn.Linear(1536, 576, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(four_bit_weight(576, 1536))
+    layer = Int4Linear(linear)
+    rows = torch.randn(17, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
+    alone = layer(rows[:1])  # (1, O)
+    assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
+    assert torch.equal(layer(rows.flip(0))[-1:], alone)
+
+
 def test_a_checkpoint_is_four_bit_when_all_its_blocks_weights_are(tmp_path):
     model = tiny_model(1, dtype=torch.float32)
     save_model(model, tmp_path / "random")
