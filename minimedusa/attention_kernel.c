@@ -198,6 +198,7 @@ int attend(const Step* a) {
     }
     float* s = malloc(sizeof(float) * ROWS * S16);  /* the block's scores */
     if (s == NULL) {
+#pragma omp atomic write
       failed = 1;
       continue;
     }

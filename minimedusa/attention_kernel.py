@@ -72,26 +72,26 @@ def compile_kernel(compiler: str) -> Path:
 
 
 def load_kernel():
-    """The built kernel's `attend` function, or an error string saying why there is none."""
-    compiler = os.environ.get("CC", "cc")
-    try:
-        library = ctypes.CDLL(str(compile_kernel(compiler)))
-    except (OSError, RuntimeError) as e:
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    """The built kernel's `attend` function (OSError or RuntimeError if it cannot be built)."""
+    library = ctypes.CDLL(str(compile_kernel(os.environ.get("CC", "cc"))))
     attend = library.attend
     attend.argtypes, attend.restype = [ctypes.POINTER(Step)], ctypes.c_int
     return attend
 
 
-_attend = None  # the loaded kernel, once loaded (one per process)
+# the kernel, loaded at the first kernel_problem() of the process: "attend", the function, or
+# "problem", why there is none
+_kernel: dict = {}
 
 
 def kernel_problem() -> str | None:
     """None if the kernel is built and loaded (at the first call), else why not in one line."""
-    global _attend
-    if _attend is None:
-        _attend = load_kernel()
-    return _attend if isinstance(_attend, str) else None
+    if not _kernel:
+        try:
+            _kernel["attend"] = load_kernel()
+        except (OSError, RuntimeError) as e:
+            _kernel["problem"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    return _kernel.get("problem")
 
 
 @torch.library.custom_op("minimedusa::step_attention", mutates_args=())
@@ -106,7 +106,7 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     step = Step(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(),
                 H, G, T, S, D, q.stride(1), q.stride(2), k.stride(1), out.stride(1),
                 out.stride(2), q.dtype == torch.bfloat16, D ** -0.5)
-    if _attend(ctypes.byref(step)) != 0:
+    if _kernel["attend"](ctypes.byref(step)) != 0:
         raise MemoryError("attention_kernel.c could not allocate its scores")
     return out
 

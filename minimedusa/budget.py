@@ -282,9 +282,9 @@ def cache_file() -> Path:
 
 def latency_key(model, heads, device, dtype) -> str:
     """The machine, and what sets a step's cost: the weight format, whether the step is compiled
-    (and its attention the C kernel), how a block runs its products (how many, at least how many rows: latencies cached by a
-    version of this code that ran them otherwise are not reused), the model's shapes and the
-    heads' (their kind, and how many tokens they rank)."""
+    (and its attention the C kernel), how a block runs its products (how many, at least how
+    many rows: latencies cached by a version of this code that ran them otherwise are not
+    reused), the model's shapes and the heads' (their kind, and how many tokens they rank)."""
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     fmt = format_of(model)

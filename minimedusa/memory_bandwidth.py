@@ -19,8 +19,9 @@ STREAM_BYTES = 512 << 20  # far past any cache, as STREAM asks (>= 4x the last-l
 
 def weight_bytes(*modules: nn.Module) -> int:
     """Bytes of the matrices one step reads: every linear layer's weight once (int8 and int4
-    layers: their packed weight and scales). A weight shared between modules (the LM head that shared
-    heads reuse) counts once; the embedding is left out, since a step reads one row of it."""
+    layers: their packed weight and scales). A weight shared between modules (the LM head that
+    shared heads reuse) counts once; the embedding is left out, since a step reads one row of
+    it."""
     seen, total = set(), 0
     for module in modules:
         for m in module.modules():

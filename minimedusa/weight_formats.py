@@ -30,9 +30,12 @@ computed as four rows (packed_linear.PackedLinear: oneDNN's one-row kernel round
 Measured: 8 of 8 MT-Bench answers identical to plain greedy over 256 tokens (1 of 8 before).
 Shapes: N output features, K input features, M rows.
 """
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
+from minimedusa.errors import UserError
 from minimedusa.model import Llama
 from minimedusa.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
 from minimedusa.weights import file_tensors, safetensors_files
@@ -120,6 +123,10 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        N, K = linear.weight.shape
+        if K % GROUP or N % 16:
+            raise UserError(f"int4 needs layers of a multiple of {GROUP} inputs and of 16 "
+                            f"outputs (torch's kernel): this model has one of {K} and {N}")
         q, scales, minimums = quantize_int4(linear.weight)
         # torch's layout: two 4-bit values a byte, blocked for its kernel (N a multiple of 16)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
@@ -207,6 +214,8 @@ def four_bit_checkpoint(folder) -> bool:
     """Whether every weight of the model's blocks in `folder` lies on a 4-bit grid of GROUP
     (what a GGUF's Q4_0, Q4_1 or Q4_K file converted to floats holds); stops at the first that
     does not (one matrix read for most models)."""
+    if not Path(folder).is_dir():
+        return False  # the loader says so, in its words
     for name, tensor in file_tensors(safetensors_files(folder)):
         if ".layers." in name and name.endswith("proj.weight") and not on_four_bit_grid(tensor):
             return False
