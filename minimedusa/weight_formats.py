@@ -16,18 +16,21 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               activations; the LM head and the heads stay bfloat16. Half a byte a weight, and
               for a model whose weights came from a 4-bit file (the default model: a Q4_1
               GGUF) no loss at all in the weights: the 4-bit grid found again is theirs, to
-              the bit (four_bit_checkpoint). Its kernel reads the weights once per 4 rows: a
-              plain step's blocks took 4.3 ms against bfloat16's 12.0 on the 2-core AVX-512
-              EPYC, 6.9 at 4 rows, 12.8 at 5-8 and 18.1 at 9 (bfloat16: 12.1, 12.1, 13.8), so
-              trees of up to 3 nodes pay there.
+              the bit (four_bit_checkpoint). Its kernel reads the weights once per 4 rows: the
+              blocks' products took 5.2 ms at 1 row on the 2-core AVX-512 EPYC (bfloat16:
+              11.3), 7.6 at 4, 12.9 at 8 and 18.2 at 9 (bfloat16: 10.1, 12.0, 12.1; `bench
+              --profile`, weights/SmolLM2-135M-Instruct-hydra/profile-step-*-avx512bf16.txt),
+              so trees of up to 3 nodes pay there.
 
 Left out: activation quantization.
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
 step (one row): bfloat16 logits tie often, so a rounding difference anywhere flips tokens. Two
-things make it so: attention sums in float64 (model.exact_attention) and a plain step's products
-computed as four rows (packed_linear.PackedLinear: oneDNN's one-row kernel rounds differently).
-Measured: 8 of 8 MT-Bench answers identical to plain greedy over 256 tokens (1 of 8 before).
+things make it so: attention that adds its terms in an order the keys' slots do not change
+(model.exact_attention's float64 sums; attention_kernel.c's fixed float32 order in compiled
+steps) and a plain step's products computed as four rows (packed_linear.PackedLinear: oneDNN's
+one-row kernel rounds differently; int4's kernel gives a row the same bits at any row count).
+Measured: 8 of 8 MT-Bench answers identical to plain greedy over 256 tokens in every format.
 Shapes: N output features, K input features, M rows.
 """
 from pathlib import Path
