@@ -348,6 +348,10 @@ def main(argv=None):
     step = train_loop(mode, args, rank, world, device, tell)
     good = mode.finish(step, tell) if rank == 0 else True
     if world > 1:
+        # note: every process waits for rank 0's finish (it alone saves) and the group is torn
+        # down by all of them together: a rank that left first could abort on gloo's threads
+        # as it exited ("terminate called without an active exception", seen under load)
+        dist.barrier()
         dist.destroy_process_group()
     if not good:
         sys.exit(2)
