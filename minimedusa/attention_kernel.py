@@ -7,29 +7,26 @@ CPU, converting the whole cache to float64 every time. The C twin gets the same 
 float32 arithmetic in a fixed order (the .c file says how), at a few us: 1 and 9 rows after 265
 keys took 20 and 88 us on the 2-core AVX-512 EPYC, against 97 and 243 for the reference.
 
-Built at first use with the C compiler torch.compile already needs (cc, -O3 -march=native), into
-the user's cache folder, per source and machine; called through ctypes from a torch operator, so
-that compiled graphs call it as they call oneDNN's products (packed_linear.py). It serves
-bfloat16 and float32 rows of one sequence with a head dim up to 256; anything else (float64
-test models, batches, long prompts) keeps the reference. Outside compiled graphs (the prompt's
+Built at first use (c_kernels.py: the C compiler torch.compile already needs, -march=native, the
+user's cache folder); called through ctypes from a torch operator, so that compiled graphs call
+it as they call oneDNN's products (packed_linear.OPERATORS). It serves bfloat16 and float32
+rows of one sequence with a head dim up to 256; anything else (float64 test models, batches,
+long prompts) keeps the reference. Outside compiled graphs (the prompt's
 prefill, a compiled model run eagerly) the reference runs: eager decoding stays the reading path.
 tests/test_attention_kernel.py checks it against the reference and the row property itself.
 
 Shapes: H query heads, G key/value heads, T rows, S attended slots, D head dim.
 """
 import ctypes
-import hashlib
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 
-from minimedusa.device import cpu_features, cpu_model
+from minimedusa.c_kernels import load_library, why_not
 from minimedusa.model import exact_attention
+from minimedusa.packed_linear import OPERATORS
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 MAX_D = 256  # attention_kernel.c's MAX_D
 
 
@@ -42,43 +39,6 @@ class Step(ctypes.Structure):
                 ("bf16", ctypes.c_int), ("scale", ctypes.c_float)]
 
 
-def kernels_folder() -> Path:
-    """Where built kernels are kept: $MINIMEDUSA_CACHE, else the user's cache folder."""
-    root = os.environ.get("MINIMEDUSA_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimedusa"
-    return Path(root) / "kernels"
-
-
-def compile_kernel(compiler: str) -> Path:
-    """attention_kernel.c built for this machine (-march=native), or the copy built before: its
-    name holds a hash of the source, the flags and the CPU, so a shared home folder never hands
-    one CPU's binary to another. Written beside its final name, then renamed."""
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, cpu_model(),
-                                    cpu_features()]).encode()).hexdigest()[:16]
-    path = kernels_folder() / f"attention-{key}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        # OpenMP where the compiler has it (threads for big trees); without, one thread
-        for openmp in (["-fopenmp"], []):
-            done = subprocess.run([compiler, *FLAGS, *openmp, str(SOURCE), "-o", str(tmp)],
-                                  capture_output=True, text=True)
-            if done.returncode == 0:
-                break
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:300]}")
-        os.replace(tmp, path)
-    return path
-
-
-def load_kernel():
-    """The built kernel's `attend` function (OSError or RuntimeError if it cannot be built)."""
-    library = ctypes.CDLL(str(compile_kernel(os.environ.get("CC", "cc"))))
-    attend = library.attend
-    attend.argtypes, attend.restype = [ctypes.POINTER(Step)], ctypes.c_int
-    return attend
-
-
 # the kernel, loaded at the first kernel_problem() of the process: "attend", the function, or
 # "problem", why there is none
 _kernel: dict = {}
@@ -88,13 +48,17 @@ def kernel_problem() -> str | None:
     """None if the kernel is built and loaded (at the first call), else why not in one line."""
     if not _kernel:
         try:
-            _kernel["attend"] = load_kernel()
+            attend = load_library(SOURCE).attend
+            attend.argtypes, attend.restype = [ctypes.POINTER(Step)], ctypes.c_int
+            _kernel["attend"] = attend
         except (OSError, RuntimeError) as e:
-            _kernel["problem"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+            _kernel["problem"] = why_not(e)
     return _kernel.get("problem")
 
 
-@torch.library.custom_op("minimedusa::step_attention", mutates_args=())
+OPERATORS.define("step_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")
+
+
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor) -> torch.Tensor:
     """exact_attention's output (1, H, T, D) from the C kernel; q (1, H, T, D), k and v
@@ -118,7 +82,10 @@ def new_output(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(1, T, H, D).transpose(1, 2)
 
 
-@step_attention.register_fake
+OPERATORS.impl("step_attention", step_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minimedusa::step_attention")
 def _(q, k, v, mask):  # its output's shape and strides, for the compiler's tracing
     return new_output(q)
 
@@ -130,7 +97,9 @@ def kernel_attention(q, k, v, mask):
               and q.shape[0] == 1 and q.shape[-1] <= MAX_D and k.dtype == q.dtype
               and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
               and v.stride() == k.stride() and q.stride(-1) == 1)
-    return step_attention(q, k, v, mask) if serves else exact_attention(q, k, v, mask)
+    if serves:
+        return torch.ops.minimedusa.step_attention(q, k, v, mask)
+    return exact_attention(q, k, v, mask)
 
 
 def use_kernel(model) -> str | None:

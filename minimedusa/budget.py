@@ -44,7 +44,7 @@ from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_acc
 from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
 from minimedusa.packed_linear import MIN_ROWS, PackedLinear
-from minimedusa.weight_formats import Int4Linear, Int8Linear, format_of
+from minimedusa.weight_formats import Int4KernelLinear, Int4Linear, Int8Linear, format_of
 
 CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (tree_search.py measures it)
 
@@ -289,11 +289,14 @@ def latency_key(model, heads, device, dtype) -> str:
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     fmt = format_of(model)
     weights = f" | {fmt} weights" if fmt in ("int8", "int4") else ""  # the dtype says the rest
+    if any(isinstance(layer, Int4KernelLinear) for layer in model.layers[0].modules()):
+        weights += " (int4_kernel.c)"
     step = " | compiled step" if is_compiled(model) else ""
     if model.layers[0].attn.exact_attention is kernel_attention:
         step += ", C attention"
     layers = [layer for layer in model.layers[0].modules()
-              if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear, Int4Linear))]
+              if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear, Int4Linear,
+                                    Int4KernelLinear))]
     rows = (f", of >= {MIN_ROWS} rows" if any(isinstance(layer, PackedLinear) for layer in layers)
             else "")
     return (f"{machine_key(device, dtype)}{weights}{step} | {len(layers)} products a block{rows}"

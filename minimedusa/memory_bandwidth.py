@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from minimedusa.packed_linear import PackedLinear
-from minimedusa.weight_formats import Int4Linear, Int8Linear
+from minimedusa.weight_formats import Int4KernelLinear, Int4Linear, Int8Linear
 
 STREAM_BYTES = 512 << 20  # far past any cache, as STREAM asks (>= 4x the last-level cache)
 
@@ -29,6 +29,8 @@ def weight_bytes(*modules: nn.Module) -> int:
                 tensors = [m.q, m.scales]
             elif isinstance(m, Int4Linear):
                 tensors = [m.packed, m.scales_and_zeros]
+            elif isinstance(m, Int4KernelLinear):
+                tensors = [m.packed, m.scales, m.minimums]
             elif isinstance(m, (nn.Linear, PackedLinear)):
                 tensors = [m.weight]
             else:

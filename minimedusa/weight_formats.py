@@ -16,11 +16,10 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               activations; the LM head and the heads stay bfloat16. Half a byte a weight, and
               for a model whose weights came from a 4-bit file (the default model: a Q4_1
               GGUF) no loss at all in the weights: the 4-bit grid found again is theirs, to
-              the bit (four_bit_checkpoint). Its kernel reads the weights once per 4 rows: the
-              blocks' products took 5.2 ms at 1 row on the 2-core AVX-512 EPYC (bfloat16:
-              11.3), 7.6 at 4, 12.9 at 8 and 18.2 at 9 (bfloat16: 10.1, 12.0, 12.1; `bench
-              --profile`, weights/SmolLM2-135M-Instruct-hydra/profile-step-*-avx512bf16.txt),
-              so trees of up to 3 nodes pay there.
+              the bit (four_bit_checkpoint). Where the CPU has AVX-512 BF16 the products are
+              int4_kernel.c's (Int4KernelLinear: the weights read once for any number of
+              rows); elsewhere torch's kernel's, which reads them once per 4 rows (a tree of
+              5-8 rows costs it a second pass).
 
 Left out: activation quantization.
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from minimedusa import int4_kernel
 from minimedusa.errors import UserError
 from minimedusa.model import Llama
 from minimedusa.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
@@ -150,6 +150,31 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Int4KernelLinear(nn.Module):
+    """Int4Linear's weights, multiplied by int4_kernel.c (AVX-512 BF16 dot products, the weights
+    read once for any number of rows) instead of torch's kernel: bfloat16 activations."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        N, K = linear.weight.shape
+        if K % GROUP or N % 16:
+            raise UserError(f"int4 needs layers of a multiple of {GROUP} inputs and of 16 "
+                            f"outputs: this model has one of {K} and {N}")
+        packed, scales, minimums = int4_kernel.pack(*quantize_int4(linear.weight))
+        self.register_buffer("packed", packed)  # (N / 16, K / 2, 16) uint8
+        # float32 whatever the activations' dtype: .to(bfloat16) must not round them
+        self.scales, self.minimums = scales, minimums  # (N / 16, K / GROUP, 16) each
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.detach().to(torch.bfloat16))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.minimedusa.int4_product(rows, self.packed, self.scales, self.minimums)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
     """Replace every nn.Linear inside `module` by an Int8Linear, in place; returns how many.
     note: a tied LM head becomes its own int8 copy; the embedding it was tied to stays whole."""
@@ -164,13 +189,15 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
 
 
 def four_bit_layers(model: Llama) -> int:
-    """Replace every nn.Linear of the model's blocks by an Int4Linear, in place; how many."""
+    """Replace every nn.Linear of the model's blocks by an int4 layer, in place; how many: an
+    Int4KernelLinear where int4_kernel.c multiplies on this CPU, else an Int4Linear."""
+    layer = Int4KernelLinear if int4_kernel.kernel_problem() is None else Int4Linear
     count = 0
     for block in model.layers:
         for parent in (block.attn, block.mlp):
             for name, child in parent.named_children():
                 if type(child) is nn.Linear:
-                    setattr(parent, name, Int4Linear(child))
+                    setattr(parent, name, layer(child))
                     count += 1
     return count
 
@@ -194,7 +221,7 @@ def format_of(model: nn.Module) -> str:
     """The format a loaded model (or heads) runs in: "int8", "int4", or its dtype's name."""
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return "int8"
-    if any(isinstance(m, Int4Linear) for m in model.modules()):
+    if any(isinstance(m, (Int4Linear, Int4KernelLinear)) for m in model.modules()):
         return "int4"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 

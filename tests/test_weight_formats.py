@@ -7,6 +7,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model, perturbed, tiny_model
+from minimedusa import int4_kernel
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import MedusaHeads
@@ -15,10 +16,10 @@ from minimedusa.model import causal_mask
 from minimedusa.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.weight_formats import (GROUP, Int4Linear, Int8Linear, apply_format,
-                                       bf16_is_native, dequantize_int4, dequantize_int8,
-                                       format_of, four_bit_checkpoint, on_four_bit_grid,
-                                       quantize_int4, quantize_int8)
+from minimedusa.weight_formats import (GROUP, Int4KernelLinear, Int4Linear, Int8Linear,
+                                       apply_format, bf16_is_native, dequantize_int4,
+                                       dequantize_int8, format_of, four_bit_checkpoint,
+                                       on_four_bit_grid, quantize_int4, quantize_int8)
 from minimedusa.weights import save_model
 from test_medusa_decoding import flat
 
@@ -55,6 +56,11 @@ def four_bit_weight(N: int, K: int, seed: int = 0) -> torch.Tensor:
     return (q * scales + minimums).view(N, K).float()
 
 
+def int4_layers():
+    """The int4 layers this CPU has: torch's kernel's, and int4_kernel.c's where it multiplies."""
+    return [Int4Linear] + ([Int4KernelLinear] if int4_kernel.kernel_problem() is None else [])
+
+
 def test_int4_finds_a_four_bit_files_grid_again_to_the_bit():
     """A weight from a 4-bit file comes back as it was (what makes int4 lossless for the
     default model's weights), and a weight off the grid is told apart."""
@@ -64,16 +70,17 @@ def test_int4_finds_a_four_bit_files_grid_again_to_the_bit():
     assert not on_four_bit_grid(torch.randn(48, 96))
 
 
+@pytest.mark.parametrize("layer", int4_layers())
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), rows=st.integers(1, 16), bias=st.booleans())
-def test_int4_product_equals_dequantize_then_matmul(seed, rows, bias):
-    """The int4 kernel's product at 1-16 rows == the dequantized weight's, to bfloat16's
-    rounding (the activations and the scales are bfloat16)."""
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), bias=st.booleans())
+def test_int4_product_equals_dequantize_then_matmul(layer, seed, rows, bias):
+    """Each int4 kernel's product at 1-20 rows == the dequantized weight's, to bfloat16's
+    rounding (the activations, and torch's kernel's scales, are bfloat16)."""
     torch.manual_seed(seed)
     linear = nn.Linear(96, 48, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(four_bit_weight(48, 96, seed))
-    layer = Int4Linear(linear)
+    layer = layer(linear)
     x = torch.randn(rows, 96).bfloat16()
     reference = x.float() @ dequantize_int4(*quantize_int4(linear.weight)).T
     if bias:
@@ -81,17 +88,18 @@ def test_int4_product_equals_dequantize_then_matmul(seed, rows, bias):
     torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=2e-2)
 
 
-def test_an_int4_rows_product_has_the_same_bits_whatever_rows_beside_it():
+@pytest.mark.parametrize("layer", int4_layers())
+def test_an_int4_rows_product_has_the_same_bits_whatever_rows_beside_it(layer):
     """As packed_linear's test: a plain step's row equals, to the bit, the same row multiplied in
     a tree step of any size and at any place in it (what keeps Medusa greedy lossless in int4)."""
     linear = nn.Linear(1536, 576, bias=False)
     with torch.no_grad():
         linear.weight.copy_(four_bit_weight(576, 1536))
-    layer = Int4Linear(linear)
+    int4 = layer(linear)
     rows = torch.randn(17, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
-    alone = layer(rows[:1])  # (1, O)
-    assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
-    assert torch.equal(layer(rows.flip(0))[-1:], alone)
+    alone = int4(rows[:1])  # (1, O)
+    assert all(torch.equal(int4(rows[:m])[:1], alone) for m in range(2, 18))
+    assert torch.equal(int4(rows.flip(0))[-1:], alone)
 
 
 def test_a_checkpoint_is_four_bit_when_all_its_blocks_weights_are(tmp_path):
