@@ -59,7 +59,8 @@ static inline __attribute__((always_inline)) void block_rows(
     for (int p = 0; p < 16; p += 2) {
       __m512bh w0 = pair_weights(w + p * 16, table), w1 = pair_weights(w + p * 16 + 16, table);
       for (int i = 0; i < n; i++) {
-        const int32_t* xp = (const int32_t*)(x + (m0 + i) * K + g * 32) + p;  /* (x_k, x_k+1) */
+        int32_t xp[2];  /* (x_k, x_k+1) for each of the two pairs, as VDPBF16PS reads them */
+        memcpy(xp, x + (m0 + i) * K + g * 32 + 2 * p, sizeof xp);
         even[i] = _mm512_dpbf16_ps(even[i], w0, (__m512bh)_mm512_set1_epi32(xp[0]));
         odd[i] = _mm512_dpbf16_ps(odd[i], w1, (__m512bh)_mm512_set1_epi32(xp[1]));
       }
