@@ -17,7 +17,8 @@
    a pass over the weights changes.
    Layout (int4_kernel.pack): blocks of 16 outputs; per block and group, 16 pairs of inputs
    (k, k + 1) of 16 bytes, byte l = q[16 b + l][k] | q[16 b + l][k + 1] << 4; scales and
-   minimums (N / 16, K / 32, 16) float32.
+   minimums (N / 16, K / 32, 16) float16, as a GGUF's Q4_1 holds them (float32 would add half
+   as many bytes again as the 4-bit weights).
    Shapes: M rows, N outputs (a multiple of 16), K inputs (a multiple of 32), G = K / 32 groups. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,7 +48,7 @@ static inline __m512bh pair_weights(const uint8_t* bytes, __m512i table) {
 /* one block of 16 outputs for `n` rows from row m0 (n a constant in each copy the switch below
    makes: the accumulators then live in registers) */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint16_t* x, const uint8_t* w, const float* scales, const float* minimums,
+    const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
     const float* sums, uint16_t* y, int64_t b, int64_t m0, int64_t N, int64_t K,
     __m512i table, const int n) {
   const int64_t G = K / 32;
@@ -65,7 +66,8 @@ static inline __attribute__((always_inline)) void block_rows(
         odd[i] = _mm512_dpbf16_ps(odd[i], w1, (__m512bh)_mm512_set1_epi32(xp[1]));
       }
     }
-    const __m512 scale = _mm512_loadu_ps(scales + g * 16), minimum = _mm512_loadu_ps(minimums + g * 16);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 16)));
+    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(minimums + g * 16)));
     for (int i = 0; i < n; i++) {
       __m512 q_part = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale);
       __m512 min_part = _mm512_mul_ps(minimum, _mm512_set1_ps(sums[(m0 + i) * G + g]));
@@ -89,8 +91,8 @@ int int4_available(void) {
 }
 
 /* 0 done, 1 not available in this build, 2 out of memory */
-int int4_product(const uint16_t* x, const uint8_t* packed, const float* scales,
-                 const float* minimums, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+int int4_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                 const uint16_t* minimums, uint16_t* y, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const int64_t G = K / 32;
   float* sums = malloc(sizeof(float) * M * G);  /* sum_k x_k per row and group, in order */
@@ -110,7 +112,7 @@ int int4_product(const uint16_t* x, const uint8_t* packed, const float* scales,
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < N / 16; b++) {
     const uint8_t* w = packed + b * G * 256;
-    const float *s = scales + b * G * 16, *mn = minimums + b * G * 16;
+    const uint16_t *s = scales + b * G * 16, *mn = minimums + b * G * 16;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
       switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
 #define ROWS_OF(n) case n: block_rows(x, w, s, mn, sums, y, b, m0, N, K, table, n); break;

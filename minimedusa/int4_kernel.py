@@ -46,11 +46,12 @@ def kernel_problem() -> str | None:
 def pack(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
     """weight_formats.quantize_int4's (N, K) q, (N, G) scales and minimums -> the kernel's
     layout: (B, K / 2, 16) bytes, two inputs' q of one output a byte, 16 outputs side by side;
-    (B, G, 16) float32 scales and minimums."""
+    (B, G, 16) float16 scales and minimums. note: float16 as Q4_1 stores them, so a 4-bit
+    file's are kept exactly; another model's are rounded (10 bits: far below int4's own step)."""
     N, K = q.shape
     pairs = q.view(N // 16, 16, K // 2, 2).to(torch.uint8)  # (B, 16, K / 2, 2)
     packed = (pairs[..., 0] | pairs[..., 1] << 4).permute(0, 2, 1).contiguous()  # (B, K/2, 16)
-    by_block = lambda t: t.float().view(N // 16, 16, -1).permute(0, 2, 1).contiguous()  # noqa
+    by_block = lambda t: t.half().view(N // 16, 16, -1).permute(0, 2, 1).contiguous()  # noqa
     return packed, by_block(scales), by_block(minimums)  # (B, G, 16) each
 
 

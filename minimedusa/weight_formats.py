@@ -162,7 +162,8 @@ class Int4KernelLinear(nn.Module):
                             f"outputs: this model has one of {K} and {N}")
         packed, scales, minimums = int4_kernel.pack(*quantize_int4(linear.weight))
         self.register_buffer("packed", packed)  # (N / 16, K / 2, 16) uint8
-        # float32 whatever the activations' dtype: .to(bfloat16) must not round them
+        # float16 whatever the activations' dtype (kept out of .to(bfloat16), which would round
+        # them: plain attributes, not buffers)
         self.scales, self.minimums = scales, minimums  # (N / 16, K / GROUP, 16) each
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.detach().to(torch.bfloat16))
