@@ -69,6 +69,16 @@ static inline void store16(void* p, int64_t i, int64_t n, f16 f, int bf16) {
   }
 }
 
+/* how many of a row of D values the c-th chunk of 16 holds (the last may hold fewer) */
+static inline int64_t chunk(int64_t D, int64_t c) {
+  return D - c * LANES < LANES ? D - c * LANES : LANES;
+}
+
+/* a row of D values from p[i..], as C chunks of 16 floats */
+static inline void load_row(f16* row, const void* p, int64_t i, int64_t D, int64_t C, int bf16) {
+  for (int64_t c = 0; c < C; c++) row[c] = load16(p, i + c * LANES, chunk(D, c), bf16);
+}
+
 /* the sum of the 16 lanes, always in this order: halves, then quarters, then pairs */
 static inline float lane_sum(f16 a) {
   f8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -118,17 +128,12 @@ static inline __attribute__((always_inline)) void attend_rows_of(
   const int64_t D = a->D, S = a->S;
   f16 q[ROWS][C];
   for (int i = 0; i < n; i++)
-    for (int64_t c = 0; c < C; c++) {
-      int64_t base = rows[i][0] * a->q_head + rows[i][1] * a->q_row + c * LANES;
-      q[i][c] = load16(a->q, base, D - c * LANES < LANES ? D - c * LANES : LANES, a->bf16);
-    }
+    load_row(q[i], a->q, rows[i][0] * a->q_head + rows[i][1] * a->q_row, D, C, a->bf16);
   /* scores, masked keys at -inf: each key's D values read once for the n rows */
   const int64_t S16 = (S + LANES - 1) / LANES * LANES;
   for (int64_t j = 0; j < S; j++) {
     f16 k[C];
-    for (int64_t c = 0; c < C; c++)
-      k[c] = load16(a->k, g * a->kv_head + j * D + c * LANES,
-                    D - c * LANES < LANES ? D - c * LANES : LANES, a->bf16);
+    load_row(k, a->k, g * a->kv_head + j * D, D, C, a->bf16);
     for (int i = 0; i < n; i++) {
       f16 dot = q[i][0] * k[0];
       for (int64_t c = 1; c < C; c++) dot = dot + q[i][c] * k[c];
@@ -157,9 +162,7 @@ static inline __attribute__((always_inline)) void attend_rows_of(
     for (int64_t c = 0; c < C; c++) acc[i][c] = (f16){0};
   for (int64_t j = 0; j < S; j++) {
     f16 v[C];
-    for (int64_t c = 0; c < C; c++)
-      v[c] = load16(a->v, g * a->kv_head + j * D + c * LANES,
-                    D - c * LANES < LANES ? D - c * LANES : LANES, a->bf16);
+    load_row(v, a->v, g * a->kv_head + j * D, D, C, a->bf16);
     for (int i = 0; i < n; i++) {
       float p = s[i * S16 + j];
       for (int64_t c = 0; c < C; c++) acc[i][c] = acc[i][c] + p * v[c];
@@ -168,7 +171,7 @@ static inline __attribute__((always_inline)) void attend_rows_of(
   for (int i = 0; i < n; i++)
     for (int64_t c = 0; c < C; c++)
       store16(a->out, rows[i][0] * a->out_head + rows[i][1] * a->out_row + c * LANES,
-              D - c * LANES < LANES ? D - c * LANES : LANES, acc[i][c] / z[i], a->bf16);
+              chunk(D, c), acc[i][c] / z[i], a->bf16);
 }
 
 static void attend_rows(const Step* a, int64_t g, const int64_t (*rows)[2], int n, float* s) {

@@ -3,8 +3,9 @@ graph for all of the model's blocks, made before the run (warm-up) and cached on
 
 Why: around its 4 products, a block of the default model calls ~30 small operators (norms, RoPE,
 the cache write, attention, SwiGLU), each a few microseconds of dispatch on a CPU, 30 blocks a
-step; inductor fuses them into a few C++ loops. The products stay oneDNN's prepacked ones,
-called as they are (packed_linear.packed_product).
+step; inductor fuses them into a few C++ loops. The products stay the weight format's own
+(oneDNN's prepacked ones, int4's kernels), called as they are through this project's
+operators (packed_linear.OPERATORS).
 Why the block, not the whole step: the blocks share their code and shapes, so one graph serves
 all 30 (their weights and caches are its inputs). Tracing one block takes a second where the
 whole model took ~7 s, and inductor's disk cache keeps its C++: a later process loads it in
