@@ -190,7 +190,7 @@ int attend(const Step* a) {
   const int64_t R = a->H / a->G, per_group = R * a->T, blocks = (per_group + ROWS - 1) / ROWS;
   const int64_t S16 = (a->S + LANES - 1) / LANES * LANES;
   int failed = 0;
-#pragma omp parallel for schedule(static) if (a->G * blocks > a->G)
+#pragma omp parallel for schedule(static) if (a->G * blocks > 1)
   for (int64_t b = 0; b < a->G * blocks; b++) {
     const int64_t g = b / blocks, first = b % blocks * ROWS;
     const int n = per_group - first < ROWS ? (int)(per_group - first) : ROWS;

@@ -60,10 +60,14 @@ static inline __attribute__((always_inline)) void block_rows(
     for (int p = 0; p < 16; p += 2) {
       __m512bh w0 = pair_weights(w + p * 16, table), w1 = pair_weights(w + p * 16 + 16, table);
       for (int i = 0; i < n; i++) {
-        int32_t xp[2];  /* (x_k, x_k+1) for each of the two pairs, as VDPBF16PS reads them */
-        memcpy(xp, x + (m0 + i) * K + g * 32 + 2 * p, sizeof xp);
-        even[i] = _mm512_dpbf16_ps(even[i], w0, (__m512bh)_mm512_set1_epi32(xp[0]));
-        odd[i] = _mm512_dpbf16_ps(odd[i], w1, (__m512bh)_mm512_set1_epi32(xp[1]));
+        /* (x_k, x_k+1) of each pair, broadcast straight from memory as VDPBF16PS reads
+           them: through a general register (int32_t, then set1) it took 35% longer at 8 rows
+           on Zen 4, where moving a register into a vector is slow */
+        const uint16_t* xp = x + (m0 + i) * K + g * 32 + 2 * p;
+        const __m512bh x0 = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(xp));
+        const __m512bh x1 = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(xp + 2));
+        even[i] = _mm512_dpbf16_ps(even[i], w0, x0);
+        odd[i] = _mm512_dpbf16_ps(odd[i], w1, x1);
       }
     }
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 16)));
