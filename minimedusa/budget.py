@@ -44,7 +44,8 @@ from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_acc
 from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
 from minimedusa.packed_linear import MIN_ROWS, PackedLinear
-from minimedusa.weight_formats import Int4KernelLinear, Int4Linear, Int8Linear, format_of
+from minimedusa.weight_formats import (Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear,
+                                       format_of)
 
 CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (tree_search.py measures it)
 
@@ -290,7 +291,9 @@ def latency_key(model, heads, device, dtype) -> str:
     fmt = format_of(model)
     weights = f" | {fmt} weights" if fmt in ("int8", "int4") else ""  # the dtype says the rest
     if any(isinstance(layer, Int4KernelLinear) for layer in model.layers[0].modules()):
-        weights += " (int4_kernel.c)"
+        weights += " (group_kernel.c)"
+    if isinstance(model.lm_head, Int8GroupLinear):
+        weights += ", 8-bit LM head"
     step = " | compiled step" if is_compiled(model) else ""
     if model.layers[0].attn.exact_attention is kernel_attention:
         step += ", C attention"

@@ -1,4 +1,4 @@
-"""Building this project's C kernels (attention_kernel.c, int4_kernel.c) on the machine that
+"""Building this project's C kernels (attention_kernel.c, group_kernel.c) on the machine that
 runs them, once, and loading them with ctypes.
 
 The C compiler is the one torch.compile already needs (cc, or $CC), with -O3 -march=native:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from minimedusa.packed_linear import PackedLinear
-from minimedusa.weight_formats import Int4KernelLinear, Int4Linear, Int8Linear
+from minimedusa.weight_formats import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
 
 STREAM_BYTES = 512 << 20  # far past any cache, as STREAM asks (>= 4x the last-level cache)
 
@@ -31,6 +31,8 @@ def weight_bytes(*modules: nn.Module) -> int:
                 tensors = [m.packed, m.scales_and_zeros]
             elif isinstance(m, Int4KernelLinear):
                 tensors = [m.packed, m.scales, m.minimums]
+            elif isinstance(m, Int8GroupLinear):
+                tensors = [m.packed, m.scales]
             elif isinstance(m, (nn.Linear, PackedLinear)):
                 tensors = [m.weight]
             else:

@@ -19,7 +19,7 @@ from minimedusa.model import causal_mask
 from minimedusa.memory_bandwidth import weight_bytes
 from minimedusa.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
-from minimedusa.weight_formats import Int4KernelLinear, Int4Linear, Int8Linear
+from minimedusa.weight_formats import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
 
 
 def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> str:
@@ -54,7 +54,7 @@ ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)  # a plain step, small trees, the 8- and 16
 
 
 # the layers a weight format swaps in
-FAST_LAYERS = (PackedLinear, Int4Linear, Int4KernelLinear, Int8Linear)
+FAST_LAYERS = (PackedLinear, Int4Linear, Int4KernelLinear, Int8GroupLinear, Int8Linear)
 
 
 @torch.inference_mode()

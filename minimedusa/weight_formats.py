@@ -13,13 +13,17 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               rest of the model runs in bfloat16); the LM head and the heads' projections too.
     int4      the blocks' weights in 4 bits, a scale and a minimum per 32 input features (the
               GGUF's Q4_1 layout), through torch's _weight_int4pack_mm_for_cpu, bfloat16
-              activations; the LM head and the heads stay bfloat16. Half a byte a weight, and
-              for a model whose weights came from a 4-bit file (the default model: a Q4_1
-              GGUF) no loss at all in the weights: the 4-bit grid found again is theirs, to
-              the bit (four_bit_checkpoint). Where the CPU has AVX-512 BF16 the products are
-              int4_kernel.c's (Int4KernelLinear: the weights read once for any number of
+              activations; the heads stay bfloat16. Half a byte a weight, and for a model
+              whose weights came from a 4-bit file (the default model: a Q4_1 GGUF) no loss at
+              all in the weights: the 4-bit grid found again is theirs, to the bit
+              (four_bit_checkpoint). Where the CPU has AVX-512 BF16 the products are
+              group_kernel.c's (Int4KernelLinear: the weights read once for any number of
               rows); elsewhere torch's kernel's, which reads them once per 4 rows (a tree of
-              5-8 rows costs it a second pass).
+              5-8 rows costs it a second pass). There too, an LM head (and the heads' draft
+              vocabulary's cut of it) whose weights lie on an 8-bit grid of 32 (the GGUF's
+              Q8_0, which the default model's came from) is kept in it (Int8GroupLinear: a
+              byte a weight, half of bfloat16's, and the file's own values, which bfloat16
+              rounds); any other stays bfloat16.
 
 Left out: activation quantization.
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
@@ -37,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minimedusa import int4_kernel
+from minimedusa import group_kernel
 from minimedusa.errors import UserError
 from minimedusa.model import Llama
 from minimedusa.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
@@ -112,6 +116,35 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tenso
     return w.view(N, K)
 
 
+def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> q (N, K) int8 in -127..127 and (N, K / GROUP) float32 scales, symmetric
+    per group of GROUP inputs: w ~= q * scale, scale = the group's max |w| / 127, as Q8_0 does
+    (so a Q8_0 file's groups, whose largest |q| is 127, are found again)."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // GROUP, GROUP)
+    scales = w.abs().amax(dim=-1) / 127  # (N, K / GROUP)
+    q = torch.round(w / scales.clamp(min=1e-30)[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).view(N, K), scales
+
+
+def dequantize_int8_groups(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The slow reference: the (N, K) float32 weight that quantize_int8_groups's output holds."""
+    N, K = q.shape
+    return (q.view(N, K // GROUP, GROUP).float() * scales[..., None]).view(N, K)
+
+
+def on_eight_bit_grid(weight: torch.Tensor) -> bool:
+    """Whether Int8GroupLinear holds this weight exactly: its groups of GROUP inputs are
+    q * scale with q in -127..127 and a float16 scale (what a GGUF's Q8_0 holds), and its shape
+    is the kernel's (outputs a multiple of 16)."""
+    N, K = weight.shape
+    if K % GROUP or N % 16:
+        return False
+    q, scales = quantize_int8_groups(weight)
+    scales = scales.half().float()  # as the kernel reads them
+    return bool(torch.equal(dequantize_int8_groups(q, scales), weight.detach().float()))
+
+
 def on_four_bit_grid(weight: torch.Tensor) -> bool:
     """Whether quantize_int4 keeps this weight as it is (to float32's rounding of the scale)."""
     if weight.shape[1] % GROUP:
@@ -151,7 +184,7 @@ class Int4Linear(nn.Module):
 
 
 class Int4KernelLinear(nn.Module):
-    """Int4Linear's weights, multiplied by int4_kernel.c (AVX-512 BF16 dot products, the weights
+    """Int4Linear's weights, multiplied by group_kernel.c (AVX-512 BF16 dot products, the weights
     read once for any number of rows) instead of torch's kernel: bfloat16 activations."""
 
     def __init__(self, linear: nn.Linear):
@@ -160,7 +193,7 @@ class Int4KernelLinear(nn.Module):
         if K % GROUP or N % 16:
             raise UserError(f"int4 needs layers of a multiple of {GROUP} inputs and of 16 "
                             f"outputs: this model has one of {K} and {N}")
-        packed, scales, minimums = int4_kernel.pack(*quantize_int4(linear.weight))
+        packed, scales, minimums = group_kernel.pack_int4(*quantize_int4(linear.weight))
         self.register_buffer("packed", packed)  # (N / 16, K / 2, 16) uint8
         # float16 whatever the activations' dtype (kept out of .to(bfloat16), which would round
         # them: plain attributes, not buffers)
@@ -174,6 +207,34 @@ class Int4KernelLinear(nn.Module):
         y = torch.ops.minimedusa.int4_product(rows, self.packed, self.scales, self.minimums)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Int8GroupLinear(nn.Module):
+    """y = x (q * scale)^T, weights held as 8-bit groups (Q8_0's), multiplied by group_kernel.c:
+    for an LM head whose weights already lie on that grid (on_eight_bit_grid), bfloat16
+    activations."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        assert linear.bias is None and on_eight_bit_grid(linear.weight)
+        packed, scales = group_kernel.pack_int8(*quantize_int8_groups(linear.weight))
+        self.register_buffer("packed", packed)  # (N / 16, K / 2, 32) uint8
+        self.scales = scales  # (N / 16, K / GROUP, 16) float16: a plain attribute, as int4's
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The (N, K) float32 weight, for setup code that reads it (the draft vocabulary's cut);
+        computed on each read, never on a decoding step."""
+        B, G = self.scales.shape[:2]
+        q = self.packed.view(torch.int8).view(B, G * GROUP // 2, 16, 2).permute(0, 2, 1, 3)
+        scales = self.scales.permute(0, 2, 1).reshape(B * 16, G).float()
+        return dequantize_int8_groups(q.reshape(B * 16, G * GROUP), scales)
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.minimedusa.int8_product(rows, self.packed, self.scales)  # (M, N)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -191,8 +252,8 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
 
 def four_bit_layers(model: Llama) -> int:
     """Replace every nn.Linear of the model's blocks by an int4 layer, in place; how many: an
-    Int4KernelLinear where int4_kernel.c multiplies on this CPU, else an Int4Linear."""
-    layer = Int4KernelLinear if int4_kernel.kernel_problem() is None else Int4Linear
+    Int4KernelLinear where group_kernel.c multiplies on this CPU, else an Int4Linear."""
+    layer = Int4KernelLinear if group_kernel.kernel_problem() is None else Int4Linear
     count = 0
     for block in model.layers:
         for parent in (block.attn, block.mlp):
@@ -203,18 +264,36 @@ def four_bit_layers(model: Llama) -> int:
     return count
 
 
+def eight_bit_lm_heads(module: nn.Module) -> int:
+    """Replace every LM head inside `module` (the model's, a draft vocabulary's cut) whose
+    weights lie on an 8-bit grid by an Int8GroupLinear, in place, where group_kernel.c
+    multiplies on this CPU; how many."""
+    if group_kernel.kernel_problem() is not None:
+        return 0
+    heads = [(parent, child) for parent in module.modules()
+             for name, child in parent.named_children() if name == "lm_head"
+             and type(child) is nn.Linear and child.bias is None
+             and on_eight_bit_grid(child.weight)]
+    for parent, child in heads:
+        parent.lm_head = Int8GroupLinear(child)
+    return len(heads)
+
+
 def apply_format(module: nn.Module, name: str) -> nn.Module:
     """The model (or the heads), loaded in float32, in format `name`: cast, then its layers
-    swapped (prepacked where that pays, or quantized). int4 quantizes only a model's blocks."""
+    swapped (prepacked where that pays, or quantized). int4 quantizes a model's blocks, and
+    keeps LM heads that lie on an 8-bit grid in it."""
     if name == "int8":
         quantize_linear_layers(module)  # from the float32 weights: rounded once, not twice
         return module.to(torch.bfloat16)
-    if name == "int4" and isinstance(module, Llama):
-        four_bit_layers(module)  # from the float32 weights: the file's grid, found again
+    if name == "int4":
+        if isinstance(module, Llama):
+            four_bit_layers(module)  # from the float32 weights: the file's grid, found again
+        eight_bit_lm_heads(module)
     dtype = activation_dtype(name)
     module = module.to(dtype)
     if can_pack(next(module.parameters()).device, dtype):
-        pack_linear_layers(module)  # int4: the LM head
+        pack_linear_layers(module)  # int4: the heads, and an LM head off the 8-bit grid
     return module
 
 
@@ -222,7 +301,7 @@ def format_of(model: nn.Module) -> str:
     """The format a loaded model (or heads) runs in: "int8", "int4", or its dtype's name."""
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return "int8"
-    if any(isinstance(m, (Int4Linear, Int4KernelLinear)) for m in model.modules()):
+    if any(isinstance(m, (Int4Linear, Int4KernelLinear, Int8GroupLinear)) for m in model.modules()):
         return "int4"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 

@@ -7,19 +7,21 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model, perturbed, tiny_model
-from minimedusa import int4_kernel
+from minimedusa import group_kernel
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.heads import MedusaHeads
+from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import causal_mask
 from minimedusa.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.weight_formats import (GROUP, Int4KernelLinear, Int4Linear, Int8Linear,
-                                       apply_format, bf16_is_native, dequantize_int4,
-                                       dequantize_int8, format_of, four_bit_checkpoint,
-                                       on_four_bit_grid, quantize_int4, quantize_int8)
+from minimedusa.weight_formats import (GROUP, Int4KernelLinear, Int4Linear, Int8GroupLinear,
+                                       Int8Linear, apply_format, bf16_is_native,
+                                       dequantize_int4, dequantize_int8, dequantize_int8_groups,
+                                       format_of, four_bit_checkpoint, on_eight_bit_grid,
+                                       on_four_bit_grid, quantize_int4, quantize_int8,
+                                       quantize_int8_groups)
 from minimedusa.weights import save_model
 from test_medusa_decoding import flat
 
@@ -57,8 +59,8 @@ def four_bit_weight(N: int, K: int, seed: int = 0) -> torch.Tensor:
 
 
 def int4_layers():
-    """The int4 layers this CPU has: torch's kernel's, and int4_kernel.c's where it multiplies."""
-    return [Int4Linear] + ([Int4KernelLinear] if int4_kernel.kernel_problem() is None else [])
+    """The int4 layers this CPU has: torch's kernel's, and group_kernel.c's where it multiplies."""
+    return [Int4Linear] + ([Int4KernelLinear] if group_kernel.kernel_problem() is None else [])
 
 
 def test_int4_finds_a_four_bit_files_grid_again_to_the_bit():
@@ -102,6 +104,76 @@ def test_an_int4_rows_product_has_the_same_bits_whatever_rows_beside_it(layer):
     assert torch.equal(int4(rows.flip(0))[-1:], alone)
 
 
+def eight_bit_weight(N: int, K: int, seed: int = 0) -> torch.Tensor:
+    """A weight as an 8-bit file holds it: per group of 32 inputs, q * scale with q in
+    -127..127, |q| = 127 used, scale float16 (as Q8_0 stores it)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (N, K // GROUP, GROUP), generator=g)
+    q[..., 0] = 127 * (2 * torch.randint(0, 2, (N, K // GROUP), generator=g) - 1)
+    scales = (torch.rand(N, K // GROUP, 1, generator=g) * 0.01 + 1e-4).half().float()
+    return (q * scales).view(N, K).float()
+
+
+def test_int8_groups_find_an_eight_bit_files_grid_again_to_the_bit():
+    """What keeps the default model's LM head (from a Q8_0 GGUF) exact in the int4 format."""
+    w = eight_bit_weight(48, 96)
+    assert torch.equal(dequantize_int8_groups(*quantize_int8_groups(w)), w)
+    assert on_eight_bit_grid(w)
+    assert not on_eight_bit_grid(torch.randn(48, 96))
+    assert not on_eight_bit_grid(eight_bit_weight(40, 96))  # not the kernel's blocks of 16
+
+
+needs_group_kernel = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                                        reason="group_kernel.c does not multiply on this CPU")
+
+
+@needs_group_kernel
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
+def test_int8_group_product_equals_dequantize_then_matmul(seed, rows):
+    """The 8-bit kernel's product at 1-20 rows == the weight's, to bfloat16's rounding; the
+    layer holds the weight to the bit."""
+    linear = nn.Linear(96, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(eight_bit_weight(48, 96, seed))
+    layer = Int8GroupLinear(linear)
+    assert torch.equal(layer.weight, linear.weight)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    torch.testing.assert_close(layer(x).float(), x.float() @ linear.weight.T,
+                               rtol=2e-2, atol=2e-2)
+
+
+@needs_group_kernel
+def test_an_eight_bit_lm_heads_row_has_the_same_bits_whatever_rows_beside_it():
+    linear = nn.Linear(576, 160, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(eight_bit_weight(160, 576))
+    head = Int8GroupLinear(linear)
+    rows = torch.randn(17, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
+    alone = head(rows[:1])  # (1, V)
+    assert all(torch.equal(head(rows[:m])[:1], alone) for m in range(2, 18))
+    assert torch.equal(head(rows.flip(0))[-1:], alone)
+
+
+@needs_group_kernel
+def test_int4_keeps_an_lm_head_on_an_eight_bit_grid_in_it_and_a_draft_vocabularys_cut():
+    """The model's LM head and the heads' cut of it in 8 bits, exactly; an LM head off the
+    grid stays bfloat16."""
+    model = four_bit_model(3)
+    float32 = model.lm_head.weight.clone()
+    model = apply_format(model, "int4")
+    assert isinstance(model.lm_head, Int8GroupLinear)
+    assert torch.equal(model.lm_head.weight, float32)  # where bfloat16 would round it
+    heads = HydraHeads.for_model(model, 2)
+    ids = torch.arange(1, 64, 4)  # 16 tokens: the kernel multiplies blocks of 16 outputs
+    heads.vocabulary = DraftVocabulary(ids, model.lm_head)
+    heads = apply_format(heads.float(), "int4")
+    assert isinstance(heads.vocabulary.lm_head, Int8GroupLinear)
+    assert torch.equal(heads.vocabulary.lm_head.weight, model.lm_head.weight[ids])
+    off_grid = apply_format(tiny_model(3, dtype=torch.float32), "int4")
+    assert not isinstance(off_grid.lm_head, Int8GroupLinear)
+
+
 def test_a_checkpoint_is_four_bit_when_all_its_blocks_weights_are(tmp_path):
     model = tiny_model(1, dtype=torch.float32)
     save_model(model, tmp_path / "random")
@@ -141,12 +213,14 @@ def test_a_model_in_a_format_stays_close_to_float32(name):
 
 
 def four_bit_model(seed: int, **overrides):
-    """A tiny float32 model whose blocks' weights lie on a 4-bit grid, as the default model's."""
+    """A tiny float32 model whose blocks' weights lie on a 4-bit grid and whose (tied) LM head
+    on an 8-bit one, as the default model's."""
     model = tiny_model(seed, dtype=torch.float32, tie_word_embeddings=True, **overrides)
     with torch.no_grad():
         for i, m in enumerate(model.layers.modules()):
             if isinstance(m, nn.Linear):
                 m.weight.copy_(four_bit_weight(*m.weight.shape, seed=seed * 100 + i) * 8)
+        model.embed.weight.copy_(eight_bit_weight(*model.embed.weight.shape, seed=seed) * 16)
     return model
 
 
@@ -167,3 +241,16 @@ def test_medusa_greedy_equals_the_formats_plain_greedy(name, kind, seed):
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
     medusa = flat(medusa_decode(model, heads, tree, prompt, 40, greedy(), set()))
     assert medusa == plain
+
+
+@needs_group_kernel
+@pytest.mark.parametrize("seed", [0, 1])
+def test_medusa_greedy_equals_int4s_plain_greedy_with_an_eight_bit_lm_head(seed):
+    """As above, the LM head (verifying every row) and the heads' drafts in 8-bit groups."""
+    model = apply_format(four_bit_model(seed), "int4")
+    assert isinstance(model.lm_head, Int8GroupLinear)
+    heads = apply_format(HydraHeads.for_model(model, 4).float().eval(), "int4")
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
+    prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
+    assert flat(medusa_decode(model, heads, tree, prompt, 40, greedy(), set())) == plain

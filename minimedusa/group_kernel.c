@@ -1,24 +1,29 @@
-/* int4 products in C, for CPUs with AVX-512 BF16 (int4_kernel.py builds this file and calls it;
-   dequantize-then-multiply, weight_formats.dequantize_int4, is the reference).
+/* Products of weights quantized in groups of 32 inputs, in C, for CPUs with AVX-512 BF16
+   (group_kernel.py builds this file and calls it; dequantize-then-multiply is the reference:
+   weight_formats.dequantize_int4 and dequantize_int8_groups).
 
-   y (M, N) = x (M, K) W^T, x and y bfloat16, W in groups of 32 inputs: w = q * scale + minimum,
-   q in 0..15 (weight_formats.quantize_int4). Per row, output and group:
-       y += scale * sum_k x_k q_k + minimum * sum_k x_k
+   y (M, N) = x (M, K) W^T, x and y bfloat16, W in groups of 32 inputs, two formats (the GGUF's):
+       int4 (Q4_1): w = q * scale + minimum, q in 0..15     (the blocks' weights)
+       int8 (Q8_0): w = q * scale,           q in -127..127 (the LM head)
+   Per row, output and group:
+       y += scale * sum_k x_k q_k  (+ minimum * sum_k x_k, int4)
    The first sum by VDPBF16PS, which multiplies bfloat16 pairs and adds them to float32 (q is a
    small integer, exact in bfloat16, so every product is exact); the second once per row and
    group. Why C: torch's _weight_int4pack_mm_for_cpu converts every weight to float32 and works
    through 4 rows at a time, so a tree of 5 to 8 rows reads the weights twice (12.6 ms for the
    default model's blocks at 5 rows against 4.6 at 1, on the 2-core AVX-512 EPYC); here the
-   weights are read once for any number of rows, and converted to bfloat16 by one table lookup.
+   weights are read once for any number of rows. And the LM head, 21% of the default model's
+   weights, in 8 bits reads half of what bfloat16 does, and is the file's own, to the bit.
 
    The same bits for a row whatever rows are multiplied beside it (what keeps greedy Medusa
    lossless): every row goes through the same sequence of operations, in a fixed order (two
    accumulators, even and odd pairs of inputs; the groups in order), only how many rows share
    a pass over the weights changes.
-   Layout (int4_kernel.pack): blocks of 16 outputs; per block and group, 16 pairs of inputs
-   (k, k + 1) of 16 bytes, byte l = q[16 b + l][k] | q[16 b + l][k + 1] << 4; scales and
-   minimums (N / 16, K / 32, 16) float16, as a GGUF's Q4_1 holds them (float32 would add half
-   as many bytes again as the 4-bit weights).
+   Layout (group_kernel.pack_int4 and pack_int8): blocks of 16 outputs; per block and group, 16
+   pairs of inputs (k, k + 1): int4 16 bytes a pair, byte l = q[16 b + l][k] |
+   q[16 b + l][k + 1] << 4; int8 32 bytes, q[16 b][k], q[16 b][k + 1], q[16 b + 1][k], ...
+   Scales and minimums (N / 16, K / 32, 16) float16, as the GGUF holds them (float32 would add
+   half as many bytes again as the 4-bit weights).
    Shapes: M rows, N outputs (a multiple of 16), K inputs (a multiple of 32), G = K / 32 groups. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -45,20 +50,33 @@ static inline __m512bh pair_weights(const uint8_t* bytes, __m512i table) {
   return (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
 }
 
-/* one block of 16 outputs for `n` rows from row m0 (n a constant in each copy the switch below
-   makes: the accumulators then live in registers) */
+/* 32 bytes of a pair of inputs -> their 32 weights' q as bfloat16, output-major: to float32,
+   16 at a time, then both halves to bfloat16 (exact: |q| <= 127 needs 8 bits) */
+static inline __m512bh pair_weights8(const uint8_t* bytes) {
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)bytes)));
+  __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(bytes + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  /* lo's 16 first */
+}
+
+/* one block of 16 outputs for `n` rows from row m0, weights of `bits` bits (4: with minimums
+   and the rows' sums; 8: without). n and bits are constants in each copy the switch below
+   makes: the accumulators then live in registers. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
     const float* sums, uint16_t* y, int64_t b, int64_t m0, int64_t N, int64_t K,
-    __m512i table, const int n) {
-  const int64_t G = K / 32;
+    __m512i table, const int n, const int bits) {
+  const int64_t G = K / 32, pair_bytes = 4 * bits;  /* 16 outputs x 2 inputs x bits / 8 */
   __m512 out[ROWS];
   for (int i = 0; i < n; i++) out[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; g++, w += 256) {
+  for (int64_t g = 0; g < G; g++, w += 16 * pair_bytes) {
     __m512 even[ROWS], odd[ROWS];  /* sum_k x_k q_k over the group's even / odd pairs */
     for (int i = 0; i < n; i++) even[i] = odd[i] = _mm512_setzero_ps();
     for (int p = 0; p < 16; p += 2) {
-      __m512bh w0 = pair_weights(w + p * 16, table), w1 = pair_weights(w + p * 16 + 16, table);
+      const uint8_t* pair = w + p * pair_bytes;
+      __m512bh w0 = bits == 4 ? pair_weights(pair, table) : pair_weights8(pair);
+      __m512bh w1 = bits == 4 ? pair_weights(pair + pair_bytes, table)
+                              : pair_weights8(pair + pair_bytes);
       for (int i = 0; i < n; i++) {
         /* (x_k, x_k+1) of each pair, broadcast straight from memory as VDPBF16PS reads
            them: through a general register (int32_t, then set1) it took 35% longer at 8 rows
@@ -71,11 +89,15 @@ static inline __attribute__((always_inline)) void block_rows(
       }
     }
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 16)));
-    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(minimums + g * 16)));
     for (int i = 0; i < n; i++) {
       __m512 q_part = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale);
-      __m512 min_part = _mm512_mul_ps(minimum, _mm512_set1_ps(sums[(m0 + i) * G + g]));
-      out[i] = _mm512_add_ps(out[i], _mm512_add_ps(q_part, min_part));
+      if (bits == 4) {
+        const __m512 minimum =
+            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(minimums + g * 16)));
+        q_part = _mm512_add_ps(q_part,
+                               _mm512_mul_ps(minimum, _mm512_set1_ps(sums[(m0 + i) * G + g])));
+      }
+      out[i] = _mm512_add_ps(out[i], q_part);
     }
   }
   for (int i = 0; i < n; i++) {
@@ -83,10 +105,30 @@ static inline __attribute__((always_inline)) void block_rows(
     memcpy(y + (m0 + i) * N + b * 16, &o, sizeof o);
   }
 }
+
+/* every block of outputs, on OpenMP's threads; every ROWS rows share a pass over the weights */
+static void product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                    const uint16_t* minimums, const float* sums, uint16_t* y, int64_t M,
+                    int64_t N, int64_t K, const int bits) {
+  const int64_t G = K / 32;
+  const __m512i table = _mm512_loadu_si512(BF16_OF);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < N / 16; b++) {
+    const uint8_t* w = packed + b * G * 64 * bits;  /* 16 pairs of pair_bytes a group */
+    const uint16_t *s = scales + b * G * 16, *mn = bits == 4 ? minimums + b * G * 16 : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+      switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
+#define ROWS_OF(n) case n: block_rows(x, w, s, mn, sums, y, b, m0, N, K, table, n, bits); break;
+        ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4) ROWS_OF(5) ROWS_OF(6) ROWS_OF(7) ROWS_OF(8)
+#undef ROWS_OF
+      }
+    }
+  }
+}
 #endif
 
 /* 1 where this build multiplies (the CPU had AVX-512 BF16 when it was compiled), else 0 */
-int int4_available(void) {
+int group_kernel_available(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   return 1;
 #else
@@ -94,7 +136,7 @@ int int4_available(void) {
 #endif
 }
 
-/* 0 done, 1 not available in this build, 2 out of memory */
+/* int4: 0 done, 1 not available in this build, 2 out of memory */
 int int4_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                  const uint16_t* minimums, uint16_t* y, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -112,23 +154,23 @@ int int4_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
       }
       sums[m * G + g] = s;
     }
-  const __m512i table = _mm512_loadu_si512(BF16_OF);
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < N / 16; b++) {
-    const uint8_t* w = packed + b * G * 256;
-    const uint16_t *s = scales + b * G * 16, *mn = minimums + b * G * 16;
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-      switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
-#define ROWS_OF(n) case n: block_rows(x, w, s, mn, sums, y, b, m0, N, K, table, n); break;
-        ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4) ROWS_OF(5) ROWS_OF(6) ROWS_OF(7) ROWS_OF(8)
-#undef ROWS_OF
-      }
-    }
-  }
+  product(x, packed, scales, minimums, sums, y, M, N, K, 4);
   free(sums);
   return 0;
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
+  return 1;
+#endif
+}
+
+/* int8: 0 done, 1 not available in this build */
+int int8_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales, uint16_t* y,
+                 int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  product(x, packed, scales, NULL, NULL, y, M, N, K, 8);
+  return 0;
+#else
+  (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K;
   return 1;
 #endif
 }
