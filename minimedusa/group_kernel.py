@@ -6,11 +6,14 @@ The int4 format's blocks (weight_formats.Int4KernelLinear: the GGUF's Q4_1) mult
 where this CPU has AVX-512 BF16 (Zen 4, Intel since Cooper Lake), else through torch's
 _weight_int4pack_mm_for_cpu (weight_formats.Int4Linear); so does its LM head where it lies on
 an 8-bit grid (weight_formats.Int8GroupLinear: the GGUF's Q8_0), else it stays bfloat16.
-Measured on the 2-core AVX-512 EPYC, the default model's 120 block products at 1 / 4 / 5 / 8 /
-9 / 16 rows: 3.8 / 4.7 / 5.7 / 7.3 / 9.3 / 14.3 ms against torch's 4.6 / 7.3 / 12.4 / 12.6 /
-18.3 / 22.8: a tree's rows cost a fraction of what they did, so the Budget can grow int4's
-trees. tests/test_weight_formats.py checks both formats against dequantize-then-multiply, and a
-row's bits whatever rows are beside it.
+Measured side by side on the 2-core AVX-512 EPYC, the default model's 120 block products at
+1 / 4 / 5 / 8 / 9 / 16 rows: torch's kernel 4.6 / 7.3 / 12.4 / 12.6 / 18.3 / 22.8 ms, this
+file's first version 3.5 / 4.5 / 5.3 / 7.3 / 9.2 / 12.9; broadcasting the activations from
+memory then took 8 rows a quarter lower (9.8 -> 7.2 ms in a later side-by-side run of the two
+versions, on a slower day of the machine). A tree's rows cost a fraction of what they did. The
+LM head in 8 bits: 1.0 ms a plain step where bfloat16's took 2.8 (bench --profile).
+tests/test_weight_formats.py checks both formats against dequantize-then-multiply, and a row's
+bits whatever rows are beside it.
 
 Shapes: M rows, N outputs, K inputs, G = K / 32 groups, B = N / 16 blocks of outputs.
 """

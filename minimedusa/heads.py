@@ -99,12 +99,14 @@ class DraftVocabulary(nn.Module):
 
     def __init__(self, ids: torch.Tensor, lm_head: nn.Linear):
         super().__init__()
-        self.vocab_size, dim = lm_head.weight.shape  # V, C (lm_head may be a PackedLinear)
-        self.register_buffer("ids", ids.to(lm_head.weight.device))  # (V',) int64
-        self.lm_head = nn.Linear(dim, len(ids), bias=False,
-                                 device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        # read once: a quantized LM head computes its weight on each read (weight_formats.py)
+        weight = lm_head.weight  # (V, C): lm_head may be a PackedLinear or an Int8GroupLinear
+        self.vocab_size, dim = weight.shape
+        self.register_buffer("ids", ids.to(weight.device))  # (V',) int64
+        self.lm_head = nn.Linear(dim, len(ids), bias=False, device=weight.device,
+                                 dtype=weight.dtype)
         with torch.no_grad():
-            self.lm_head.weight.copy_(lm_head.weight[self.ids])  # (V', C): the kept rows
+            self.lm_head.weight.copy_(weight[self.ids])  # (V', C): the kept rows
         self.requires_grad_(False)  # the backbone's LM head, frozen as it is
 
 

@@ -133,16 +133,18 @@ def dequantize_int8_groups(q: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return (q.view(N, K // GROUP, GROUP).float() * scales[..., None]).view(N, K)
 
 
-def on_eight_bit_grid(weight: torch.Tensor) -> bool:
-    """Whether Int8GroupLinear holds this weight exactly: its groups of GROUP inputs are
-    q * scale with q in -127..127 and a float16 scale (what a GGUF's Q8_0 holds), and its shape
-    is the kernel's (outputs a multiple of 16)."""
+def eight_bit_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """quantize_int8_groups's (q, scales), the scales rounded to float16 as the kernel reads
+    them, if they hold this weight exactly (its groups of GROUP inputs are q * scale with q in
+    -127..127 and a float16 scale: what a GGUF's Q8_0 holds) and the kernel's blocks of 16
+    outputs fit it; else None."""
     N, K = weight.shape
     if K % GROUP or N % 16:
-        return False
+        return None
     q, scales = quantize_int8_groups(weight)
-    scales = scales.half().float()  # as the kernel reads them
-    return bool(torch.equal(dequantize_int8_groups(q, scales), weight.detach().float()))
+    scales = scales.half().float()
+    exact = torch.equal(dequantize_int8_groups(q, scales), weight.detach().float())
+    return (q, scales) if exact else None
 
 
 def on_four_bit_grid(weight: torch.Tensor) -> bool:
@@ -211,16 +213,15 @@ class Int4KernelLinear(nn.Module):
 
 class Int8GroupLinear(nn.Module):
     """y = x (q * scale)^T, weights held as 8-bit groups (Q8_0's), multiplied by group_kernel.c:
-    for an LM head whose weights already lie on that grid (on_eight_bit_grid), bfloat16
-    activations."""
+    for an LM head whose weights already lie on that grid (eight_bit_groups' q and scales),
+    bfloat16 activations."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
         super().__init__()
-        assert linear.bias is None and on_eight_bit_grid(linear.weight)
-        packed, scales = group_kernel.pack_int8(*quantize_int8_groups(linear.weight))
+        packed, scales = group_kernel.pack_int8(q, scales)
         self.register_buffer("packed", packed)  # (N / 16, K / 2, 32) uint8
         self.scales = scales  # (N / 16, K / GROUP, 16) float16: a plain attribute, as int4's
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = q.shape
 
     @property
     def weight(self) -> torch.Tensor:
@@ -270,13 +271,13 @@ def eight_bit_lm_heads(module: nn.Module) -> int:
     multiplies on this CPU; how many."""
     if group_kernel.kernel_problem() is not None:
         return 0
-    heads = [(parent, child) for parent in module.modules()
-             for name, child in parent.named_children() if name == "lm_head"
-             and type(child) is nn.Linear and child.bias is None
-             and on_eight_bit_grid(child.weight)]
-    for parent, child in heads:
-        parent.lm_head = Int8GroupLinear(child)
-    return len(heads)
+    heads = [(parent, eight_bit_groups(child.weight)) for parent in module.modules()
+             for name, child in parent.named_children()
+             if name == "lm_head" and type(child) is nn.Linear and child.bias is None]
+    kept = [(parent, groups) for parent, groups in heads if groups is not None]
+    for parent, (q, scales) in kept:
+        parent.lm_head = Int8GroupLinear(q, scales)
+    return len(kept)
 
 
 def apply_format(module: nn.Module, name: str) -> nn.Module:

@@ -19,7 +19,7 @@ from minimedusa.tree import build_tree
 from minimedusa.weight_formats import (GROUP, Int4KernelLinear, Int4Linear, Int8GroupLinear,
                                        Int8Linear, apply_format, bf16_is_native,
                                        dequantize_int4, dequantize_int8, dequantize_int8_groups,
-                                       format_of, four_bit_checkpoint, on_eight_bit_grid,
+                                       eight_bit_groups, format_of, four_bit_checkpoint,
                                        on_four_bit_grid, quantize_int4, quantize_int8,
                                        quantize_int8_groups)
 from minimedusa.weights import save_model
@@ -118,9 +118,9 @@ def test_int8_groups_find_an_eight_bit_files_grid_again_to_the_bit():
     """What keeps the default model's LM head (from a Q8_0 GGUF) exact in the int4 format."""
     w = eight_bit_weight(48, 96)
     assert torch.equal(dequantize_int8_groups(*quantize_int8_groups(w)), w)
-    assert on_eight_bit_grid(w)
-    assert not on_eight_bit_grid(torch.randn(48, 96))
-    assert not on_eight_bit_grid(eight_bit_weight(40, 96))  # not the kernel's blocks of 16
+    assert eight_bit_groups(w) is not None
+    assert eight_bit_groups(torch.randn(48, 96)) is None
+    assert eight_bit_groups(eight_bit_weight(40, 96)) is None  # not the kernel's blocks of 16
 
 
 needs_group_kernel = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
@@ -133,22 +133,16 @@ needs_group_kernel = pytest.mark.skipif(group_kernel.kernel_problem() is not Non
 def test_int8_group_product_equals_dequantize_then_matmul(seed, rows):
     """The 8-bit kernel's product at 1-20 rows == the weight's, to bfloat16's rounding; the
     layer holds the weight to the bit."""
-    linear = nn.Linear(96, 48, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(eight_bit_weight(48, 96, seed))
-    layer = Int8GroupLinear(linear)
-    assert torch.equal(layer.weight, linear.weight)
+    weight = eight_bit_weight(48, 96, seed)
+    layer = Int8GroupLinear(*eight_bit_groups(weight))
+    assert torch.equal(layer.weight, weight)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    torch.testing.assert_close(layer(x).float(), x.float() @ linear.weight.T,
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer(x).float(), x.float() @ weight.T, rtol=2e-2, atol=2e-2)
 
 
 @needs_group_kernel
 def test_an_eight_bit_lm_heads_row_has_the_same_bits_whatever_rows_beside_it():
-    linear = nn.Linear(576, 160, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(eight_bit_weight(160, 576))
-    head = Int8GroupLinear(linear)
+    head = Int8GroupLinear(*eight_bit_groups(eight_bit_weight(160, 576)))
     rows = torch.randn(17, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
     alone = head(rows[:1])  # (1, V)
     assert all(torch.equal(head(rows[:m])[:1], alone) for m in range(2, 18))
