@@ -69,6 +69,13 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor):
     return pairs.reshape(N // 16, K // 2, 32).view(torch.uint8).contiguous(), by_block(scales)
 
 
+def unpack_int8(packed: torch.Tensor, scales: torch.Tensor):
+    """pack_int8's inverse: (N, K) int8 q and (N, G) float32 scales."""
+    B, G = scales.shape[:2]
+    q = packed.view(torch.int8).view(B, G * 16, 16, 2).permute(0, 2, 1, 3)  # (B, 16, K / 2, 2)
+    return q.reshape(B * 16, G * 32), scales.permute(0, 2, 1).reshape(B * 16, G).float()
+
+
 def by_block(t: torch.Tensor) -> torch.Tensor:
     """(N, G) per output and group -> (B, G, 16) float16: a block's 16 outputs side by side."""
     N = t.shape[0]

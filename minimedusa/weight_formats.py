@@ -227,10 +227,7 @@ class Int8GroupLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The (N, K) float32 weight, for setup code that reads it (the draft vocabulary's cut);
         computed on each read, never on a decoding step."""
-        B, G = self.scales.shape[:2]
-        q = self.packed.view(torch.int8).view(B, G * GROUP // 2, 16, 2).permute(0, 2, 1, 3)
-        scales = self.scales.permute(0, 2, 1).reshape(B * 16, G).float()
-        return dequantize_int8_groups(q.reshape(B * 16, G * GROUP), scales)
+        return dequantize_int8_groups(*group_kernel.unpack_int8(self.packed, self.scales))
 
     def forward(self, x):  # (..., K) -> (..., N)
         rows = x.reshape(-1, self.in_features)  # (M, K)
