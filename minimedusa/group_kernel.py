@@ -49,6 +49,16 @@ def kernel_problem() -> str | None:
     return _kernel.get("problem")
 
 
+def kernel(name: str):
+    """The kernel's function `name` ("int4_product" or "int8_product"), built and loaded at the
+    first call; a layer made without kernel_problem() asked first still gets it, or a clear
+    error where this CPU has none."""
+    problem = kernel_problem()
+    if problem is not None:
+        raise RuntimeError(f"group_kernel.c does not multiply on this machine: {problem}")
+    return _kernel[name]
+
+
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
     """weight_formats.quantize_int4's (N, K) q, (N, G) scales and minimums -> the kernel's
     layout: (B, K / 2, 16) bytes, two inputs' q of one output a byte, 16 outputs side by side;
@@ -92,8 +102,8 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     rows = rows.contiguous()
     M, K = rows.shape
     y = rows.new_empty(M, scales.shape[0] * 16)
-    done = _kernel["int4_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                   minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K)
+    done = kernel("int4_product")(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                  minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K)
     if done != 0:
         raise MemoryError("group_kernel.c could not allocate its sums")
     return y
@@ -115,8 +125,8 @@ def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor)
     rows = rows.contiguous()
     M, K = rows.shape
     y = rows.new_empty(M, scales.shape[0] * 16)
-    _kernel["int8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(),
-                            M, y.shape[1], K)
+    kernel("int8_product")(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(),
+                           M, y.shape[1], K)
     return y
 
 
