@@ -97,8 +97,10 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
 def add_quantize_argument(parser) -> None:
     parser.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
                         help="int4: the blocks' weights in 4 bits, a scale and a minimum per 32 "
-                        "(as the GGUF's Q4_1), the LM head and the heads in bfloat16; lossless "
-                        "for a model whose weights came from a 4-bit file, where it is the "
+                        "(as the GGUF's Q4_1), the heads in bfloat16, the LM head in 8-bit "
+                        "groups if its weights already lie on them (as the GGUF's Q8_0), else "
+                        "bfloat16; lossless for a model whose weights came from such a file, "
+                        "where it is the "
                         "default on a CPU with native bfloat16. int8: weight-only int8 (a scale "
                         "per output channel) for every linear layer, the LM head and the heads' "
                         "included. Both run bfloat16 activations on a CPU (weight_formats.py). "
