@@ -106,8 +106,9 @@ static inline __attribute__((always_inline)) void block_rows(
   }
 }
 
-/* every block of outputs, on OpenMP's threads; every ROWS rows share a pass over the weights */
-static void product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+/* every block of outputs, on OpenMP's threads; every ROWS rows share a pass over the weights
+   (inlined into each format's entry point below, so that `bits` is a constant there too) */
+static inline __attribute__((always_inline)) void product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                     const uint16_t* minimums, const float* sums, uint16_t* y, int64_t M,
                     int64_t N, int64_t K, const int bits) {
   const int64_t G = K / 32;
