@@ -100,10 +100,10 @@ def add_quantize_argument(parser) -> None:
                         "(as the GGUF's Q4_1), the heads in bfloat16, the LM head in 8-bit "
                         "groups if its weights already lie on them (as the GGUF's Q8_0), else "
                         "bfloat16; lossless for a model whose weights came from such a file, "
-                        "where it is the "
-                        "default on a CPU with native bfloat16. int8: weight-only int8 (a scale "
-                        "per output channel) for every linear layer, the LM head and the heads' "
-                        "included. Both run bfloat16 activations on a CPU (weight_formats.py). "
+                        "where it is the default on a CPU with native bfloat16. int8: "
+                        "weight-only int8 (a scale per output channel) for every linear layer, "
+                        "the LM head and the heads' included. Both run bfloat16 activations on "
+                        "a CPU (weight_formats.py). "
                         "Default: none, the weights in --dtype (whose auto may pick int4)")
 
 

@@ -27,8 +27,8 @@ from minimedusa.packed_linear import OPERATORS
 
 SOURCE = Path(__file__).with_suffix(".c")
 
-# the kernel, loaded at the first kernel_problem() of the process: "int4_product" and
-# "int8_product", its functions, or "problem", why there are none
+# the kernel, loaded at the first kernel_problem() of the process (require_kernel() asks it):
+# "int4_product" and "int8_product", its functions, or "problem", why there are none
 _kernel: dict = {}
 
 
@@ -49,14 +49,13 @@ def kernel_problem() -> str | None:
     return _kernel.get("problem")
 
 
-def kernel(name: str):
-    """The kernel's function `name` ("int4_product" or "int8_product"), built and loaded at the
-    first call; a layer made without kernel_problem() asked first still gets it, or a clear
-    error where this CPU has none."""
+def require_kernel() -> None:
+    """Raise, saying why in one line, where group_kernel.c does not multiply on this machine;
+    builds and loads it at the first call. The layers that multiply through it call this when
+    they are made, so that their products (a decoding step's hot path) need not ask again."""
     problem = kernel_problem()
     if problem is not None:
         raise RuntimeError(f"group_kernel.c does not multiply on this machine: {problem}")
-    return _kernel[name]
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
@@ -102,8 +101,8 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     rows = rows.contiguous()
     M, K = rows.shape
     y = rows.new_empty(M, scales.shape[0] * 16)
-    done = kernel("int4_product")(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                  minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K)
+    done = _kernel["int4_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                   minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K)
     if done != 0:
         raise MemoryError("group_kernel.c could not allocate its sums")
     return y
@@ -125,8 +124,8 @@ def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor)
     rows = rows.contiguous()
     M, K = rows.shape
     y = rows.new_empty(M, scales.shape[0] * 16)
-    kernel("int8_product")(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(),
-                           M, y.shape[1], K)
+    _kernel["int8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(),
+                            M, y.shape[1], K)
     return y
 
 

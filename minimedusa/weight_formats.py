@@ -195,6 +195,7 @@ class Int4KernelLinear(nn.Module):
         if K % GROUP or N % 16:
             raise UserError(f"int4 needs layers of a multiple of {GROUP} inputs and of 16 "
                             f"outputs: this model has one of {K} and {N}")
+        group_kernel.require_kernel()
         packed, scales, minimums = group_kernel.pack_int4(*quantize_int4(linear.weight))
         self.register_buffer("packed", packed)  # (N / 16, K / 2, 16) uint8
         # float16 whatever the activations' dtype (kept out of .to(bfloat16), which would round
@@ -218,6 +219,7 @@ class Int8GroupLinear(nn.Module):
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor):
         super().__init__()
+        group_kernel.require_kernel()
         packed, scales = group_kernel.pack_int8(q, scales)
         self.register_buffer("packed", packed)  # (N / 16, K / 2, 32) uint8
         self.scales = scales  # (N / 16, K / GROUP, 16) float16: a plain attribute, as int4's
