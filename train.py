@@ -18,26 +18,30 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
-from minimedusa import joint_training, pipeline
-from minimedusa.checkpoint import CHECKPOINT, checkpoint_on_interrupt, resume, save_checkpoint
-from minimedusa.cli import Parser, progress_bar, say
-from minimedusa.default_model import ensure_default_model
-from minimedusa.draft_layer import (ANSWERS_PER_BATCH, AnswerRows, HydraPlusPlusHeads,
-                                    answer_rows, featured_rows)
-from minimedusa.errors import UserError, entry_point
-from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
-from minimedusa.heads_files import load_heads, save_draft_vocab, save_heads
-from minimedusa.hydra import HydraHeads
-from minimedusa.model import Llama
-from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import (Losses, Rows, accuracy_line, batch_rows, check_out_is_not,
-                                 cosine_lr, distill_loss, distributed, draft_columns, head_logits,
-                                 head_metrics, medusa_loss, read_answers, read_rows,
-                                 setup_distributed, split_validation, teacher_states, total_steps)
-from minimedusa.weights import load_model
+with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
+    import torch
+    import torch.distributed as dist
+
+    from minimedusa import joint_training, pipeline
+    from minimedusa.checkpoint import CHECKPOINT, checkpoint_on_interrupt, resume, save_checkpoint
+    from minimedusa.cli import (Parser, non_negative, non_negative_int, positive, positive_int,
+                                progress_bar, say)
+    from minimedusa.default_model import ensure_default_model
+    from minimedusa.draft_layer import (ANSWERS_PER_BATCH, AnswerRows, HydraPlusPlusHeads,
+                                        answer_rows, featured_rows)
+    from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
+    from minimedusa.heads_files import load_heads, save_draft_vocab, save_heads
+    from minimedusa.hydra import HydraHeads
+    from minimedusa.model import Llama
+    from minimedusa.self_distill import tokenizer_fingerprint
+    from minimedusa.training import (Losses, Rows, accuracy_line, batch_rows,
+                                     check_out_is_not, cosine_lr, distill_loss, distributed,
+                                     draft_columns, head_logits, head_metrics, medusa_loss,
+                                     read_answers, read_rows, setup_distributed,
+                                     split_validation, teacher_states, total_steps)
+    from minimedusa.weights import load_model
 
 # Flags whose default depends on where the data comes from: with --data, the paper's Medusa-1;
 # from the model alone, the shipped heads' recipe (pipeline.RECIPE).
@@ -61,17 +65,18 @@ def add_loop_flags(p) -> None:
                    "Medusa-1: train them further (their form replaces --heads/--layers/--shared; "
                    "default: fresh heads). Medusa-2: the paper's heads warm-up (default: the "
                    "shipped paper-kind heads for the default model)")
-    p.add_argument("--epochs", type=float, default=None,
+    p.add_argument("--epochs", type=positive, default=None,
                    help="passes over the data (default: 1; from the model alone: 2)")
-    p.add_argument("--grad-accum", type=int, default=1,
+    p.add_argument("--grad-accum", type=positive_int, default=1,
                    help="split each batch into this many micro-batches (default: 1)")
-    p.add_argument("--warmup", type=int, default=50, help="warm-up steps (default: 50)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (default: 1.0)")
-    p.add_argument("--eval-every", type=int, default=None,
+    p.add_argument("--warmup", type=non_negative_int, default=50,
+                   help="warm-up steps (default: 50)")
+    p.add_argument("--weight-decay", type=non_negative, default=0.0, help="AdamW weight decay")
+    p.add_argument("--clip", type=positive, default=1.0, help="gradient norm clip (default: 1.0)")
+    p.add_argument("--eval-every", type=positive_int, default=None,
                    help="validate every N steps (default: 200; from the model alone: 500)")
-    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
-    p.add_argument("--max-steps", type=int, default=None,
+    p.add_argument("--save-every", type=positive_int, default=200, help="checkpoint every N steps")
+    p.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many steps (the schedule still spans --epochs)")
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint.pt")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
@@ -92,20 +97,21 @@ def add_medusa1_flags(p) -> None:
     m1.add_argument("--distill", action="store_true", help="learn the backbone's whole "
                     "next-token distribution (read off the stored hidden states) instead of the "
                     "data's one token: Hydra++'s teacher loss (default: cross-entropy on tokens)")
-    m1.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="the heads rank "
+    m1.add_argument("--draft-vocab", type=non_negative_int, default=None, metavar="N",
+                    help="the heads rank "
                     "only the N tokens most frequent in the training answers, as they will draft "
                     "(a fraction of the LM head's cost; the config makes it the heads' default); "
                     "0 = the whole vocabulary (default with --data; from the model alone: 8192)")
-    m1.add_argument("--heads", type=int, default=4, help="number of heads K (default: 4; "
+    m1.add_argument("--heads", type=positive_int, default=4, help="number of heads K (default: 4; "
                     "Medusa-2 keeps the form of --init-heads)")
-    m1.add_argument("--layers", type=int, default=None,
+    m1.add_argument("--layers", type=positive_int, default=None,
                     help="residual blocks per head (default: 1; from the model alone: 2)")
     m1.add_argument("--shared", action="store_true",
                     help="heads share the backbone's LM head instead of own projections")
-    m1.add_argument("--batch-size", type=int, default=256,
+    m1.add_argument("--batch-size", type=positive_int, default=256,
                     help="answer positions per optimizer step (default: 256; --kind hydra++: "
                     f"drawn from {ANSWERS_PER_BATCH} whole answers)")
-    m1.add_argument("--lr", type=float, default=None, help="the heads' peak learning rate "
+    m1.add_argument("--lr", type=positive, default=None, help="the heads' peak learning rate "
                     "(default: 1e-3; from the model alone: 2e-3)")
 
 
@@ -119,8 +125,12 @@ def parse_args(argv=None):
     if args.data is None and not args.frozen:
         p.error("Medusa-2 trains on --data made beforehand (python -m minimedusa.self_distill); "
                 "from the model alone, train Medusa-1 heads with --frozen")
-    if args.data is not None and (args.out is None or args.prompts is not None):
-        p.error("with --data, give --out, and no --prompts (the data is made already)")
+    if args.data is not None and (args.out is None or args.prompts is not None
+                                  or args.decode_format != "auto"):
+        p.error("with --data, give --out, and no --prompts or --decode-format (the data is "
+                "made already; python -m minimedusa.tree_search calibrates in a format)")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file: give a folder (made if missing)")
     for name, value in (pipeline.RECIPE if args.data is None else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -7,6 +7,7 @@ the long commands.
 """
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -67,10 +68,31 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def dropout(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
 
 
@@ -216,7 +238,7 @@ def decoding_model(folder: Path, device, weight_format: str) -> Llama:
 
 
 def add_draft_vocab_argument(parser) -> None:
-    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+    parser.add_argument("--draft-vocab", type=non_negative_int, default=None, metavar="N",
                         help="the heads rank only the N tokens most frequent in their training "
                         "answers, reading N rows of the LM head instead of all (output "
                         "unchanged: the model still verifies over the whole vocabulary); 0 = "
@@ -278,22 +300,48 @@ def default_tree(device: torch.device) -> str:
 
 
 def tree_choices(spec: str) -> list:
-    """A named tree, a dense tree 'dense:3,2,2', or a JSON file holding a list of node paths."""
+    """A named tree, a dense tree 'dense:3,2,2', or a JSON file holding a list of node paths;
+    at most MAX_TREE_NODES nodes."""
     if spec in NAMED_TREES:
         return NAMED_TREES[spec]
     if spec.startswith("dense:"):
         try:
-            return dense_tree([int(s) for s in spec.removeprefix("dense:").split(",")])
+            top_s = [int(s) for s in spec.removeprefix("dense:").split(",")]
         except ValueError:
             raise TreeError(f"bad dense tree {spec!r}: use e.g. dense:3,2,2") from None
+        if min(top_s) < 1:
+            raise TreeError(f"bad dense tree {spec!r}: each head keeps >= 1 guess")
+        check_tree_size(dense_size(top_s), spec)  # before listing: 100,100,100 lists a million
+        return dense_tree(top_s)
     path = Path(spec)
     if not path.is_file():
         raise TreeError(f"unknown tree {spec!r}: not one of {', '.join(NAMED_TREES)}, "
                         "not dense:s1,s2,..., and no such file")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        choices = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
+    if isinstance(choices, list):
+        check_tree_size(len(choices), spec)
+    return choices
+
+
+# The most nodes a tree may have: its nodes are the rows of one forward (and a tree mask of
+# nodes x nodes), so past a thousand a step costs far more than it could accept on any machine,
+# and tens of thousands exhaust the memory (the paper's largest useful tree had 64).
+MAX_TREE_NODES = 1024
+
+
+def dense_size(top_s: list[int]) -> int:
+    """sum_k prod_{i<=k} s_i: the nodes of dense:s_1,...,s_K."""
+    return sum(math.prod(top_s[:k]) for k in range(1, len(top_s) + 1))
+
+
+def check_tree_size(nodes: int, spec: str) -> None:
+    """A TreeError naming the bound if a tree of `nodes` nodes is not allowed."""
+    if nodes > MAX_TREE_NODES:
+        raise TreeError(f"tree {spec!r} has {nodes} nodes; at most {MAX_TREE_NODES} are "
+                        "allowed (a step's rows: the paper's largest useful tree had 64)")
 
 
 def ranked_size(spec: str) -> int | None:
@@ -302,8 +350,9 @@ def ranked_size(spec: str) -> int | None:
     if spec == "ranked":
         return None
     size = spec.removeprefix("ranked:")
-    if not size.isdigit() or int(size) < 1:
-        raise TreeError(f"bad tree {spec!r}: use ranked:N with N >= 1 nodes")
+    if not size.isdigit() or not 1 <= int(size) <= MAX_TREE_NODES:
+        raise TreeError(f"bad tree {spec!r}: use ranked:N with N >= 1 nodes, at most "
+                        f"{MAX_TREE_NODES} (a step's rows: the paper's largest useful tree had 64)")
     return int(size)
 
 

@@ -25,7 +25,8 @@ from minimedusa.acceptance import Acceptance
 from minimedusa.context_candidates import ContextIndex, with_chain
 from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
 from minimedusa.errors import UserError
-from minimedusa.heads import DraftVocabulary, MedusaHeads, drafting_lm_head, token_ids
+from minimedusa.heads import (DraftVocabulary, MedusaHeads, as_features, drafting_lm_head,
+                              token_ids)
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, at_least_float32, causal_mask
@@ -220,9 +221,9 @@ def context_reader(heads, capacity: int):
     a positions it kept: the last one's, or for Hydra++ heads the draft layer's output there,
     the layer reading every kept position into its own cache (draft_layer.py)."""
     if not isinstance(heads, HydraPlusPlusHeads):
-        return lambda hidden: hidden[-1]
+        return lambda hidden: as_features(heads, hidden[-1])
     cache = new_draft_cache(heads, capacity)
-    return lambda hidden: read_accepted(heads, cache, hidden)
+    return lambda hidden: read_accepted(heads, cache, as_features(heads, hidden))
 
 
 def step_by_step(model: Llama, heads, prompt_ids: list[int], max_new_tokens: int, margin: int,

@@ -5,6 +5,7 @@ a prompt too long for the context: each raises a UserError (or a subclass named 
 that raises it), and every entry point runs under `entry_point`, which prints `error: ...` and
 exits with status 1. Anything else is a bug here and keeps its traceback.
 """
+import contextlib
 import functools
 import sys
 
@@ -24,3 +25,13 @@ def entry_point(main):
         except KeyboardInterrupt:
             sys.exit("\ninterrupted")
     return run
+
+
+@contextlib.contextmanager
+def quiet_interrupt():
+    """Ctrl-C inside ends the program in one line, as entry_point ends it later: for an entry
+    point's imports (torch takes seconds to load, before main and its guard run)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        sys.exit("\ninterrupted")

@@ -9,7 +9,6 @@ top-1 agreement (the same next token) and the mean KL(p_float32 || p_format). A 
 top-1 agreement is under 98% is never a default (weight_formats.default_format).
 Shapes: T sequence length, V vocab.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from minimedusa.cli import Parser, positive_int
 from minimedusa.default_model import ensure_default_model
 from minimedusa.errors import entry_point
 from minimedusa.model import causal_mask
@@ -63,11 +63,11 @@ def compare(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dic
 
 @entry_point
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Next-token agreement and KL of each CPU weight "
+    p = Parser(description="Next-token agreement and KL of each CPU weight "
                                 "format against float32, on held-out chats.")
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the default)")
-    p.add_argument("--prompts", type=int, default=48, help="held-out chats (default: 48)")
-    p.add_argument("--max-new-tokens", type=int, default=128,
+    p.add_argument("--prompts", type=positive_int, default=48, help="held-out chats (default: 48)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128,
                    help="answer length (default: 128)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)

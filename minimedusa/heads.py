@@ -110,6 +110,16 @@ class DraftVocabulary(nn.Module):
         self.requires_grad_(False)  # the backbone's LM head, frozen as it is
 
 
+def as_features(heads: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Hidden states (..., C) as the heads read them: in the dtype of the heads' weights.
+
+    The one place that decides it, for training, calibration and decoding alike: a weight
+    format casts the heads (weight_formats.apply_format: bfloat16, or int4's bfloat16 heads),
+    while the states they are given may come in another dtype (rows stored in bfloat16, a
+    float32 training backbone, a quantized LM head whose weight reads as float32)."""
+    return hidden.to(next(heads.parameters()).dtype)
+
+
 def drafting_lm_head(vocabulary: DraftVocabulary | None, lm_head: nn.Module) -> nn.Module:
     """What the heads project with: the draft vocabulary's cut of the LM head, or all of it."""
     return lm_head if vocabulary is None else vocabulary.lm_head

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 from minimedusa.budget import CALIBRATION
 from minimedusa.checkpoint import write_json
+from minimedusa.cli import dropout, non_negative, non_negative_int, positive, positive_int
 from minimedusa.default_model import PAPER_HEADS_DIR, ensure_default_model
 from minimedusa.errors import UserError
 from minimedusa.heads import MedusaHeads
@@ -165,32 +166,33 @@ def joint_metrics(model, heads, answers: list[tuple], teacher: Rows, device) -> 
 def add_flags(p) -> None:
     """train.py's flags of Medusa-2 (without --frozen)."""
     m2 = p.add_argument_group("Medusa-2 (without --frozen)")
-    m2.add_argument("--answers-per-batch", type=int, default=8,
+    m2.add_argument("--answers-per-batch", type=positive_int, default=8,
                     help="whole answers per optimizer step (default: 8)")
-    m2.add_argument("--lora-lr", type=float, default=5e-4,
+    m2.add_argument("--lora-lr", type=positive, default=5e-4,
                     help="the adapters' peak learning rate (default: 5e-4, the paper's)")
-    m2.add_argument("--heads-lr-ratio", type=float, default=4.0,
+    m2.add_argument("--heads-lr-ratio", type=positive, default=4.0,
                     help="the heads' learning rate over the adapters' (default: 4, the paper's)")
-    m2.add_argument("--lora-rank", type=int, default=32, help="adapter rank r (default: 32)")
-    m2.add_argument("--lora-alpha", type=float, default=16.0,
+    m2.add_argument("--lora-rank", type=positive_int, default=32,
+                    help="adapter rank r (default: 32)")
+    m2.add_argument("--lora-alpha", type=positive, default=16.0,
                     help="adapter scale alpha; the update is alpha/r B A (default: 16)")
-    m2.add_argument("--lora-dropout", type=float, default=0.05,
+    m2.add_argument("--lora-dropout", type=dropout, default=0.05,
                     help="dropout on the adapters' input (default: 0.05)")
-    m2.add_argument("--lambda0", type=float, default=0.01,
+    m2.add_argument("--lambda0", type=non_negative, default=0.01,
                     help="peak weight of the heads' loss beside the KL (default: 0.01, the "
                     "paper's value with self-distillation)")
-    m2.add_argument("--lambda0-warmup", type=int, default=None,
+    m2.add_argument("--lambda0-warmup", type=non_negative_int, default=None,
                     help="steps over which lambda_0 rises as a sine from 0 to --lambda0 "
                     "(default: half the run)")
-    m2.add_argument("--max-kl", type=float, default=0.05,
+    m2.add_argument("--max-kl", type=non_negative, default=0.05,
                     help="quality guard: the run is good only if the mean next-token KL from "
                     "the original model on held-out answers stays below this, in nats "
                     "(default: 0.05; quality.json reports beside it the KL of the original "
                     "model run in bfloat16, a change people accept as the same model)")
-    m2.add_argument("--eval-answers", type=int, default=64,
+    m2.add_argument("--eval-answers", type=positive_int, default=64,
                     help="held-out answers used by the periodic validation (the final one "
                     "uses all; default: 64)")
-    m2.add_argument("--guard-prompts", type=int, default=32,
+    m2.add_argument("--guard-prompts", type=positive_int, default=32,
                     help="held-out prompts for the greedy agreement check (default: 32)")
 
 

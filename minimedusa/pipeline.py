@@ -53,9 +53,16 @@ def add_flags(p) -> None:
     alone.add_argument("--prompts", type=positive_int, default=None, metavar="N",
                        help=f"seed prompts to answer (default: {CPU_PROMPTS} on a CPU, "
                        "every seed prompt on a GPU)")
+    alone.add_argument("--decode-format", choices=DECODE_FORMATS, default="auto",
+                       help="the weight format stage 3 calibrates the heads in and times their "
+                       "trees in, as generate.py will decode with them (default: auto, "
+                       "generate.py's own default here: on a CPU that multiplies bfloat16 "
+                       "natively int4 for a model from a 4-bit file, else bfloat16; float32 on "
+                       "other CPUs; int8 and int4 on a CPU only)")
 
 
 STAGES = 3
+DECODE_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 
 
 def check_model_folder(folder: Path) -> None:
@@ -134,7 +141,7 @@ def tree_stage(args, folder: Path, device, say) -> None:
     """Stage 3: calibrate the heads on held-out answers and time each tree size here, for
     generate.py (tree_search.py). Done when both the calibration and this machine's step
     latencies are there."""
-    model = decoding_model(folder, device, default_format(device, folder))
+    model = decoding_model(folder, device, decode_format(args.decode_format, device, folder))
     heads = decoding_heads(str(args.out), model)
     dtype = model.embed.weight.dtype
     if read_calibration(args.out) is not None and read_cached(latency_key(model, heads, device,
@@ -148,6 +155,12 @@ def tree_stage(args, folder: Path, device, say) -> None:
     time_sizes(model, heads, nodes, probs, MAX_NODES)
 
 
+def decode_format(name: str, device, folder: Path) -> str:
+    """--decode-format's weight format: the one named, or generate.py's default for this
+    machine and model."""
+    return default_format(device, folder) if name == "auto" else name
+
+
 def from_model(args, medusa1, train_loop) -> None:
     """python train.py --frozen [--model DIR]: the three stages, each resumed or skipped.
     medusa1 and train_loop: train.py's Medusa-1 setup and training loop, handed in so that
@@ -155,6 +168,9 @@ def from_model(args, medusa1, train_loop) -> None:
     device = pick_device(args.device)
     folder = args.model or ensure_default_model()
     check_model_folder(folder)
+    if args.decode_format in ("int8", "int4") and device.type != "cpu":
+        raise UserError(f"--decode-format {args.decode_format} multiplies on a CPU only (as "
+                        "generate.py's --quantize): drop it or --device")
     args.out = args.out or WEIGHTS_DIR / f"{folder.name}-trained"
     args.data = args.out / "data"
     check_recipe(args)

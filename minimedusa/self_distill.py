@@ -35,7 +35,8 @@ import torch
 from safetensors.torch import save_file
 
 from minimedusa.checkpoint import write_atomically
-from minimedusa.cli import Parser, add_device_arguments, device_and_dtype, progress_bar, say
+from minimedusa.cli import (Parser, add_device_arguments, device_and_dtype, non_negative,
+                            positive_int, progress_bar, say)
 from minimedusa.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
 from minimedusa.kv_cache import KVCache
@@ -265,13 +266,14 @@ def main():
     p.add_argument("--prompts", choices=["templates", "model"], default="templates",
                    help="templates: the project's seed prompts (default); model: the model "
                    "writes the user turns itself, --limit of them, kept in OUT/user_turns.jsonl")
-    p.add_argument("--limit", type=int, default=None, help="answer only the first N prompts "
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="answer only the first N prompts "
                    "(with --prompts model: how many the model writes; required)")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts per batch "
+    p.add_argument("--batch-size", type=positive_int, default=32, help="prompts per batch "
                    "(default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
+    p.add_argument("--max-new-tokens", type=positive_int, default=256,
                    help="answer length cap (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=non_negative, default=0.0,
                    help="0 = greedy answers (default), as the heads will be used with greedy "
                    "decoding; > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed")

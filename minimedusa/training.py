@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from minimedusa.device import pick_device
 from minimedusa.errors import UserError
-from minimedusa.heads import drafting_lm_head, token_ids
+from minimedusa.heads import as_features, drafting_lm_head, token_ids
 
 IGNORE = -100  # target of a head whose token t+k+1 lies past the end of the answer
 
@@ -134,6 +134,7 @@ def head_logits(heads, hidden: torch.Tensor, tokens: torch.Tensor | None, model,
     they read the answer's own tokens y_{t+1}..y_{t+K} (B, K), which is what a correct draft
     holds. heads: the heads, or the heads wrapped by DistributedDataParallel."""
     lm_head = drafting_lm_head(vocabulary, model.lm_head)
+    hidden = as_features(heads, hidden)
     if getattr(heads, "module", heads).config.head_kind in ("hydra", "hydra++"):
         return heads(hidden, tokens, model.embed, lm_head)
     return heads(hidden, lm_head)
@@ -205,7 +206,7 @@ def head_metrics(heads, model, rows: Rows, device, batch_size: int = 1024,
     K = rows.targets.shape[1]
     ce_sum, n_ce, n, top1, top5 = (torch.zeros(K) for _ in range(5))
     for a in range(0, rows.targets.shape[0], batch_size):
-        hidden = rows.hidden[a:a + batch_size].to(device, model.lm_head.weight.dtype)  # (B, C)
+        hidden = rows.hidden[a:a + batch_size].to(device)  # (B, C)
         targets = rows.targets[a:a + batch_size].to(device)  # (B, K)
         tokens = None if rows.tokens is None else rows.tokens[a:a + batch_size].to(device)
         logits = head_logits(heads, hidden, tokens, model, vocabulary)  # (K, B, V)

@@ -27,7 +27,7 @@ from minimedusa.budget import (CALIBRATION, SIZES, expected_length, grow_tree, l
 from minimedusa.checkpoint import write_json
 from minimedusa.cli import (Parser, add_compile_argument, add_device_arguments,
                             add_quantize_argument, decoding_heads, decoding_model, decoding_step,
-                            device_and_format)
+                            device_and_format, positive_int)
 from minimedusa.default_model import ensure_default_model
 from minimedusa.device import machine_key
 from minimedusa.draft_layer import HydraPlusPlusHeads, answer_rows, featured_rows
@@ -52,11 +52,11 @@ def head_accuracies(heads, model, rows: Rows, ranks: int = 10,
     that the draft above them was right, which is when their guess can be accepted."""
     K = rows.targets.shape[1]
     hits, counted = torch.zeros(K, ranks), torch.zeros(K, 1)
-    weight = model.lm_head.weight
+    device = model.embed.weight.device
     for a in range(0, rows.targets.shape[0], batch_size):
-        hidden = rows.hidden[a:a + batch_size].to(weight.device, weight.dtype)
-        targets = rows.targets[a:a + batch_size].to(weight.device).T  # (K, B)
-        tokens = None if rows.tokens is None else rows.tokens[a:a + batch_size].to(weight.device)
+        hidden = rows.hidden[a:a + batch_size].to(device)  # (B, C): the heads cast it
+        targets = rows.targets[a:a + batch_size].to(device).T  # (K, B)
+        tokens = None if rows.tokens is None else rows.tokens[a:a + batch_size].to(device)
         logits = head_logits(heads, hidden, tokens, model, heads.vocabulary)  # (K, B, V')
         top = token_ids(heads.vocabulary, logits.topk(ranks, dim=-1).indices)  # (K, B, R)
         hits += (top == targets.unsqueeze(-1)).sum(dim=1).cpu()  # a target is in one rank at most
@@ -165,11 +165,11 @@ def main(argv=None):
                    "default: reuse the heads' calibration.json")
     p.add_argument("--model", type=Path, default=None, help="HF Llama folder (default: the "
                    "default model)")
-    p.add_argument("--ranks", type=int, default=10, help="guesses per head to calibrate "
+    p.add_argument("--ranks", type=positive_int, default=10, help="guesses per head to calibrate "
                    "(default: %(default)s)")
-    p.add_argument("--max-nodes", type=int, default=MAX_NODES,
+    p.add_argument("--max-nodes", type=positive_int, default=MAX_NODES,
                    help="largest tree to consider (default: %(default)s)")
-    p.add_argument("--budget", type=int, default=None,
+    p.add_argument("--budget", type=positive_int, default=None,
                    help="skip the latency measurement and take a tree of this many nodes")
     p.add_argument("--out", type=Path, default=None,
                    help="also write the chosen tree's node paths here (a --tree file)")

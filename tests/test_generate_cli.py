@@ -189,6 +189,30 @@ def test_confidence_ranked_trees_decode_as_the_baseline(tiny_folder, tree):
     assert_one_line_error(generate(*args, "--tree", "ranked:0"), "use ranked:N with N >= 1")
 
 
+@pytest.mark.parametrize("tree", ["ranked:100000", "dense:100,100,100"])
+def test_a_tree_past_the_bound_gives_one_clear_line(tiny_folder, tree):
+    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads", "untrained:3",
+                    "--tree", tree, "--no-compile")
+    assert_one_line_error(done, tree, "at most 1024")
+
+
+def test_ctrl_c_while_torch_loads_ends_in_one_line():
+    """A Ctrl-C during generate.py's imports (torch takes seconds to load), simulated as a
+    KeyboardInterrupt raised by the import of torch."""
+    script = ("import builtins, runpy, sys\n"
+              "real = builtins.__import__\n"
+              "def ctrl_c(name, *args, **kwargs):\n"
+              "    if name == 'torch':\n"
+              "        raise KeyboardInterrupt\n"
+              "    return real(name, *args, **kwargs)\n"
+              "builtins.__import__ = ctrl_c\n"
+              f"sys.argv = ['generate.py', '--prompt', 'Hi']\n"
+              f"runpy.run_path({str(REPO / 'generate.py')!r}, run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.returncode != 0 and done.stderr.strip() == "interrupted", done.stderr
+
+
 def test_malformed_tree_file_gives_one_clear_line(tiny_folder, tmp_path):
     tree = tmp_path / "tree.json"
     tree.write_text("[[0], [1, 0]]")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import generate
 import train
 from conftest import tiny_model
 from minimedusa import pipeline, self_distill
@@ -122,3 +123,56 @@ def test_a_model_it_cannot_run_or_prompt_is_one_line_before_any_work(
         from_model(folder, tmp_path / "out")
     assert str(e.value).startswith("error: ") and message in str(e.value)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt, flags", [
+    ("float32", ["--dtype", "float32"]),
+    ("bfloat16", ["--dtype", "bfloat16"]),
+    ("int4", ["--quantize", "int4"]),
+])
+def test_the_one_command_training_finishes_in_every_format_and_its_heads_decode_losslessly(
+        chat_model, tmp_path, capsys, fmt, flags):
+    """Stage 3 calibrates and times the heads in the format generate.py decodes in (forced by
+    --decode-format, so that every format a CPU may default to runs on any CPU): the heads
+    then see features of that format's dtype, whatever dtype the training rows had."""
+    out = tmp_path / "heads"
+    train.main(["--frozen", "--model", str(chat_model), "--out", str(out), "--prompts", "8",
+                "--batch-size", "32", "--warmup", "2", "--decode-format", fmt])
+    assert "stage 3/3" in capsys.readouterr().err and (out / CALIBRATION).is_file()
+    answers = []
+    for baseline in ([], ["--baseline"]):
+        generate.main(["--model", str(chat_model), "--heads", str(out), "--prompt", "Hi",
+                       "--max-new-tokens", "16", "--json", "--no-compile", *flags, *baseline])
+        answers.append(json.loads(capsys.readouterr().out))
+    medusa, plain = answers
+    assert medusa["format"] == plain["format"] == fmt
+    assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-steps", "0"], "--max-steps"),
+    (["--max-steps", "-3"], "--max-steps"),
+    (["--lr", "-1"], "--lr"),
+    (["--epochs", "0"], "--epochs"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--heads", "0"], "--heads"),
+    (["--save-every", "0"], "--save-every"),
+    (["--decode-format", "int3"], "--decode-format"),
+])
+def test_bad_training_flags_give_one_clear_line(chat_model, tmp_path, capsys, flags, needle):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--frozen", "--model", str(chat_model), "--out", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err
+    assert e.value.code != 0 and err.startswith("error: ") and needle in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_an_out_that_is_a_file_gives_one_clear_line_and_keeps_the_file(chat_model, tmp_path,
+                                                                         capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        train.main(["--frozen", "--model", str(chat_model), "--out", str(file)])
+    err = capsys.readouterr().err
+    assert e.value.code != 0 and err.startswith("error: --out") and "is a file" in err
+    assert file.read_text() == "mine"

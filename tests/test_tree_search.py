@@ -17,11 +17,25 @@ from minimedusa.budget import (CALIBRATION, SIZES, expected_length, expected_len
 from minimedusa.cli import decoding_budget, decoding_tree
 from minimedusa.compiled_step import compile_blocks, compiler_problem
 from minimedusa.heads import MedusaHeads
-from minimedusa.training import IGNORE, Rows
+from minimedusa.training import IGNORE, Rows, head_metrics
 from minimedusa.tree import build_tree, dense_tree
 from minimedusa.tree_search import head_accuracies
 from minimedusa.heads_files import load_heads, save_heads
 from minimedusa.weight_formats import activation_dtype, apply_format, default_format
+
+
+def test_heads_read_features_in_their_own_dtype_in_training_and_calibration():
+    """Heads in a weight format's dtype (bfloat16 here) are given features of another dtype
+    (float32 rows, a float32 backbone): calibration and validation cast them to the heads'
+    dtype (heads.as_features), as decoding does, and measure what the heads guess."""
+    model = tiny_model(dtype=torch.float32)
+    heads = MedusaHeads.for_model(model, 2).eval().requires_grad_(False)  # own projections
+    rows = Rows(torch.randn(24, model.config.hidden_size), torch.randint(0, 64, (24, 2)))
+    expected = head_accuracies(heads, model, rows, ranks=3)
+    in_bf16 = apply_format(MedusaHeads.for_model(model, 2).eval(), "bfloat16")
+    assert torch.allclose(head_accuracies(in_bf16, model, rows, ranks=3), expected, atol=0.1)
+    metrics = head_metrics(in_bf16, model, rows, "cpu")
+    assert len(metrics["top1"]) == 2
 
 
 def test_calibration_counts_each_rank_of_each_head():
