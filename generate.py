@@ -22,8 +22,9 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli import (NAMED_TREES, Parser, add_compile_argument, add_context_argument,
                                 add_device_arguments, add_draft_vocab_argument,
                                 add_quantize_argument, decoding_acceptance, decoding_budget,
-                                decoding_heads, decoding_model, decoding_step, decoding_tree, device_and_format, non_negative, positive_int,
-                                probability, ranked_size, ranked_vocab_size)
+                                decoding_heads, decoding_model, decoding_step, decoding_tree,
+                                device_and_format, non_negative, positive_int, probability,
+                                ranked_size, ranked_vocab_size)
     from minimedusa.decoding import (StepStats, adaptive_decode, medusa_decode, plain_decode,
                                      ranked_decode)
     from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
