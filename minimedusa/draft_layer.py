@@ -80,7 +80,8 @@ class HydraPlusPlusHeads(HydraHeads):
 
 def new_draft_cache(heads: HydraPlusPlusHeads, capacity: int) -> KVCache:
     """An empty one-layer cache for the draft layer, as long as the backbone's."""
-    cfg, weight = heads.draft_layer.config, heads.draft_layer.block.attn.wqkv.weight
+    # the norm's weight: never swapped by a weight format (a packed layer may let its weight go)
+    cfg, weight = heads.draft_layer.config, heads.draft_layer.block.attn_norm.weight
     return KVCache(1, 1, cfg.num_key_value_heads, capacity, cfg.head_dim, weight.device,
                    weight.dtype)
 
@@ -172,7 +173,7 @@ def layer_features(layer: DraftLayer, data: AnswerRows, answers: torch.Tensor,
     seqs = [torch.cat([data.prompts[j], data.rows.hidden[data.offsets[j]:data.offsets[j + 1]]])
             for j in answers.tolist()]
     B, T = len(seqs), max(len(s) for s in seqs)
-    hidden = torch.zeros(B, T, seqs[0].shape[1], dtype=layer.block.attn.wqkv.weight.dtype)
+    hidden = torch.zeros(B, T, seqs[0].shape[1], dtype=layer.block.attn_norm.weight.dtype)
     for b, s in enumerate(seqs):
         hidden[b, :len(s)] = s
     positions = torch.arange(T, device=device).expand(B, T)

@@ -25,6 +25,11 @@ def weight_bytes(*modules: nn.Module) -> int:
     seen, total = set(), 0
     for module in modules:
         for m in module.modules():
+            if isinstance(m, PackedLinear):  # oneDNN's packed copy has no data pointer
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    total += m.in_features * m.out_features * m.dtype.itemsize
+                continue
             if isinstance(m, Int8Linear):
                 tensors = [m.q, m.scales]
             elif isinstance(m, Int4Linear):
@@ -33,7 +38,7 @@ def weight_bytes(*modules: nn.Module) -> int:
                 tensors = [m.packed, m.scales, m.minimums]
             elif isinstance(m, Int8GroupLinear):
                 tensors = [m.packed, m.scales]
-            elif isinstance(m, (nn.Linear, PackedLinear)):
+            elif isinstance(m, nn.Linear):
                 tensors = [m.weight]
             else:
                 continue

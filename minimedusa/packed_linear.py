@@ -68,15 +68,23 @@ MIN_ROWS = 4
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout. Shares the Parameters it was made
-    from (a tied LM head stays tied to the embedding)."""
+    from (a tied LM head stays tied to the embedding); with keep_weight False it lets the
+    unpacked weight go (a model's blocks: no one reads it, and it would double their bytes)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, keep_weight: bool = True):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias  # (O, I), (O,) or None
+        self.weight = linear.weight if keep_weight else None  # (O, I)
+        self.bias = linear.bias  # (O,) or None
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype  # the rows' dtype it was packed for
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
 
     def forward(self, x):  # (..., I) -> (..., O)
-        if x.dtype != self.weight.dtype or torch.is_grad_enabled():
+        if x.dtype != self.dtype or torch.is_grad_enabled():
+            if self.weight is None:
+                raise RuntimeError("a packed block layer multiplies decoding's rows only (its "
+                                   "unpacked weight was let go): train on a model loaded "
+                                   "without a weight format")
             return F.linear(x, self.weight, self.bias)  # not what it was packed for
         rows = x.reshape(-1, x.shape[-1])  # (M, I)
         M = rows.shape[0]
@@ -92,7 +100,7 @@ class PackedLinear(nn.Module):
     def product(self, rows):  # (M, I) -> (M, O)
         if torch.compiler.is_compiling():
             return torch.ops.minimedusa.packed_product(rows, self.packed, self.bias,
-                                                       self.weight.shape[0])
+                                                       self.out_features)
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
 
@@ -106,11 +114,14 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_linear_layers(module: nn.Module) -> int:
-    """Replace every nn.Linear inside `module` by a PackedLinear, in place; returns how many."""
+    """Replace every nn.Linear inside `module` by a PackedLinear, in place; returns how many.
+    An LM head keeps its unpacked weight (setup code reads it: the draft vocabulary's cut,
+    fresh heads; a tied one is the embedding's anyway); every other layer lets it go, so that
+    a model's bytes are not held twice (float32: 424 MB of the default model's blocks)."""
     count = 0
     for name, child in module.named_children():
         if type(child) is nn.Linear:
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(child, keep_weight=name == "lm_head"))
             count += 1
         else:
             count += pack_linear_layers(child)

@@ -79,9 +79,8 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
 
 def time_products(layers, M: int) -> float:
     """Seconds to multiply M random rows by each layer's weight, one after another."""
-    inputs = [torch.randn(M, m.in_features, dtype=torch.bfloat16) if not isinstance(
-        m, PackedLinear) else torch.randn(M, m.weight.shape[1], dtype=m.weight.dtype)
-        for m in layers]
+    inputs = [torch.randn(M, m.in_features, dtype=m.dtype if isinstance(m, PackedLinear)
+                          else torch.bfloat16) for m in layers]
     start = time.perf_counter()
     for layer, x in zip(layers, inputs):
         layer.product(x) if isinstance(layer, PackedLinear) else layer(x)  # (M, O)

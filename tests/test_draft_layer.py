@@ -159,8 +159,9 @@ def test_train_frozen_hydra_pp_learns(tiny_setup, tmp_path, distill):
                + (["--distill"] if distill else []))
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert log[-1]["loss"][0] < log[0]["loss"][0]  # held-out CE of head 1
-    heads = decoding_heads(str(tmp_path), load_model(model_dir))  # as generate.py loads them
-    assert isinstance(heads, HydraPlusPlusHeads)
+    assert isinstance(decoding_heads(str(tmp_path), load_model(model_dir)),  # as generate.py
+                      HydraPlusPlusHeads)
+    heads = load_heads(tmp_path, load_model(model_dir))  # float32, unpacked
     assert heads.draft_layer.block.mlp.down.weight.abs().sum() > 0  # the layer learned
 
 
