@@ -1,5 +1,9 @@
 """Benchmark: decoding speed on MT-Bench first turns, engines interleaved in one process.
 
+MT-Bench (Zheng et al. 2023: FastChat's question.jsonl, 80 questions in 8 categories) is other
+authors' text and is not shipped: give it with --questions, or put it at ../shared/data/ beside
+the repository. Without it the benchmark times the project's own held-out seed prompts instead.
+
 Engines (bench_engines.py): this project's plain decoding; Medusa with the given heads, verified
 greedily and (at --temperature) by typical acceptance and by rejection sampling, its tree's size
 adapted step by step as generate.py does (budget.py; the steps run at each size are reported),
@@ -38,18 +42,21 @@ from minimedusa.default_model import DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR, ensur
 from minimedusa.device import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.memory_bandwidth import implied_bandwidth, streaming_bandwidth
+from minimedusa.seed_prompts import seed_prompts
 from minimedusa.step_profile import forward_times, product_times, profile_steps, step_times
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.weight_formats import FORMATS, activation_dtype
 
 MT_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
-    "mt_bench_questions.jsonl"
+    "mt_bench_questions.jsonl"  # where MT-Bench is looked for when --questions is not given
+CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+              "humanities")  # MT-Bench's 8, which the seed prompts also have (and chitchat)
 
 
 def first_turns(path: Path, per_category: int) -> list[dict]:
     """The first `per_category` questions of each MT-Bench category, first turn only."""
     if not path.is_file():
-        raise UserError(f"MT-Bench questions not found at {path} (use --questions)")
+        raise UserError(f"MT-Bench questions not found at {path}")
     taken, counts = [], {}
     for line in path.read_text().splitlines():
         q = json.loads(line)
@@ -60,11 +67,41 @@ def first_turns(path: Path, per_category: int) -> list[dict]:
     return taken
 
 
+def held_out_seed_prompts(per_category: int) -> list[dict]:
+    """The last `per_category` seed prompts of each of MT-Bench's categories, in its shape.
+
+    Held out as format_quality.py's are: training answers the first seed prompts in seed 0's
+    order (the shipped heads the first 2,048), so the last ones are prompts those heads never
+    saw. Another seed would hold out little: every seed shuffles the same templates x topics.
+    subtle: unseen, but of the templates' kind, on which heads guess better than on MT-Bench
+    (self_distill.py: first guess accepted 56% against 24%), so tokens/step come out higher."""
+    prompts = seed_prompts()
+    taken = []
+    for category in CATEGORIES:
+        last_first = [i for i in reversed(range(len(prompts)))
+                      if prompts[i]["category"] == category]
+        taken += [{"id": f"seed-{i}", **prompts[i]} for i in last_first[:per_category]]
+    return taken
+
+
+def questions_to_time(given: Path | None, per_category: int) -> list[dict]:
+    """MT-Bench's first turns, from --questions or the default place; without either, the
+    project's held-out seed prompts. One line on stderr says which."""
+    if given is None and not MT_BENCH.is_file():
+        print(f"minimedusa: MT-Bench questions not found at {MT_BENCH}; timing the project's own "
+              "held-out seed prompts, on which Medusa accepts more (give MT-Bench with "
+              "--questions)", file=sys.stderr)
+        return held_out_seed_prompts(per_category)
+    questions = first_turns(given or MT_BENCH, per_category)  # given but missing: one-line error
+    print(f"questions: MT-Bench first turns from {given or MT_BENCH}", file=sys.stderr)
+    return questions
+
+
 def add_engine_flags(p) -> None:
     """What to time: the questions, the heads, their trees and acceptance rules."""
     p.add_argument("--per-category", type=int, default=2,
                    help="questions per MT-Bench category, 8 categories (default: %(default)s; "
-                   "10 = all 80)")
+                   "10 = all 80), or held-out seed prompts per category without MT-Bench")
     p.add_argument("--max-new-tokens", type=int, default=256,
                    help="tokens generated per question, EOS ignored (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
@@ -130,8 +167,10 @@ def parse_args(argv=None):
     add_compile_argument(p)
     p.add_argument("--model", type=Path, default=None,
                    help="HF Llama folder (default: the default model in weights/)")
-    p.add_argument("--questions", type=Path, default=MT_BENCH,
-                   help="MT-Bench questions JSONL (default: ../shared/data/...)")
+    p.add_argument("--questions", type=Path, default=None,
+                   help="MT-Bench's questions, JSONL (FastChat's question.jsonl; default: "
+                   "../shared/data/mt_bench_questions.jsonl beside the repository if there, "
+                   "else the project's held-out seed prompts)")
     p.add_argument("--generate", action="store_true",
                    help="instead of the in-process benchmark, run generate.py once per question "
                    "and round, its default flags against --baseline (as a user runs it)")
@@ -241,7 +280,7 @@ def main(argv=None):
     device, weight_format = device_and_format(args, folder)
     dtype = activation_dtype(weight_format)
     tokenizer = Tokenizer.from_folder(folder)
-    questions = first_turns(args.questions, args.per_category)
+    questions = questions_to_time(args.questions, args.per_category)
     if args.generate:
         report_generate_processes(args, questions, machine_key(device, dtype), tokenizer, folder)
         return

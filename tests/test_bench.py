@@ -1,6 +1,9 @@
 """The benchmark end to end on a tiny model: every engine runs on every question, Medusa greedy
-reproduces plain greedy, and the report holds the paper's metrics per category and overall."""
+reproduces plain greedy, and the report holds the paper's metrics per category and overall.
+MT-Bench is not in the repository, so these tests time the project's held-out seed prompts,
+whatever lies beside the clone, and give MT-Bench's shape as a small file of their own."""
 import json
+import re
 import shutil
 
 import pytest
@@ -11,8 +14,16 @@ from minimedusa import bench, bench_generate
 from minimedusa.budget import CALIBRATION
 from minimedusa.heads import MedusaHeads
 from minimedusa.heads_files import save_heads
+from minimedusa.pipeline import CPU_PROMPTS
+from minimedusa.seed_prompts import seed_prompts
 from minimedusa.weight_formats import default_format
 from minimedusa.weights import load_model, save_model
+
+
+@pytest.fixture(autouse=True)
+def no_mt_bench(tmp_path, monkeypatch):
+    """No MT-Bench at the default place, as in a clone with nothing beside it."""
+    monkeypatch.setattr(bench, "MT_BENCH", tmp_path / "absent" / "mt_bench_questions.jsonl")
 
 
 @pytest.fixture
@@ -131,3 +142,38 @@ def test_unknown_format_is_one_line_not_a_traceback(tiny_folder):
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
                     "--formats", "int3"])
+
+
+def test_bench_without_mt_bench_times_the_projects_own_prompts_and_says_so(capsys):
+    """Two held-out seed prompts in each of MT-Bench's 8 categories, none of them a prompt the
+    shipped heads (or a CPU run of train.py) trained on, and one line on stderr saying so."""
+    questions = bench.questions_to_time(None, 2)
+    assert [q["category"] for q in questions] == [c for c in bench.CATEGORIES for _ in range(2)]
+    trained_on = {p["prompt"] for p in seed_prompts()[:CPU_PROMPTS]}
+    assert not trained_on & {q["prompt"] for q in questions}
+    assert all(q["id"].startswith("seed-") for q in questions)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"minimedusa: MT-Bench questions not found at {bench.MT_BENCH}; timing "
+                          "the project's own held-out seed prompts")
+
+
+def test_questions_given_are_timed_first_turn_first_per_category(tmp_path, capsys):
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps({"question_id": 10 * c + i, "category": category,
+                                        "turns": [f"{category} {i}?", "and then?"]}) + "\n"
+                            for c, category in enumerate(("writing", "math")) for i in range(3)))
+    questions = bench.questions_to_time(path, 2)
+    assert questions == [{"id": 0, "category": "writing", "prompt": "writing 0?"},
+                         {"id": 1, "category": "writing", "prompt": "writing 1?"},
+                         {"id": 10, "category": "math", "prompt": "math 0?"},
+                         {"id": 11, "category": "math", "prompt": "math 1?"}]
+    assert capsys.readouterr().err == f"questions: MT-Bench first turns from {path}\n"
+
+
+def test_missing_questions_given_are_one_line_not_a_fallback(tiny_folder, tmp_path):
+    missing = tmp_path / "question.jsonl"
+    with pytest.raises(SystemExit, match=f"^error: MT-Bench questions not found at "
+                                         f"{re.escape(str(missing))}$"):
+        bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
+                    "--questions", str(missing), "--threads", "1"])
