@@ -24,11 +24,13 @@ every size below n would have accepted.
 
 Shapes: K heads, R ranks calibrated (top-R guesses per head).
 """
+import contextlib
 import heapq
 import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -309,28 +311,66 @@ def latency_key(model, heads, device, dtype) -> str:
             f"{vocab}")
 
 
-def read_cache_file() -> dict:
-    """Every cached entry; a damaged cache file reads as empty: measured again, never trusted."""
+def read_cache_file() -> tuple[dict, str | None]:
+    """(every cached entry, None); no file reads as ({}, None). A damaged file (not UTF-8, not
+    JSON, not {key: {size: seconds}}) or one that cannot be read gives ({}, why): never
+    trusted, its latencies are measured again and it is replaced."""
     path = cache_file()
+    if not path.is_file():
+        return {}, None
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        return {}
+        cached = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 (UnicodeDecodeError), not JSON
+        return {}, f"{type(e).__name__}: {e}"
+    problem = shape_problem(cached)
+    return ({}, problem) if problem else (cached, None)
+
+
+def shape_problem(cached) -> str | None:
+    """Why a cache file's JSON is not {key: {size: seconds}}, or None. note: a latency of 0,
+    NaN or infinity counts as damage too: the budget divides by it."""
+    if not isinstance(cached, dict):
+        return f"a JSON {type(cached).__name__}, not an object"
+    for key, entry in cached.items():
+        if not isinstance(entry, dict) or not all(
+                n.isdecimal() and is_seconds(s) for n, s in entry.items()):
+            return f"the entry {key[:80]!r} is not {{size: seconds}}"
+    return None
+
+
+def is_seconds(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
 
 
 def read_cached(key: str) -> dict[int, float]:
-    return {int(n): s for n, s in read_cache_file().get(key, {}).items()}
+    """The cached seconds per step of each size under `key`; none ({}) where the file is
+    damaged, which a line on stderr says (its sizes are then measured again)."""
+    cached, problem = read_cache_file()
+    if problem is not None:
+        print(f"minimedusa: the step-latency cache {cache_file()} was damaged ({problem}); "
+              "measured again", file=sys.stderr)
+    return {int(n): s for n, s in cached.get(key, {}).items()}
 
 
 def write_cached(key: str, latency: dict[int, float]) -> None:
-    """Merge into the cache file, written beside its final name and renamed."""
+    """Merge into the cache file (a damaged one is replaced: read_cached has said so), written
+    beside its final name and renamed. Where it cannot be written the decoding goes on: a line
+    on stderr says the latencies were not kept, why, and what to do."""
     path = cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cached = read_cache_file()
+    cached, _ = read_cache_file()
     cached[key] = {**cached.get(key, {}), **{str(n): s for n, s in latency.items()}}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cached, indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(cached, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only folder, MINIMEDUSA_CACHE naming a file, a full disk
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a half-written one (where the folder itself is not the problem)
+        print(f"minimedusa: the step latencies measured here were not kept: {path} cannot be "
+              f"written ({type(e).__name__}: {e}); set MINIMEDUSA_CACHE to a writable folder",
+              file=sys.stderr)
 
 
 def machine_latency(model, heads, trees: dict[int, MedusaTree], repeats: int = 3):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from minimedusa.c_kernels import load_library, why_not
+from minimedusa.device import cpu_features
 from minimedusa.packed_linear import OPERATORS
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -47,6 +48,13 @@ def kernel_problem() -> str | None:
         except (OSError, RuntimeError) as e:
             _kernel["problem"] = why_not(e)
     return _kernel.get("problem")
+
+
+def expected_here() -> bool:
+    """Whether this CPU lists AVX-512 BF16, which the kernel multiplies with: there, a kernel
+    that does not multiply is a fault (no compiler, a failed build) worth a line; elsewhere
+    torch's int4 kernel is the normal case."""
+    return "avx512_bf16" in cpu_features().split("+")
 
 
 def require_kernel() -> None:

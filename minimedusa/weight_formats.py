@@ -36,6 +36,7 @@ one-row kernel rounds differently; int4's kernel gives a row the same bits at an
 Measured: 8 of 8 MT-Bench answers identical to plain greedy over 256 tokens in every format.
 Shapes: N output features, K input features, M rows.
 """
+import sys
 from pathlib import Path
 
 import torch
@@ -251,9 +252,8 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
 
 
 def four_bit_layers(model: Llama) -> int:
-    """Replace every nn.Linear of the model's blocks by an int4 layer, in place; how many: an
-    Int4KernelLinear where group_kernel.c multiplies on this CPU, else an Int4Linear."""
-    layer = Int4KernelLinear if group_kernel.kernel_problem() is None else Int4Linear
+    """Replace every nn.Linear of the model's blocks by an int4 layer, in place; how many."""
+    layer = int4_layer()
     count = 0
     for block in model.layers:
         for parent in (block.attn, block.mlp):
@@ -262,6 +262,18 @@ def four_bit_layers(model: Llama) -> int:
                     setattr(parent, name, layer(child))
                     count += 1
     return count
+
+
+def int4_layer() -> type:
+    """Int4KernelLinear where group_kernel.c multiplies on this CPU, else Int4Linear; where the
+    CPU has what the kernel needs and it still does not multiply, a line on stderr says so."""
+    problem = group_kernel.kernel_problem()
+    if problem is None:
+        return Int4KernelLinear
+    if group_kernel.expected_here():
+        print(f"minimedusa: int4's C kernel (group_kernel.c) is not available here ({problem}); "
+              "torch's int4 kernel multiplies instead (slower)", file=sys.stderr)
+    return Int4Linear
 
 
 def eight_bit_lm_heads(module: nn.Module) -> int:

@@ -1,15 +1,17 @@
 """The tree budget adapts to the machine it runs on: from a wrong prior (latencies measured
 elsewhere) the steps end on the size the true latencies favour, plain decoding when no tree
-pays; a step tells what every smaller nested tree would have accepted; and switching sizes
-mid-run never changes the greedy output."""
+pays; a step tells what every smaller nested tree would have accepted; switching sizes
+mid-run never changes the greedy output; and a damaged or unwritable latency cache costs a
+measurement and one line, never the run."""
+import os
 import random
 
 import pytest
 import torch
 
-from conftest import copycat_model
+from conftest import copycat_model, tiny_model
 from minimedusa.acceptance import greedy
-from minimedusa.budget import Budget, nested_trees
+from minimedusa.budget import Budget, grow_tree, machine_latency, nested_trees
 from minimedusa.decoding import adaptive_decode, plain_decode
 from minimedusa.device import machine_key
 from minimedusa.heads import MedusaHeads
@@ -117,3 +119,55 @@ def test_the_machine_key_names_the_vector_features_not_only_the_cpu():
     assert key.startswith("cpu/float32/") and f"{torch.get_num_threads()} threads, " in key
     features = key.rsplit(", ", 1)[1]
     assert features  # e.g. "avx2+fma" or "avx2+fma+avx512f+amx_tile"
+
+
+def latency_setup():
+    """A tiny model, 2 heads and their nested trees of 1 and 3 nodes: what machine_latency
+    times (plain steps included)."""
+    model = tiny_model(dtype=torch.float32)
+    heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
+    nodes, _ = grow_tree(torch.tensor([[0.5, 0.2], [0.3, 0.1]]), 3)
+    trees, _ = nested_trees(nodes, [1, 3], 2, model.config.vocab_size, "cpu")
+    return model, heads, trees
+
+
+@pytest.mark.parametrize("damage", [
+    b"\xff\xfe{", b'{"key": {"0": 0.1', b"[1, 2]", b'{"key": 5}', b'{"key": {"0": "fast"}}',
+    b'{"key": {"plain": 0.1}}', b'{"key": {"0": 0}}', b'{"key": {"0": NaN}}'],
+    ids=["not utf-8", "cut short", "a list", "a number", "a string", "a size", "zero", "nan"])
+def test_a_damaged_latency_cache_is_measured_again_and_rewritten(damage, tmp_path,
+                                                                  monkeypatch, capsys):
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path))
+    (tmp_path / "step_latency.json").write_bytes(damage)
+    model, heads, trees = latency_setup()
+    latency, source = machine_latency(model, heads, trees, repeats=1)
+    assert source == "measured here" and set(latency) == {0, 1, 3}
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "step_latency.json was damaged (" in lines[0]
+    assert lines[0].endswith("; measured again")
+    assert machine_latency(model, heads, trees) == (latency, "cached")  # the next run reads it
+    assert capsys.readouterr().err == ""
+    assert os.listdir(tmp_path) == ["step_latency.json"]  # renamed into place, nothing left
+
+
+@pytest.mark.parametrize("unwritable", [
+    "a file", "a folder in the file's place",
+    pytest.param("a read-only folder", marks=pytest.mark.skipif(
+        os.geteuid() == 0, reason="root writes into read-only folders"))])
+def test_an_unwritable_latency_cache_gives_the_latencies_and_says_so(unwritable, tmp_path,
+                                                                     monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    if unwritable == "a file":  # MINIMEDUSA_CACHE naming a regular file
+        cache.write_text("not a folder")
+    elif unwritable == "a folder in the file's place":
+        (cache / "step_latency.json").mkdir(parents=True)
+    else:
+        cache.mkdir(mode=0o555)
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(cache))
+    model, heads, trees = latency_setup()
+    latency, source = machine_latency(model, heads, trees, repeats=1)
+    assert source == "measured here" and set(latency) == {0, 1, 3}
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "step latencies measured here were not kept" in lines[0]
+    assert lines[0].endswith("set MINIMEDUSA_CACHE to a writable folder")
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -1,5 +1,6 @@
-"""generate.py as a user runs it: the real model end to end, and one clear line (no traceback,
-non-zero exit) for each kind of bad input."""
+"""generate.py as a user runs it: the real model end to end, one clear line (no traceback,
+non-zero exit) for each kind of bad input, and one line where the machine falls short (a C
+kernel that does not build, a cache folder that cannot be written) while the decoding goes on."""
 import json
 import os
 import shutil
@@ -9,7 +10,9 @@ import sys
 import pytest
 import torch
 
+from generate import main as generate_main
 from conftest import REPO, tiny_model
+from minimedusa import attention_kernel, group_kernel
 from minimedusa.compiled_step import compiler_problem
 from minimedusa.heads import MedusaHeads
 from minimedusa.heads_files import save_heads
@@ -233,3 +236,50 @@ def test_heads_for_another_model_give_one_clear_line(tiny_folder, tmp_path):
     done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads",
                     str(tmp_path / "heads"))
     assert_one_line_error(done, "hidden_size is 48 but the model's is 32")
+
+
+def test_a_kernel_that_cannot_be_built_is_named_in_one_line(tiny_folder, monkeypatch, capsys):
+    """With a C compiler that fails, the compiled step attends in PyTorch, and the summary
+    line says so and why."""
+    if compiler_problem() is not None:
+        pytest.skip(f"torch.compile does not work here: {compiler_problem()}")
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setattr(attention_kernel, "_kernel", {})  # built anew, by that compiler
+    generate_main(["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4"])
+    summary = capsys.readouterr().err.splitlines()[-1]
+    assert ("compiled (warm-up" in summary and "; attention in PyTorch, no C kernel: "
+            "RuntimeError: /bin/false failed (exit status 1))" in summary), summary
+
+
+@pytest.mark.parametrize("cpu_has_it", [True, False])
+def test_int4_names_its_missing_kernel_only_where_the_cpu_could_run_it(
+        cpu_has_it, tiny_folder, monkeypatch, capsys):
+    """group_kernel.c needs AVX-512 BF16: on such a CPU a kernel that does not build is a
+    fault, named in one line; elsewhere torch's int4 kernel is the normal case, and quiet."""
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setattr(group_kernel, "_kernel", {})  # built anew, by that compiler
+    monkeypatch.setattr(group_kernel, "expected_here", lambda: cpu_has_it)
+    generate_main(["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4",
+                   "--quantize", "int4", "--no-compile"])
+    lines = capsys.readouterr().err.splitlines()
+    assert "int4 weights" in lines[-1]
+    notices = [line for line in lines if "int4's C kernel" in line]
+    assert notices == (["minimedusa: int4's C kernel (group_kernel.c) is not available here "
+                        "(RuntimeError: /bin/false failed (exit status 1)); torch's int4 kernel "
+                        "multiplies instead (slower)"] if cpu_has_it else [])
+
+
+def test_an_unwritable_latency_cache_still_decodes_and_says_so(tiny_folder, tmp_path,
+                                                                monkeypatch, capsys):
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path / "cache"))
+    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "6",
+            "--heads", "untrained:2", "--no-compile", "--json"]
+    generate_main(args)
+    medusa, err = capsys.readouterr()
+    generate_main([*args, "--baseline"])
+    assert json.loads(medusa)["output_ids"] == json.loads(capsys.readouterr().out)["output_ids"]
+    [notice, summary] = err.splitlines()
+    assert notice.startswith("minimedusa: the step latencies measured here were not kept: ")
+    assert notice.endswith("set MINIMEDUSA_CACHE to a writable folder")
+    assert "latencies measured here" in summary
