@@ -112,7 +112,7 @@ def add_medusa1_flags(p) -> None:
     m1.add_argument("--batch-size", type=positive_int, default=256,
                     help="answer positions per optimizer step (default: 256; --kind hydra++: "
                     f"drawn from {ANSWERS_PER_BATCH} whole answers)")
-    m1.add_argument("--lr", type=positive, default=None, help="the heads' peak learning rate "
+    m1.add_argument("--lr", type=non_negative, default=None, help="the heads' peak learning rate "
                     "(default: 1e-3; from the model alone: 2e-3)")
 
 

@@ -171,9 +171,10 @@ def test_train_frozen_hydra_learns_and_saves_its_draft_vocabulary(tiny_setup, tm
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert log[-1]["train_loss"] < log[0]["train_loss"]
     model = load_model(model_dir)
-    assert isinstance(decoding_heads(str(tmp_path), model), HydraHeads)  # as generate.py
-    heads = load_heads(tmp_path, model)  # float32, unpacked
-    assert any(h.read.weight.abs().sum() > 0 for h in heads.heads)  # the token part learned
+    heads = decoding_heads(str(tmp_path), model)  # as generate.py loads them
+    assert isinstance(heads, HydraHeads)
+    learned = load_heads(tmp_path, model)  # float32, unpacked (a packed layer lets its go)
+    assert any(h.read.weight.abs().sum() > 0 for h in learned.heads)  # the token part learned
     ids, counts = read_draft_vocab(tmp_path)
     rows, _ = read_rows(data, 3, tokenizer_fingerprint(model_dir), VOCAB)
     assert counts.sum() == rows.tokens.shape[0] and (counts[:-1] >= counts[1:]).all()
