@@ -19,23 +19,21 @@ from pathlib import Path
 from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
-    from minimedusa.cli import (NAMED_TREES, Parser, add_compile_argument, add_context_argument,
-                                add_device_arguments, add_draft_vocab_argument,
-                                add_quantize_argument, decoding_acceptance, decoding_budget,
-                                decoding_heads, decoding_model, decoding_step, decoding_tree,
-                                device_and_format, non_negative, positive_int, probability,
-                                ranked_size, ranked_vocab_size)
-    from minimedusa.decoding import (StepStats, adaptive_decode, medusa_decode, plain_decode,
-                                     ranked_decode)
-    from minimedusa.default_model import DEFAULT_HEADS_DIR, ensure_default_model
+    from minimedusa.decoding import StepStats, medusa_decode, plain_decode
+    from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
+    from minimedusa.flags.cli import (Parser, add_compile_argument, add_context_argument,
+                                      add_device_arguments, add_draft_vocab_argument,
+                                      add_quantize_argument, non_negative, positive_int,
+                                      probability)
+    from minimedusa.flags.load import (decoding_acceptance, decoding_heads, decoding_model,
+                                       decoding_trees, device_and_format, ranked_vocab_size)
     from minimedusa.sampling import Sampling
+    from minimedusa.speed.weight_formats import format_of
     from minimedusa.tokenizer import StreamDecoder, Tokenizer
-    from minimedusa.weight_formats import format_of
+    from minimedusa.tree import NAMED_TREES
 
 
-def parse_args(argv=None):
-    p = Parser(description="Generate text with a Llama (default: SmolLM2-135M-Instruct, "
-               "fetched and converted into weights/ on first use).")
+def add_prompt_arguments(p) -> None:
     p.add_argument("--prompt", required=True, help="the user's message (or raw text with --raw)")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as is, without the chat template")
@@ -52,9 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--model", type=Path, default=None,
                    help="an HF Llama folder with config.json, *.safetensors and tokenizer.json "
                    "(default: weights/SmolLM2-135M-Instruct, fetched and converted on first use)")
-    add_device_arguments(p)
-    add_quantize_argument(p)
-    add_compile_argument(p)
+
+
+def add_medusa_arguments(p) -> None:
     p.add_argument("--heads", default=None,
                    help="Medusa heads folder (config.json + medusa_lm_head.safetensors; "
                    "default: the trained heads in weights/ for the default model, none for "
@@ -81,16 +79,28 @@ def parse_args(argv=None):
                    "(default: %(default)s)")
     p.add_argument("--baseline", action="store_true",
                    help="plain decoding, one token per forward, even if heads are given")
+
+
+def parse_args(argv=None):
+    p = Parser(description="Generate text with a Llama (default: SmolLM2-135M-Instruct, "
+               "fetched and converted into weights/ on first use).")
+    add_prompt_arguments(p)
+    add_device_arguments(p)
+    add_quantize_argument(p)
+    add_compile_argument(p)
+    add_medusa_arguments(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (ids, text, timing) instead of streaming text")
     return p.parse_args(argv)
 
 
 def load(args):
-    """(model, tokenizer) as the flags ask, in the weight format they ask for."""
+    """(model, how its step runs, tokenizer) as the flags ask: the weight format, the compiled
+    step (speed/plug_in.py, through flags/load.py)."""
     folder = args.model if args.model is not None else ensure_default_model()
     device, weight_format = device_and_format(args, folder)
-    return decoding_model(folder, device, weight_format), Tokenizer.from_folder(folder)
+    model, step = decoding_model(folder, device, weight_format, args.compile)
+    return model, step, Tokenizer.from_folder(folder)
 
 
 def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
@@ -107,46 +117,32 @@ def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
 
 
 def decoder(args, model):
-    """(describe, decode, step) for the mode the flags ask: decode(prompt ids) iterates over the
+    """(describe, decode) for the mode the flags ask: decode(prompt ids) iterates over the
     tokens each step yields, describe() names the mode (after the run: which tree sizes the
-    budget used), step says whether the decoding step was compiled. The one-time work, the
-    heads, the step's compilation and the tree budget, is done here, the flags checked first."""
+    budget used). The one-time work, the heads and the tree budget (its step latencies timed
+    here at first use), is done here, the flags checked first."""
     stops, n = model.config.stop_ids, args.max_new_tokens
     if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
         args.heads = str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
-        return (lambda: "plain", lambda ids: plain_decode(model, ids, n, sampling, stops),
-                decoding_step(model, args.compile))
+        return lambda: "plain", lambda ids: plain_decode(model, ids, n, sampling, stops)
     heads = decoding_heads(args.heads, model, args.draft_vocab)
     kind = heads.config.head_kind + (f" heads (draft vocabulary {ranked_vocab_size(heads, model)})"
                                      if heads.vocabulary is not None else " heads")
     accept = decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps,
                                  args.delta)
-    ranked = args.tree == "ranked" or (args.tree or "").startswith("ranked:")
-    if ranked and ranked_size(args.tree) is not None:
-        size = ranked_size(args.tree)
-        return (lambda: f"{kind}, confidence-ranked tree of {size} nodes (--tree), {accept.name}",
-                lambda ids: ranked_decode(model, heads, size, ids, n, accept, stops, args.seed),
-                decoding_step(model, args.compile))
-    if args.tree is not None and not ranked:
-        name, tree = decoding_tree(args.tree, heads, model)
-        return (lambda: f"{kind}, tree {name} ({tree.size - 1} nodes, --tree), {accept.name}",
-                lambda ids: medusa_decode(model, heads, tree, ids, n, accept, stops, args.seed),
-                decoding_step(model, args.compile))
-    step = decoding_step(model, args.compile)  # before the budget times this machine's steps
-    trees, budget, why = decoding_budget(heads, model, args.heads)
-    shape = "confidence-ranked tree" if ranked else "tree"
-    context = " and context candidates" if args.context else ""
-    return (lambda: f"{kind}, {shape} of {budget.summary()}{context}: {why}, {accept.name}",
-            lambda ids: adaptive_decode(model, heads, trees, budget, ids, n, accept, stops,
-                                        args.seed, ranked=ranked, context=args.context), step)
+    context = args.context and args.tree in (None, "ranked")  # with the adapted trees only
+    trees, budget, tree = decoding_trees(args.tree, heads, model, args.heads, context)
+    return (lambda: f"{kind}, {tree()}, {accept.name}",
+            lambda ids: medusa_decode(model, heads, trees, budget, ids, n, accept, stops,
+                                      args.seed, context=context))
 
 
 def run(args) -> dict:
     start = time.perf_counter()
-    model, tokenizer = load(args)
-    describe, decode, step = decoder(args, model)
+    model, step, tokenizer = load(args)
+    describe, decode = decoder(args, model)
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args, tokenizer)  # timed from here: the prompt to the last token
     stream, stats, output = StreamDecoder(tokenizer), StepStats(), []

@@ -1,7 +1,7 @@
 """Train Medusa heads: Medusa-1 (frozen backbone, this file) or Medusa-2 (joint_training.py).
 
     python train.py --frozen                                              # from the model alone
-    python -m minimedusa.self_distill --out data/distill                  # or: the data first,
+    python -m minimedusa.training.self_distill --out data/distill                  # or: the data first,
     python train.py --frozen --data data/distill --out weights/my-heads  # then Medusa-1 on it
     python train.py --data data/distill --out data/medusa2 --init-heads weights/my-heads
 
@@ -24,24 +24,25 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     import torch
     import torch.distributed as dist
 
-    from minimedusa import joint_training, pipeline
-    from minimedusa.checkpoint import CHECKPOINT, checkpoint_on_interrupt, resume, save_checkpoint
-    from minimedusa.cli import (Parser, non_negative, non_negative_int, positive, positive_int,
-                                progress_bar, say)
-    from minimedusa.default_model import ensure_default_model
-    from minimedusa.draft_layer import (ANSWERS_PER_BATCH, AnswerRows, HydraPlusPlusHeads,
-                                        answer_rows, featured_rows)
+    from minimedusa.training import medusa2 as joint_training, pipeline
+    from minimedusa.files.checkpoint import CHECKPOINT, checkpoint_on_interrupt, resume, save_checkpoint
+    from minimedusa.flags.cli import Parser, non_negative, non_negative_int, positive, positive_int
+    from minimedusa.training.progress import progress_bar, say
+    from minimedusa.files.default_model import ensure_default_model
+    from minimedusa.draft_layer import HydraPlusPlusHeads
+    from minimedusa.training.draft_layer_rows import (ANSWERS_PER_BATCH, AnswerRows, answer_rows,
+                                                      featured_rows)
     from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
-    from minimedusa.heads_files import load_heads, save_draft_vocab, save_heads
+    from minimedusa.files.heads_files import load_heads, save_draft_vocab, save_heads
     from minimedusa.hydra import HydraHeads
     from minimedusa.model import Llama
-    from minimedusa.self_distill import tokenizer_fingerprint
-    from minimedusa.training import (Losses, Rows, accuracy_line, batch_rows,
+    from minimedusa.training.self_distill import tokenizer_fingerprint
+    from minimedusa.training.medusa1 import (Losses, Rows, accuracy_line, batch_rows,
                                      check_out_is_not, cosine_lr, distill_loss, distributed,
                                      draft_columns, head_logits, head_metrics, medusa_loss,
                                      read_answers, read_rows, setup_distributed,
                                      split_validation, teacher_states, total_steps)
-    from minimedusa.weights import load_model
+    from minimedusa.files.weights import load_model
 
 # Flags whose default depends on where the data comes from: with --data, the paper's Medusa-1;
 # from the model alone, the shipped heads' recipe (pipeline.RECIPE).
@@ -54,7 +55,7 @@ def add_loop_flags(p) -> None:
                    "the heads (from scratch, or on from --init-heads). Without it: Medusa-2 "
                    "(joint training from Medusa-1 heads, see --init-heads)")
     p.add_argument("--data", type=Path, default=None, help="self-distillation folder made by "
-                   "python -m minimedusa.self_distill. Without it, --frozen runs the whole "
+                   "python -m minimedusa.training.self_distill. Without it, --frozen runs the whole "
                    "recipe from the model alone (see 'From the model alone' below)")
     p.add_argument("--out", type=Path, default=None, help="output folder: heads, train_log.json, "
                    "checkpoint (Medusa-2 adds the merged backbone in OUT/model and "
@@ -123,12 +124,13 @@ def parse_args(argv=None):
     add_loop_flags(p), add_medusa1_flags(p), joint_training.add_flags(p), pipeline.add_flags(p)
     args = p.parse_args(argv)
     if args.data is None and not args.frozen:
-        p.error("Medusa-2 trains on --data made beforehand (python -m minimedusa.self_distill); "
+        p.error("Medusa-2 trains on --data made beforehand (python -m "
+                "minimedusa.training.self_distill); "
                 "from the model alone, train Medusa-1 heads with --frozen")
     if args.data is not None and (args.out is None or args.prompts is not None
                                   or args.decode_format != "auto"):
         p.error("with --data, give --out, and no --prompts or --decode-format (the data is "
-                "made already; python -m minimedusa.tree_search calibrates in a format)")
+                "made already; python -m minimedusa.training.tree_search calibrates in a format)")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         p.error(f"--out {args.out} is a file: give a folder (made if missing)")
     for name, value in (pipeline.RECIPE if args.data is None else DEFAULTS).items():

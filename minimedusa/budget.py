@@ -1,7 +1,7 @@
 """The tree and its size for these heads on this machine (paper section 6, steps 2 and 3).
 
-The tree is grown from the heads' calibration (tree_search.py measures it): assuming the heads
-err independently, the node [i_1, ..., i_k] is accepted with probability prod_j a_j^(i_j), and
+The tree is grown from the heads' calibration (training/tree_search.py measures it): assuming the
+heads err independently, the node [i_1, ..., i_k] is accepted with probability prod_j a_j^(i_j), and
 a step yields 1 + the sum of its nodes' probabilities tokens on average. Adding the most
 probable node that hangs off the tree, repeatedly, gives the best tree of EVERY size at once
 (a child is never more probable than its parent): its first n nodes.
@@ -11,8 +11,8 @@ where the balance lies is a fact of the machine (its vector units, memory bandwi
 not of its name: the 4-node tree tuned on one 2-core "AMD EPYC" ran at 0.97x plain decoding on
 another that reports the same name but has AVX2 only. So nothing here is assumed from elsewhere:
 1. The step latency of each tree size, plain decoding (size 0) included, is measured at first
-   use on this machine (a few seconds) and cached per machine key (device.machine_key) under
-   the user's cache folder, never in the repository.
+   use on this machine (a few seconds) and cached under the user's cache folder, never in the
+   repository (speed/step_latency.py; the Budget is handed the numbers).
 2. During decoding a Budget keeps measuring: every step's time, and for every smaller size
    nested in the tree it ran, how many tokens that size would have yielded. It runs the size
    with the most tokens per second, plain decoding being one of the choices (a run starts
@@ -20,47 +20,25 @@ another that reports the same name but has AVX2 only. So nothing here is assumed
    so a wrong prior (latencies measured on another machine, or under other load) costs a
    handful of steps, not the run.
 The sizes are nested trees, the first n grown nodes, so a step of n nodes also shows what
-every size below n would have accepted.
+every size below n would have accepted. A fixed tree, the paper's setting, is the simplest
+budget: one size every step (FixedSize).
 
 Shapes: K heads, R ranks calibrated (top-R guesses per head).
 """
-import contextlib
 import heapq
-import json
 import math
-import os
 import statistics
-import sys
-import time
 from collections import deque
-from pathlib import Path
 
 import torch
-import torch.nn as nn
 
-from minimedusa.acceptance import greedy
-from minimedusa.attention_kernel import kernel_attention
-from minimedusa.compiled_step import is_compiled
-from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
-from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
-from minimedusa.device import machine_key
 from minimedusa.tree import MedusaTree, build_tree
-from minimedusa.packed_linear import MIN_ROWS, PackedLinear
-from minimedusa.weight_formats import (Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear,
-                                       format_of)
 
-CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (tree_search.py measures it)
 
 # the tree sizes to choose from, doubling (few sizes: few probing steps): beyond 64 nodes the
 # paper's GPU was already compute bound, and a CPU long before; and 3, the most nodes whose
-# step (4 rows) int4's kernel multiplies in one pass over the weights (weight_formats.py)
+# step (4 rows) int4's kernel multiplies in one pass over the weights (speed/quantized.py)
 SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
-
-
-def read_calibration(heads_dir: Path) -> torch.Tensor | None:
-    """The heads' a_k^(i) (K, R) from their calibration.json, or None if not calibrated."""
-    path = Path(heads_dir) / CALIBRATION
-    return torch.tensor(json.loads(path.read_text())["accuracy"]) if path.is_file() else None
 
 
 # --- the tree: grown from the calibration ---------------------------------------------------------
@@ -211,176 +189,32 @@ class Budget:
         return f"{most} nodes (steps by size: {by_size})"
 
 
+class FixedSize:
+    """The budget of one tree size every step: the paper's setting (one tree, chosen offline:
+    --tree) or a ranked tree of N nodes (--tree ranked:N). It counts the steps, nothing more."""
+
+    def __init__(self, n: int, rank: dict | None = None):
+        self.sizes, self.rank, self.steps = [n], rank or {}, 0
+
+    def choose(self) -> int:
+        return self.sizes[0]
+
+    def record(self, n: int, seconds: float, accepted: list[tuple],
+               rank: dict | None = None) -> None:
+        self.steps += 1
+
+    def summary(self) -> str:
+        return f"{self.sizes[0]} nodes"
+
+
+def fixed(tree: MedusaTree) -> tuple[dict[int, MedusaTree], FixedSize]:
+    """(trees, budget) that make decoding.medusa_decode run `tree` every step: the paper's
+    Medusa, the simplest case of the loop (each node path ranked in the tree's own order)."""
+    n = tree.size - 1
+    return {n: tree}, FixedSize(n, {path: i + 1 for i, path in enumerate(tree.nodes[1:])})
+
+
 def nested_trees(nodes: list[tuple], sizes, num_heads: int, vocab_size: int, device):
     """{n: the tree of the first n grown nodes} for each size n > 0, and each path's rank."""
     trees = {n: build_tree(nodes[:n], num_heads, vocab_size, device) for n in sizes if n > 0}
     return trees, {path: i + 1 for i, path in enumerate(nodes)}
-
-
-# --- step latency, measured here and cached -----------------------------------------------------
-
-def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 256,
-                 repeats: int = 8) -> dict[int, float]:
-    """Seconds per step for each tree of `trees` and for a plain step (size 0). Sizes are timed
-    round-robin so that machine noise hits all of them alike; the median of `repeats` rounds is
-    kept. Every step starts from the same cached prefix of prompt_len random tokens."""
-    device = model.embed.weight.device
-    prompt_len = min(prompt_len, model.config.max_position_embeddings // 2)
-    cache = new_cache(model, prompt_len, 1, margin=max(trees, default=0) + 1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device,
-                           generator=torch.Generator(device).manual_seed(0))
-    _, hidden = prefill(model, cache, prompt)
-    draft_cache = new_draft_cache(heads, cache.capacity) if isinstance(
-        heads, HydraPlusPlusHeads) else None  # a draft layer's: every step feeds it too
-    features = hidden[-1] if draft_cache is None else read_accepted(heads, draft_cache, hidden)
-
-    def timer(n):
-        def seconds():
-            cache.rewind(prompt_len)  # every size starts from the same prefix
-            if draft_cache is not None:
-                draft_cache.rewind(prompt_len)
-            return time_one_step(model, heads, trees.get(n), cache, features, draft_cache)
-        return seconds
-    return round_robin_medians({n: timer(n) for n in [0, *trees]}, repeats)
-
-
-def round_robin_medians(timers: dict, rounds: int) -> dict:
-    """{key: the median of `rounds` calls of timers[key]() (each returns its seconds)}, the
-    timers taking turns round by round so that machine noise hits all of them alike; a first
-    round warms up, uncounted (the first product of a shape is slow)."""
-    times = {key: [] for key in timers}
-    for r in range(rounds + 1):
-        for key, seconds in timers.items():
-            elapsed = seconds()
-            if r > 0:
-                times[key].append(elapsed)
-    return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
-
-
-def time_one_step(model, heads, tree, cache, features, draft_cache=None) -> float:
-    """Seconds of one step: the heads and the tree forward, or (tree None) a plain step; and
-    feeding the kept positions to a draft layer, if the heads have one (its cache)."""
-    if model.embed.weight.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    if tree is None:
-        logits, kept = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
-                                                             device=cache.device))
-        logits.argmax().item()  # the host sync a plain step makes too
-    else:
-        _, _, kept = medusa_step(model, tree, cache, draft(heads, model, tree, 0, features),
-                                 greedy(), None)
-    if draft_cache is not None:
-        read_accepted(heads, draft_cache, kept)
-    return time.perf_counter() - start
-
-
-def cache_file() -> Path:
-    """Where measured step latencies are kept: $MINIMEDUSA_CACHE, else the user's cache
-    folder ($XDG_CACHE_HOME or ~/.cache)/minimedusa."""
-    root = os.environ.get("MINIMEDUSA_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimedusa"
-    return Path(root) / "step_latency.json"
-
-
-def latency_key(model, heads, device, dtype) -> str:
-    """The machine, and what sets a step's cost: the weight format, whether the step is compiled
-    (and its attention the C kernel), how a block runs its products (how many, at least how
-    many rows: latencies cached by a version of this code that ran them otherwise are not
-    reused), the model's shapes and the heads' (their kind, and how many tokens they rank)."""
-    m, h = model.config, heads.config
-    vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
-    fmt = format_of(model)
-    weights = f" | {fmt} weights" if fmt in ("int8", "int4") else ""  # the dtype says the rest
-    if any(isinstance(layer, Int4KernelLinear) for layer in model.layers[0].modules()):
-        weights += " (group_kernel.c)"
-    if isinstance(model.lm_head, Int8GroupLinear):
-        weights += ", 8-bit LM head"
-    step = " | compiled step" if is_compiled(model) else ""
-    if model.layers[0].attn.exact_attention is kernel_attention:
-        step += ", C attention"
-    layers = [layer for layer in model.layers[0].modules()
-              if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear, Int4Linear,
-                                    Int4KernelLinear))]
-    rows = (f", of >= {MIN_ROWS} rows" if any(isinstance(layer, PackedLinear) for layer in layers)
-            else "")
-    return (f"{machine_key(device, dtype)}{weights}{step} | {len(layers)} products a block{rows}"
-            f" | model {m.num_hidden_layers}x{m.hidden_size}"
-            f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
-            f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
-            f"{vocab}")
-
-
-def read_cache_file() -> tuple[dict, str | None]:
-    """(every cached entry, None); no file reads as ({}, None). A damaged file (not UTF-8, not
-    JSON, not {key: {size: seconds}}) or one that cannot be read gives ({}, why): never
-    trusted, its latencies are measured again and it is replaced."""
-    path = cache_file()
-    if not path.is_file():
-        return {}, None
-    try:
-        cached = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # ValueError: not UTF-8 (UnicodeDecodeError), not JSON
-        return {}, f"{type(e).__name__}: {e}"
-    problem = shape_problem(cached)
-    return ({}, problem) if problem else (cached, None)
-
-
-def shape_problem(cached) -> str | None:
-    """Why a cache file's JSON is not {key: {size: seconds}}, or None. note: a latency of 0,
-    NaN or infinity counts as damage too: the budget divides by it."""
-    if not isinstance(cached, dict):
-        return f"a JSON {type(cached).__name__}, not an object"
-    for key, entry in cached.items():
-        if not isinstance(entry, dict) or not all(
-                n.isdecimal() and is_seconds(s) for n, s in entry.items()):
-            return f"the entry {key[:80]!r} is not {{size: seconds}}"
-    return None
-
-
-def is_seconds(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)
-
-
-def read_cached(key: str) -> dict[int, float]:
-    """The cached seconds per step of each size under `key`; none ({}) where the file is
-    damaged, which a line on stderr says (its sizes are then measured again)."""
-    cached, problem = read_cache_file()
-    if problem is not None:
-        print(f"minimedusa: the step-latency cache {cache_file()} was damaged ({problem}); "
-              "measured again", file=sys.stderr)
-    return {int(n): s for n, s in cached.get(key, {}).items()}
-
-
-def write_cached(key: str, latency: dict[int, float]) -> None:
-    """Merge into the cache file (a damaged one is replaced: read_cached has said so), written
-    beside its final name and renamed. Where it cannot be written the decoding goes on: a line
-    on stderr says the latencies were not kept, why, and what to do."""
-    path = cache_file()
-    cached, _ = read_cache_file()
-    cached[key] = {**cached.get(key, {}), **{str(n): s for n, s in latency.items()}}
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(cached, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only folder, MINIMEDUSA_CACHE naming a file, a full disk
-        with contextlib.suppress(OSError):
-            tmp.unlink()  # a half-written one (where the folder itself is not the problem)
-        print(f"minimedusa: the step latencies measured here were not kept: {path} cannot be "
-              f"written ({type(e).__name__}: {e}); set MINIMEDUSA_CACHE to a writable folder",
-              file=sys.stderr)
-
-
-def machine_latency(model, heads, trees: dict[int, MedusaTree], repeats: int = 3):
-    """(seconds per step of each size, "cached" or "measured here"): measured once per machine
-    (a few seconds), then read from the cache."""
-    weight = model.embed.weight
-    key = latency_key(model, heads, weight.device, weight.dtype)
-    cached = read_cached(key)
-    if all(n in cached for n in [0, *trees]):
-        return {n: cached[n] for n in [0, *trees]}, "cached"
-    latency = step_latency(model, heads, trees, repeats=repeats)
-    write_cached(key, latency)
-    return latency, "measured here"

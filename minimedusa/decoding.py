@@ -9,8 +9,8 @@ hydra.py); all N tree tokens run through the model in ONE forward after the cach
 with the tree mask; acceptance verifies the candidates along the root-to-leaf paths; the
 accepted tokens' keys/values are copied into place (KV compaction); the heads read the hidden
 state at the last accepted node, which gives the next step's candidates with no extra forward.
-Left out: batching (self_distill.py batches plain decoding), beam search, and a GPU loop without
-per-step Python (CUDA graphs).
+Left out: batching (training/self_distill.py batches plain decoding), beam search, and a GPU
+loop without per-step Python (CUDA graphs).
 
 Shapes: T tokens, V vocab, C model dim, K heads, N tree nodes, D max depth, n cached tokens.
 """
@@ -63,11 +63,8 @@ def prefill(model: Llama, cache: KVCache, prompt: torch.Tensor):
     """
     T = prompt.shape[1]
     positions = torch.arange(T, device=prompt.device).unsqueeze(0)  # (1, T)
-    # note: eager even where the decoding steps are compiled (compiled_step.py): a prompt's
-    # length is new with every prompt, and one forward does not repay compiling for it
-    with torch.compiler.set_stance("force_eager"):
-        hidden = model.hidden_states(prompt, positions, causal_mask(0, T, prompt.device),
-                                     cache, cache.next_slots(T))  # (1, T, C)
+    hidden = model.hidden_states(prompt, positions, causal_mask(0, T, prompt.device), cache,
+                                 cache.next_slots(T))  # (1, T, C)
     cache.advance(T)
     return at_least_float32(model.lm_head(hidden[:, -1])), hidden[0]
 
@@ -188,34 +185,6 @@ def draft(heads: MedusaHeads | HydraHeads, model: Llama, tree: MedusaTree, root:
     return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary)
 
 
-def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads, tree: MedusaTree,
-                  prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
-                  stop_ids: set[int], seed: int | None = None) -> Iterator[list[int]]:
-    """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
-    first the prefill's token, then each step's accepted candidates + the next token."""
-    def step(cache, root, features, generator, read):
-        new, _, hidden = medusa_step(model, tree, cache,
-                                     draft(heads, model, tree, root, features), acceptance,
-                                     generator)
-        return new, read(hidden)
-    # the margin: a step writes all N tree tokens before compaction drops the rejected ones
-    return step_by_step(model, heads, prompt_ids, max_new_tokens, tree.size, acceptance,
-                        stop_ids, seed, step)
-
-
-def ranked_decode(model: Llama, heads: MedusaHeads | HydraHeads, size: int,
-                  prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
-                  stop_ids: set[int], seed: int | None = None) -> Iterator[list[int]]:
-    """medusa_decode, but each step's tree is the `size` nodes the heads find most probable at
-    that step, built anew (ranked_tree.py), instead of one tree for every step."""
-    def step(cache, root, features, generator, read):
-        tree, tokens, _ = ranked_draft(heads, model, root, features, size)
-        new, _, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
-        return new, read(hidden)
-    return step_by_step(model, heads, prompt_ids, max_new_tokens, size + 1, acceptance,
-                        stop_ids, seed, step)
-
-
 def context_reader(heads, capacity: int):
     """What the heads read after each forward, from the backbone's hidden states (a, C) at the
     a positions it kept: the last one's, or for Hydra++ heads the draft layer's output there,
@@ -226,39 +195,6 @@ def context_reader(heads, capacity: int):
     return lambda hidden: read_accepted(heads, cache, as_features(heads, hidden))
 
 
-def step_by_step(model: Llama, heads, prompt_ids: list[int], max_new_tokens: int, margin: int,
-                 acceptance: Acceptance, stop_ids: set[int], seed: int | None,
-                 step) -> Iterator[list[int]]:
-    """The loop around Medusa's steps: prefill, the first token (drawn as acceptance draws
-    each step's last one), then step(cache, root, features (C,), generator, read) -> (new
-    tokens, features (C,) for the next step), yielded step by step, cut at a stop id or the
-    limit. features: what the heads read, read(hidden states (a, C) at the a positions a forward
-    kept) (context_reader)."""
-    device = model.embed.weight.device
-    generator = make_generator(device, seed)
-    cache = new_cache(model, len(prompt_ids), max_new_tokens, margin)
-    read = context_reader(heads, cache.capacity)
-    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
-    new, features = [acceptance.first(logits[0], generator).item()], read(hidden)
-    produced = 0
-    while True:
-        new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
-        produced += len(new)
-        yield new
-        if stop or produced == max_new_tokens:
-            return
-        new, features = step(cache, new[-1], features, generator, read)
-
-
-def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:
-    """A step's tokens cut to the room left and after the first stop id: (tokens, stopped)."""
-    new = new[:room]
-    stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
-    return (new, False) if stop is None else (new[:stop + 1], True)
-
-
-# --- Medusa decoding with a budget that adapts: the tree's size chosen step by step ------------
-
 def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, generator):
     """A step whose tree is the root alone: plain decoding's step, returned as medusa_step
     returns (so the two mix in one run) but without running the heads, which a plain step
@@ -268,47 +204,77 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
     return [acceptance.first(logits[0], generator).item()], [0], hidden
 
 
-def adaptive_decode(model: Llama, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree],
-                    budget, prompt_ids: list[int], max_new_tokens: int, acceptance: Acceptance,
-                    stop_ids: set[int], seed: int | None = None, clock=time.perf_counter,
-                    ranked: bool = False, context: bool = False) -> Iterator[list[int]]:
-    """medusa_decode, but each step's tree is trees[n] for the size n that `budget` chooses
-    (budget.py), 0 being a plain step, or with `ranked` the n nodes the heads find most probable
-    at that step (ranked_tree.py); with `context`, a chain read from the sequence itself takes
-    the place of the heads' least probable nodes (context_candidates.py); every step's time and
-    accepted path go back to the budget. Lossless as medusa_decode is: which tree verifies a
-    step never changes what is accepted."""
-    sequence = ContextIndex(prompt_ids) if context else None
+def step_tree(model: Llama, heads, trees: dict[int, MedusaTree] | None, rank: dict, n: int,
+              root: int, features: torch.Tensor, chain: list[int]):
+    """(the step's tree of n nodes, its tokens (n + 1,), root first, each node path's rank):
+    trees[n] drafted by the heads, or (trees None) the n nodes the heads find most probable at
+    this step (ranked_tree.py); a chain read from the sequence itself, if any, takes the place
+    of the least probable nodes (context_candidates.py)."""
+    if trees is None:  # the step's own order ranks its nodes: its first m are its tree of m
+        tree, tokens, order = ranked_draft(heads, model, root, features, n)
+        rank = {path: i + 1 for i, path in enumerate(order)}
+    else:
+        tree, tokens = trees[n], draft(heads, model, trees[n], root, features)
+    if chain:
+        tree, tokens, rank = with_chain(tree, tokens, rank, n, chain)
+    return tree, tokens, rank
 
-    def step(cache, root, features, generator, read):
+
+def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
+                  trees: dict[int, MedusaTree] | None, budget, prompt_ids: list[int],
+                  max_new_tokens: int, acceptance: Acceptance, stop_ids: set[int],
+                  seed: int | None = None, context: bool = False,
+                  clock=time.perf_counter) -> Iterator[list[int]]:
+    """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
+    first the prefill's token, then each step's accepted candidates + the next token.
+
+    Each step's tree is trees[n] for the size n that `budget` chooses: budget.FixedSize for
+    the paper's one tree every step (budget.fixed(tree)), or a budget.Budget that adapts n to
+    this machine's step times and the accepted lengths, 0 being a plain step; trees None: the
+    n nodes the heads find most probable at that step (ranked_tree.py). With `context`, a
+    chain read from the sequence itself joins the tree (context_candidates.py). Every step's
+    time and accepted path go back to the budget. Lossless under greedy acceptance whatever
+    the trees: which tree verifies a step never changes what is accepted."""
+    device = model.embed.weight.device
+    generator = make_generator(device, seed)
+    # the margin: a step writes all its tree's tokens before compaction drops the rejected ones
+    cache = new_cache(model, len(prompt_ids), max_new_tokens, max(budget.sizes) + 1)
+    read = context_reader(heads, cache.capacity)
+    sequence = ContextIndex(prompt_ids) if context else None
+    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
+    new, features = [acceptance.first(logits[0], generator).item()], read(hidden)
+    produced = 0
+    while True:
+        new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
+        produced += len(new)
+        yield new
+        if stop or produced == max_new_tokens:
+            return
+        n, start, root = budget.choose(), clock(), new[-1]  # root: the last token emitted
+        if sequence is not None:
+            sequence.extend([root])
+        if n == 0:
+            new, nodes, hidden = root_step(model, cache, root, acceptance, generator)
+            accepted, rank = [], None
+        else:
+            chain = sequence.chain() if sequence is not None else []
+            tree, tokens, rank = step_tree(model, heads, trees, budget.rank, n, root, features,
+                                           chain)
+            new, nodes, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
+            accepted = [tree.nodes[i] for i in nodes[1:]]
         # note: a step's time includes reading its kept positions into a draft layer (read):
         # every step pays it, plain ones too
-        n, start = budget.choose(), clock()
-        if sequence is not None:
-            sequence.extend([root])  # the step's root: the last token emitted
-        if n == 0:
-            new, _, hidden = root_step(model, cache, root, acceptance, generator)
-            features = read(hidden)
-            budget.record(0, clock() - start, [])
-            return new, features
-        if ranked:  # the step's own order ranks its nodes: its first m are its tree of m
-            tree, tokens, order = ranked_draft(heads, model, root, features, n)
-            rank = {path: i + 1 for i, path in enumerate(order)}
-        else:
-            tree, tokens = trees[n], draft(heads, model, trees[n], root, features)
-            rank = budget.rank
-        chain = sequence.chain() if sequence is not None else []
-        if chain:
-            tree, tokens, rank = with_chain(tree, tokens, rank, n, chain)
-        new, nodes, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
         features = read(hidden)
-        budget.record(n, clock() - start, [tree.nodes[i] for i in nodes[1:]], rank)
+        budget.record(n, clock() - start, accepted, rank)
         if sequence is not None:
             sequence.extend(new[:-1])  # the accepted candidates; the last is the next root
-        return new, features
-    margin = max(tree.size for tree in trees.values())
-    return step_by_step(model, heads, prompt_ids, max_new_tokens, margin, acceptance, stop_ids,
-                        seed, step)
+
+
+def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:
+    """A step's tokens cut to the room left and after the first stop id: (tokens, stopped)."""
+    new = new[:room]
+    stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
+    return (new, False) if stop is None else (new[:stop + 1], True)
 
 
 @dataclass

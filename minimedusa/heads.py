@@ -8,7 +8,7 @@ token t+k+1 (the backbone's own LM head predicts t+1):
 with L residual blocks stacked before W2. Two parametrisations of W2: each head's own V×d
 projection, initialised as a copy of the LM head (the paper's form, the reference's "V1"
 checkpoints), or the backbone's LM head shared by every head (the reference's "V2").
-Their files (the reference's layout, so heads move between projects) are heads_files.py's.
+Their files (the reference's layout, so heads move between projects) are files/heads_files.py's.
 Hydra's heads, which also read the draft's tokens, are in hydra.py; both kinds draft over a draft
 vocabulary (DraftVocabulary, below), a cut of the shared LM head.
 
@@ -58,7 +58,7 @@ class MedusaHeads(nn.Module):
 
         # note: a comprehension, not [head()] * K, which would repeat ONE head K times.
         self.heads = nn.ModuleList([head() for _ in range(cfg.medusa_num_heads)])
-        self.vocabulary = None  # a DraftVocabulary, set for decoding (cli.decoding_heads)
+        self.vocabulary = None  # a DraftVocabulary, set for decoding (flags/load.decoding_heads)
 
     @classmethod
     def for_model(cls, model, num_heads: int, num_layers: int = 1,
@@ -99,7 +99,7 @@ class DraftVocabulary(nn.Module):
 
     def __init__(self, ids: torch.Tensor, lm_head: nn.Linear):
         super().__init__()
-        # read once: a quantized LM head computes its weight on each read (weight_formats.py)
+        # read once: a quantized LM head computes its weight on each read (speed/quantized.py)
         weight = lm_head.weight  # (V, C): lm_head may be a PackedLinear or an Int8GroupLinear
         self.vocab_size, dim = weight.shape
         self.register_buffer("ids", ids.to(weight.device))  # (V',) int64
@@ -114,7 +114,7 @@ def as_features(heads: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Hidden states (..., C) as the heads read them: in the dtype of the heads' weights.
 
     The one place that decides it, for training, calibration and decoding alike: a weight
-    format casts the heads (weight_formats.apply_format: bfloat16, or int4's bfloat16 heads),
+    format casts the heads (speed/weight_formats.apply_format: bfloat16, or int4's bfloat16 heads),
     while the states they are given may come in another dtype (rows stored in bfloat16, a
     float32 training backbone, a quantized LM head whose weight reads as float32)."""
     return hidden.to(next(heads.parameters()).dtype)

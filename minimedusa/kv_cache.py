@@ -43,7 +43,8 @@ class KVCache:
     def __init__(self, num_layers, batch_size, num_kv_heads, capacity, head_dim, device, dtype):
         shape = (batch_size, num_kv_heads, capacity, head_dim)  # (B, G, M, D) for each layer
         # note: one pair of tensors per layer rather than one for the model, so that a layer's
-        # step (compiled_step.py) owns its own and writes them in place: a write into a slice of
+        # step (speed/compiled_step.py) owns its own and writes them in place: a write into a
+        # slice of
         # one shared tensor made the compiler copy the whole of it at every layer
         self.layers = [LayerCache(shape, device, dtype) for _ in range(num_layers)]
         self.capacity = capacity

@@ -5,8 +5,9 @@ are explicit (tree tokens at the same depth share a position, paper section 2), 
 mask is an argument of forward (the tree mask is passed exactly like the causal one). forward
 returns the logits AND the last hidden state (after the final norm), which the Medusa heads read.
 Runs Llama 2/3.x (RoPE scaling "linear" and "llama3", an explicit head dim D != C / H), Qwen2/2.5
-(q, k, v biases) and Mistral within its sliding window (hf_config.py caps the context at the
-window, where a Mistral computes exactly a Llama). Left out, and refused by hf_config.py: other
+(q, k, v biases) and Mistral within its sliding window (files/hf_config.py caps the context at the
+window, where a Mistral computes exactly a Llama). Left out, and refused by files/hf_config.py:
+other
 RoPE scalings (yarn, dynamic, longrope), partial rotary dims, MLP or output biases, other
 activations, attention beyond a sliding window.
 
@@ -145,12 +146,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 EXACT_ATTENTION_TOKENS = 256
 
 
-def attention(q, k, v, mask, exact):
+def attention(q, k, v, mask, exact: nn.Module):
     """Each query's softmax over the keys it may see, times the values: (B, H, T, D).
 
     q: (B, H, T, D); k, v: (B, G, S, D); mask: (B, 1, T, S) bool, True = may attend.
-    exact: exact_attention below, or a function that computes what it computes (the compiled
-    step's C kernel, attention_kernel.py).
+    exact: ExactAttention below, or a module that computes what it computes (the compiled
+    step's C kernel, speed/attention_kernel.py, swapped in after loading).
     """
     if q.shape[0] == 1 and q.shape[2] <= EXACT_ATTENTION_TOKENS:
         return exact(q, k, v, mask)
@@ -181,6 +182,14 @@ def exact_attention(q, k, v, mask):
     return (weights @ v.double()).view(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
+class ExactAttention(nn.Module):
+    """exact_attention as a module: what a decoding step's attention is, and what a faster twin
+    (speed/attention_kernel.py) replaces."""
+
+    def forward(self, q, k, v, mask):
+        return exact_attention(q, k, v, mask)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -188,15 +197,15 @@ class Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         # note: D is the config's head_dim, which need not be C / H (Mistral NeMo: C 5120, H 32,
         # D 128): q is H * D wide and wo reads H * D, never C
-        # q, k and v in one product, as gpt-fast does (weights.py concatenates HF's q_proj,
+        # q, k and v in one product, as gpt-fast does (files/weights.py concatenates HF's q_proj,
         # k_proj, v_proj into it): decoding on a CPU pays per product it calls, not only per
         # weight it reads (one product of 960 outputs costs less than three of 576, 192, 192)
         self.wqkv = nn.Linear(cfg.hidden_size, (self.n_head + 2 * self.n_kv_head) * self.head_dim,
                               bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
-        # the decoding steps' attention: the reference below, or its C twin, which compiled
-        # steps swap in (attention_kernel.py)
-        self.exact_attention = exact_attention
+        # the decoding steps' attention: the float64 reference, or a twin swapped in after
+        # loading (speed/attention_kernel.py)
+        self.exact = ExactAttention()
 
     def forward(self, x, cos, sin, mask, cache, slots):
         """x: (B, T, C); mask: (B, 1, T, S) bool, True = may attend.
@@ -214,7 +223,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(slots, k, v, n_read=mask.shape[-1])  # (B, G, S, D)
-        y = attention(q, k, v, mask, self.exact_attention)  # (B, H, T, D)
+        y = attention(q, k, v, mask, self.exact)  # (B, H, T, D)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 

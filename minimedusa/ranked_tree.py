@@ -1,7 +1,8 @@
 """A confidence-ranked tree (EAGLE-2's dynamic tree, here for both kinds of heads): each step
 keeps the N nodes whose paths the heads themselves find most probable at this step.
 
-The static tree (tree_search.py, budget.grow_tree) is the best tree on average: its nodes were
+The static tree (training/tree_search.py, budget.grow_tree) is the best tree on average: its
+nodes were
 chosen from the heads' accuracies measured offline. But at each step the heads say how sure they
 are: after "The capital of France is" head 1 may put 0.9 on " Paris", elsewhere 0.2 on its best
 guess. The path probability of node (r_1, ..., r_d) is the product of the heads' probabilities

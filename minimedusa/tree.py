@@ -147,3 +147,29 @@ def dense_tree(top_s: list[int]) -> list[tuple]:
     """The Cartesian tree with top-s_k guesses of head k: sum_k prod_{i<=k} s_i node paths."""
     return [p for k in range(1, len(top_s) + 1)
             for p in itertools.product(*[range(s) for s in top_s[:k]])]
+
+
+# The paper's 63-node sparse tree for Vicuna-7B (the reference implementation's mc_sim_7b_63):
+# its 63 node paths plus the root make 64 tree tokens, reading 4 heads' top-10.
+MC_SIM_7B_63 = [
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
+    (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
+    (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
+    (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3),
+    (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0),
+    (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
+    (0, 0, 0, 1), (1, 6), (0, 7, 0),
+]
+
+
+# Small trees for a CPU, where each extra tree token costs real time: the top-1 chain of every
+# head plus a few second guesses.
+NAMED_TREES = {
+    "mc_sim_7b_63": MC_SIM_7B_63,
+    "chain3": [(0,), (0, 0), (0, 0, 0)],
+    "chain5": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
+    "cpu_8": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "cpu_16": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 2), (0, 0, 0), (0, 0, 1),
+               (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0),
+               (0, 0, 1, 0)],
+}

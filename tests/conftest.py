@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minimedusa.default_model import ensure_default_model
+from minimedusa.files.default_model import ensure_default_model
 from minimedusa.model import Llama, LlamaConfig
 from minimedusa.sampling import Sampling
-from minimedusa.self_distill import answer_batch, save_shard, tokenizer_fingerprint
-from minimedusa.weights import load_model, save_model
+from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
+from minimedusa.files.weights import load_model, save_model
 
 REPO = Path(__file__).resolve().parent.parent
 # Logits, greedy continuations, tokenizer ids and the chat template of the default model, made by
@@ -97,8 +97,17 @@ def tiny_setup(tmp_path_factory, default_model_dir):
     return model_dir, data
 
 
+@pytest.fixture(scope="session")
+def built_kernels(tmp_path_factory) -> Path:
+    """One folder of built C kernels for the whole run: each is built once (a build takes
+    seconds, ~11 s for the attention kernel on an AVX2 CPU), not once per test."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture(autouse=True)
-def latency_cache(tmp_path_factory, monkeypatch):
+def latency_cache(tmp_path_factory, monkeypatch, built_kernels):
     """Step latencies measured by a test go to a fresh folder of its own, never to the user's
-    cache (budget.cache_file)."""
-    monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path_factory.mktemp("cache")))
+    cache (speed/step_latency.cache_file); its kernels folder is the run's (built_kernels)."""
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / "kernels").symlink_to(built_kernels, target_is_directory=True)
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(cache))

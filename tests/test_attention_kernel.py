@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import tiny_model
-from minimedusa.attention_kernel import kernel_attention, kernel_problem, step_attention
-from minimedusa.compiled_step import compile_blocks, compiler_problem
+from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem, step_attention
+from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask, exact_attention
 
@@ -93,7 +93,7 @@ def test_compiled_blocks_attend_with_the_kernel():
         pytest.skip("torch.compile does not work here")
     model = tiny_model(dtype=torch.float32)
     compile_blocks(model)
-    assert model.layers[0].attn.exact_attention is kernel_attention
+    assert isinstance(model.layers[0].block.attn.exact, KernelAttention)
     cache = KVCache.for_model(model, 16)
 
     def kernel_calls(stance):

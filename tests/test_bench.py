@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minimedusa import bench, bench_generate
-from minimedusa.budget import CALIBRATION
+from minimedusa.bench import bench, processes as bench_generate
+from minimedusa.files.heads_files import CALIBRATION
 from minimedusa.heads import MedusaHeads
-from minimedusa.heads_files import save_heads
-from minimedusa.pipeline import CPU_PROMPTS
-from minimedusa.seed_prompts import seed_prompts
-from minimedusa.weight_formats import default_format
-from minimedusa.weights import load_model, save_model
+from minimedusa.files.heads_files import save_heads
+from minimedusa.training.pipeline import CPU_PROMPTS
+from minimedusa.training.seed_prompts import seed_prompts
+from minimedusa.flags.load import default_format
+from minimedusa.files.weights import load_model, save_model
 
 
 @pytest.fixture(autouse=True)

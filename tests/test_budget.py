@@ -11,9 +11,10 @@ import torch
 
 from conftest import copycat_model, tiny_model
 from minimedusa.acceptance import greedy
-from minimedusa.budget import Budget, grow_tree, machine_latency, nested_trees
-from minimedusa.decoding import adaptive_decode, plain_decode
-from minimedusa.device import machine_key
+from minimedusa.budget import Budget, grow_tree, nested_trees
+from minimedusa.speed.step_latency import machine_latency
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.speed.machine import machine_key
 from minimedusa.heads import MedusaHeads
 from minimedusa.sampling import Sampling
 
@@ -108,8 +109,8 @@ def test_switching_tree_sizes_mid_run_keeps_greedy_output_identical_to_plain(see
                     {n: rng.uniform(0.5, 2) for n in [0, *sizes]}, rank)
     prompt = [3, 5, 7, 3, 5]
     flat = lambda steps: [t for step in steps for t in step]  # noqa: E731
-    medusa = flat(adaptive_decode(model, heads, trees, budget, prompt, 60, greedy(), set(),
-                                  clock=lambda: rng.random(), ranked=ranked))  # a lying clock
+    medusa = flat(medusa_decode(model, heads, None if ranked else trees, budget, prompt, 60,
+                                greedy(), set(), clock=lambda: rng.random()))  # a lying clock
     assert medusa == flat(plain_decode(model, prompt, 60, Sampling(), set()))
     assert len([n for n, c in budget.used.items() if c]) >= 2  # it did switch
 

@@ -1,14 +1,13 @@
 """Building the C kernels (c_kernels.py) survives what a cache folder goes through: a built
 library that is damaged is built again, once; a build that fails leaves nothing behind. A
 one-function C file stands in for the kernels, so that each build takes a moment."""
-import ctypes
 import os
 import shutil
 
 import pytest
 
-from minimedusa import c_kernels
-from minimedusa.c_kernels import load_library
+from minimedusa.speed import c_kernels
+from minimedusa.speed.c_kernels import load_library
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
                                 reason="no C compiler")

@@ -8,14 +8,15 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model, perturbed, tiny_model
 from test_medusa_decoding import trees
+from minimedusa.budget import fixed
 from minimedusa.acceptance import greedy
-from minimedusa.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
+from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
 from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_decode, prefill,
                                  tree_forward)
 from minimedusa.heads import MedusaHeads
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -71,7 +72,7 @@ def test_compiled_medusa_greedy_equals_compiled_plain_greedy_and_never_recompile
     with torch.compiler.set_stance("fail_on_recompile"):
         plain = [t for s in plain_decode(compiled, prompt.tolist(), 24, Sampling(), set())
                  for t in s]
-        medusa = [t for s in medusa_decode(compiled, heads, tree, prompt.tolist(), 24,
+        medusa = [t for s in medusa_decode(compiled, heads, *fixed(tree), prompt.tolist(), 24,
                                            greedy(), set()) for t in s]
     assert medusa == plain
 

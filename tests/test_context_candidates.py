@@ -11,7 +11,7 @@ from conftest import copycat_model
 from minimedusa.acceptance import greedy
 from minimedusa.budget import Budget, nested_trees
 from minimedusa.context_candidates import ContextIndex, with_chain
-from minimedusa.decoding import adaptive_decode, plain_decode
+from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import MedusaHeads
 from minimedusa.sampling import Sampling
 
@@ -90,7 +90,7 @@ def test_decoding_with_context_candidates_stays_lossless_and_accepts_the_chain()
     steps = {}
     for context in (False, True):
         budget = Budget([0, 4, 8], {4: 2.0, 8: 2.0}, {0: 1.0, 4: 1.0, 8: 1.0}, rank)
-        out = list(adaptive_decode(model, heads, trees, budget, prompt, 48, greedy(), set(),
+        out = list(medusa_decode(model, heads, trees, budget, prompt, 48, greedy(), set(),
                                    context=context))
         assert [t for s in out for t in s] == plain
         steps[context] = len(out)

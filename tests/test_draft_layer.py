@@ -14,20 +14,20 @@ from hypothesis import strategies as st
 import train
 from conftest import copycat_model, perturbed, tiny_model
 from minimedusa.acceptance import greedy
-from minimedusa.budget import Budget, nested_trees
-from minimedusa.cli import decoding_heads
-from minimedusa.decoding import (adaptive_decode, context_reader, draft, medusa_decode,
+from minimedusa.budget import Budget, fixed, nested_trees
+from minimedusa.flags.load import decoding_heads
+from minimedusa.decoding import (context_reader, draft, medusa_decode,
                                  medusa_step, new_cache, plain_decode, prefill, root_step)
-from minimedusa.draft_layer import (ANSWERS_PER_BATCH, HydraPlusPlusHeads, answer_rows,
-                                    layer_features, new_draft_cache, read_accepted)
-from minimedusa.heads_files import load_heads, save_heads
+from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
+from minimedusa.training.draft_layer_rows import ANSWERS_PER_BATCH, answer_rows, layer_features
+from minimedusa.files.heads_files import load_heads, save_heads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
-from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import read_answers
+from minimedusa.training.self_distill import tokenizer_fingerprint
+from minimedusa.training.medusa1 import read_answers
 from minimedusa.tree import build_tree
-from minimedusa.weights import load_model
+from minimedusa.files.weights import load_model
 from test_context_candidates import NODES
 from test_tree import trees
 
@@ -175,7 +175,7 @@ def test_hydra_pp_adapted_trees_with_plain_steps_stay_lossless(seed, context):
     trees, rank = nested_trees(NODES[:8], [4, 8], 4, model.config.vocab_size, "cpu")
     prompt = [3, 5, 7, 9, 3, 5, 7, 9, 3]
     budget = Budget([0, 4, 8], {4: 2.0, 8: 2.4}, {0: 1.0, 4: 1.2, 8: 1.5}, rank)
-    out = adaptive_decode(model, heads, trees, budget, prompt, 40, greedy(), set(),
+    out = medusa_decode(model, heads, trees, budget, prompt, 40, greedy(), set(),
                           context=context)
     assert flat(out) == flat(plain_decode(model, prompt, 40, Sampling(), set()))
 
@@ -187,7 +187,7 @@ def test_trained_hydra_heads_behind_a_fresh_layer_draft_as_before():
     heads = train.with_draft_layer(hydra, model)
     tree = build_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]], num_heads=3)
     prompt = [4, 8, 15, 16]
-    assert flat(medusa_decode(model, heads, tree, prompt, 30, greedy(), set())) == \
+    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 30, greedy(), set())) == \
         flat(plain_decode(model, prompt, 30, Sampling(), set()))
     cache = new_cache(model, len(prompt), 1)
     _, hidden = prefill(model, cache, torch.tensor([prompt]))

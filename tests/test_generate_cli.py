@@ -12,11 +12,11 @@ import torch
 
 from generate import main as generate_main
 from conftest import REPO, tiny_model
-from minimedusa import attention_kernel, group_kernel
-from minimedusa.compiled_step import compiler_problem
+from minimedusa.speed import attention_kernel, group_kernel
+from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.heads import MedusaHeads
-from minimedusa.heads_files import save_heads
-from minimedusa.weights import save_model
+from minimedusa.files.heads_files import save_heads
+from minimedusa.files.weights import save_model
 
 
 def generate(*args, timeout=300):

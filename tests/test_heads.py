@@ -8,8 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from minimedusa.heads import MedusaHeads
-from minimedusa.export_v1 import export_v1
-from minimedusa.heads_files import HEADS_FILE, HeadsError, load_heads, save_heads
+from minimedusa.files.export_v1 import export_v1
+from minimedusa.files.heads_files import HEADS_FILE, HeadsError, load_heads, save_heads
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -11,19 +11,20 @@ from hypothesis import strategies as st
 
 import train
 from conftest import DEVICES, copycat_model, perturbed, tiny_model
+from minimedusa.budget import fixed
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import draft, medusa_decode, plain_decode
 from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.draft_layer import HydraPlusPlusHeads
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
-from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.cli import decoding_heads
-from minimedusa.training import IGNORE, draft_columns, head_inputs, head_targets, read_rows
+from minimedusa.training.self_distill import tokenizer_fingerprint
+from minimedusa.flags.load import decoding_heads
+from minimedusa.training.medusa1 import IGNORE, draft_columns, head_inputs, head_targets, read_rows
 from minimedusa.tree import build_tree
-from minimedusa.export_v1 import export_v1
-from minimedusa.heads_files import HeadsError, load_heads, read_draft_vocab, save_heads
-from minimedusa.weights import load_model
+from minimedusa.files.export_v1 import export_v1
+from minimedusa.files.heads_files import HeadsError, load_heads, read_draft_vocab, save_heads
+from minimedusa.files.weights import load_model
 from test_tree import trees
 
 VOCAB = 64
@@ -118,7 +119,7 @@ def test_hydra_greedy_equals_plain_greedy(device, kind, choices, seed, scale, re
                            generator=torch.Generator().manual_seed(seed)).tolist()
     stop = {int(seed % VOCAB)}
     plain = flat(plain_decode(model, prompt, max_new, Sampling(), stop))
-    assert flat(medusa_decode(model, heads, tree, prompt, max_new, greedy(), stop)) == plain
+    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, max_new, greedy(), stop)) == plain
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
@@ -137,7 +138,7 @@ def test_a_draft_vocabulary_restricts_the_guesses_never_the_output(kind, choices
     guessed = draft(heads, model, tree, 1, hidden)[1:]
     assert torch.isin(guessed, ids).all()
     prompt = [3, 9, 27]
-    assert flat(medusa_decode(model, heads, tree, prompt, 25, greedy(), set())) == \
+    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 25, greedy(), set())) == \
         flat(plain_decode(model, prompt, 25, Sampling(), set()))
 
 

@@ -10,14 +10,14 @@ from safetensors.torch import load_file
 
 import train
 from minimedusa.heads import MedusaHeads
-from minimedusa.heads_files import HEADS_FILE, load_heads
-from minimedusa.joint_training import (JointModel, distill_kl, lambda0, make_batch, mean_kl,
-                                       state_rows, teacher_log_probs)
-from minimedusa.lora import adapted_layers, add_adapters
-from minimedusa.quality_guard import greedy_agreement, original_in_bfloat16
-from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import medusa_loss, read_answers
-from minimedusa.weights import load_model
+from minimedusa.files.heads_files import HEADS_FILE, load_heads
+from minimedusa.training.joint_loss import (JointModel, distill_kl, lambda0, make_batch, mean_kl,
+                                            state_rows, teacher_log_probs)
+from minimedusa.training.lora import adapted_layers, add_adapters
+from minimedusa.training.quality_guard import greedy_agreement, original_in_bfloat16
+from minimedusa.training.self_distill import tokenizer_fingerprint
+from minimedusa.training.medusa1 import medusa_loss, read_answers
+from minimedusa.files.weights import load_model
 
 
 @pytest.fixture(scope="module")

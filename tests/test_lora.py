@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minimedusa.lora import (LoRALinear, adapter_state, adapters_off, add_adapters,
+from minimedusa.training.lora import (LoRALinear, adapter_state, adapters_off, add_adapters,
                              load_adapter_state, merge_adapters, remove_adapters)
 from minimedusa.model import causal_mask
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, copycat_model, perturbed, tiny_model
+from minimedusa.budget import fixed
 from minimedusa.acceptance import greedy, typical
 from minimedusa.heads import MedusaHeads
 from minimedusa.hydra import HydraHeads
@@ -76,7 +77,7 @@ def test_medusa_greedy_equals_plain_greedy(device, choices, seed, shared, scale,
                            generator=torch.Generator().manual_seed(seed)).tolist()
     stop = {int(seed % VOCAB)}  # a stop token that sometimes appears, sometimes not
     plain = flat(plain_decode(model, prompt, max_new, Sampling(), stop))
-    medusa = flat(medusa_decode(model, heads, tree, prompt, max_new, greedy(), stop))
+    medusa = flat(medusa_decode(model, heads, *fixed(tree), prompt, max_new, greedy(), stop))
     assert medusa == plain
 
 
@@ -89,10 +90,10 @@ def test_lossless_test_sees_real_acceptance(kind):
              HydraHeads.for_model(model, 4).eval())
     tree = build_tree([[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     stats = StepStats()
-    for step in medusa_decode(model, heads, tree, [5, 6, 7], 60, greedy(), set()):
+    for step in medusa_decode(model, heads, *fixed(tree), [5, 6, 7], 60, greedy(), set()):
         stats.record(len(step))
     assert stats.acceleration_rate > 1.5
-    assert flat(medusa_decode(model, heads, tree, [5, 6, 7], 60, greedy(), set())) == \
+    assert flat(medusa_decode(model, heads, *fixed(tree), [5, 6, 7], 60, greedy(), set())) == \
         flat(plain_decode(model, [5, 6, 7], 60, Sampling(), set()))
 
 
@@ -129,7 +130,8 @@ def test_typical_at_temperature_zero_equals_greedy(choices, seed):
     model = tiny_model(seed)
     heads = perturbed_heads(model, 4, True, seed, 0.05)
     tree = build_tree(choices, num_heads=4)
-    run = lambda accept: flat(medusa_decode(model, heads, tree, [1, 2, 3], 20, accept, set()))  # noqa: E731,E501
+    run = lambda accept: flat(medusa_decode(model, heads, *fixed(tree), [1, 2, 3], 20, accept,  # noqa: E731,E501
+                                            set()))
     assert run(typical(0.0)) == run(greedy())
 
 
@@ -153,6 +155,6 @@ def test_every_typical_step_yields_at_least_one_token(choices, seed, temperature
     model = tiny_model(seed)
     heads = perturbed_heads(model, 4, False, seed, 0.05)
     tree = build_tree(choices, num_heads=4)
-    steps = list(medusa_decode(model, heads, tree, [1, 2], 25, typical(temperature, eps, 0.3),
-                               set(), seed=seed))
+    steps = list(medusa_decode(model, heads, *fixed(tree), [1, 2], 25,
+                               typical(temperature, eps, 0.3), set(), seed=seed))
     assert all(len(s) >= 1 for s in steps) and sum(map(len, steps)) == 25

@@ -9,10 +9,12 @@ import torch
 
 from minimedusa.acceptance import greedy
 from minimedusa.heads import MedusaHeads
-from minimedusa.budget import grow_tree, read_calibration
-from minimedusa.cli import decoding_heads, ranked_vocab_size, tree_choices
+from minimedusa.budget import fixed, grow_tree
+from minimedusa.files.heads_files import read_calibration
+from minimedusa.flags.load import decoding_heads, ranked_vocab_size
+from minimedusa.flags.trees import tree_choices
 from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache, prefill
-from minimedusa.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR
+from minimedusa.files.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR
 from minimedusa.tree import build_tree
 
 NEW = 128
@@ -48,7 +50,7 @@ def test_medusa_greedy_equals_plain_greedy_on_the_default_model(smollm2, referen
         prompt = reference["greedy"]["cases"][i]["prompt_ids"]
         plain, gaps = plain_greedy_with_gaps(smollm2, tuple(prompt), new)
         medusa = []
-        for step in medusa_decode(smollm2, heads, tree, prompt, new, greedy(), set()):
+        for step in medusa_decode(smollm2, heads, *fixed(tree), prompt, new, greedy(), set()):
             medusa += step
             stats.record(len(step))
         if medusa != plain:  # allowed only at a numerical near-tie, and then counted
@@ -74,7 +76,7 @@ def test_shipped_heads_decode_as_plain_greedy_and_accept(smollm2, reference, fol
         prompt = case["prompt_ids"]
         plain, gaps = plain_greedy_with_gaps(smollm2, tuple(prompt), NEW)
         medusa = []
-        for step in medusa_decode(smollm2, heads, tree, prompt, NEW, greedy(), set()):
+        for step in medusa_decode(smollm2, heads, *fixed(tree), prompt, NEW, greedy(), set()):
             medusa += step
             stats.record(len(step))
         if medusa != plain:  # allowed only at a numerical near-tie

@@ -16,15 +16,16 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DEVICES
+from minimedusa.budget import fixed
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import (PromptTooLongError, decode_step, medusa_decode, new_cache,
                                  plain_decode, prefill, tree_forward)
 from minimedusa.model import causal_mask
-from minimedusa.packed_linear import ONEDNN_LINEAR, pack_linear_layers
+from minimedusa.speed.packed_linear import ONEDNN_LINEAR, pack_linear_layers
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.hf_config import ConfigError
-from minimedusa.weights import load_model, save_model
+from minimedusa.files.hf_config import ConfigError
+from minimedusa.files.weights import load_model, save_model
 from test_medusa_decoding import flat, perturbed_heads
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
@@ -113,7 +114,7 @@ def test_medusa_greedy_equals_plain_greedy(family, device, scale):
     tree = build_tree(CHOICES, num_heads=3, device=device)
     prompt = transformers_cases(family)[1][0].tolist()  # 48 tokens: decoding runs past 32
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
-    assert flat(medusa_decode(model, heads, tree, prompt, 40, greedy(), set())) == plain
+    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_model
 from minimedusa.heads import MedusaHeads
 from minimedusa.model import causal_mask
-from minimedusa.packed_linear import ONEDNN_LINEAR, PackedLinear, pack_linear_layers
+from minimedusa.speed.packed_linear import ONEDNN_LINEAR, PackedLinear, pack_linear_layers
 
 needs_onednn = pytest.mark.skipif(not ONEDNN_LINEAR,
                                   reason="this torch build has no oneDNN linear")

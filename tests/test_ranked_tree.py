@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from conftest import copycat_model, tiny_model
 from minimedusa.acceptance import greedy
-from minimedusa.decoding import plain_decode, ranked_decode
+from minimedusa.budget import FixedSize
+from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import MedusaHeads
 from minimedusa.ranked_tree import most_probable_paths, ranked_draft
 from minimedusa.sampling import Sampling
@@ -65,5 +66,6 @@ def test_ranked_tree_greedy_equals_plain_greedy(kind, seed, size, repetitive, ma
         heads = MedusaHeads.for_model(model, 3, shared_lm_head=True).eval().requires_grad_(False)
     prompt = [1 + seed % 60, 2, 3]
     stop = {int(seed % 64)}
-    assert flat(ranked_decode(model, heads, size, prompt, max_new, greedy(), stop)) == \
+    assert flat(medusa_decode(model, heads, None, FixedSize(size), prompt, max_new, greedy(),
+                              stop)) == \
         flat(plain_decode(model, prompt, max_new, Sampling(), stop))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from minimedusa.budget import fixed
 from minimedusa.acceptance import Acceptance, pick_by_draws, rejection
 from minimedusa.heads import MedusaHeads
 from minimedusa.draft_layer import HydraPlusPlusHeads
@@ -47,8 +48,8 @@ def setup(kind="medusa"):
 
 def medusa_samples(accept: Acceptance, kind="medusa") -> Counter:
     model, heads, tree = setup(kind)
-    return Counter(tuple(t for step in medusa_decode(model, heads, tree, [1, 2], NEW, accept,
-                                                     set(), seed=s) for t in step)
+    return Counter(tuple(t for step in medusa_decode(model, heads, *fixed(tree), [1, 2], NEW,
+                                                     accept, set(), seed=s) for t in step)
                    for s in range(RUNS))
 
 

@@ -8,8 +8,8 @@ from conftest import tiny_model
 from minimedusa.model import causal_mask
 from minimedusa.decoding import plain_decode
 from minimedusa.sampling import Sampling
-from minimedusa.seed_prompts import seed_prompts
-from minimedusa.self_distill import answer_batch, model_written_prompts, same_settings
+from minimedusa.training.seed_prompts import seed_prompts
+from minimedusa.training.self_distill import answer_batch, model_written_prompts, same_settings
 from minimedusa.tokenizer import Tokenizer
 
 

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 import generate
 import train
 from conftest import tiny_model
-from minimedusa import pipeline, self_distill
-from minimedusa.budget import CALIBRATION
-from minimedusa.heads_files import HEADS_FILE
-from minimedusa.weights import save_model
+from minimedusa.training import pipeline, self_distill
+from minimedusa.files.heads_files import CALIBRATION
+from minimedusa.files.heads_files import HEADS_FILE
+from minimedusa.files.weights import save_model
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 import train
 from conftest import REPO
 from minimedusa.heads import MedusaHeads
-from minimedusa.heads_files import HEADS_FILE
+from minimedusa.files.heads_files import HEADS_FILE
 from minimedusa.model import causal_mask
-from minimedusa.self_distill import tokenizer_fingerprint
-from minimedusa.training import IGNORE, DataError, head_targets, medusa_loss, read_rows
-from minimedusa.weights import load_model
+from minimedusa.training.self_distill import tokenizer_fingerprint
+from minimedusa.training.medusa1 import IGNORE, DataError, head_targets, medusa_loss, read_rows
+from minimedusa.files.weights import load_model
 
 
 def run_train(model_dir, data, out, *extra):

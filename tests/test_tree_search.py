@@ -10,18 +10,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from minimedusa import tree_search
-from minimedusa.budget import (CALIBRATION, SIZES, expected_length, expected_length_of,
-                               grow_tree, latency_key, nested_trees, pick_budget,
-                               read_cached, read_calibration, step_latency)
-from minimedusa.cli import decoding_budget, decoding_tree
-from minimedusa.compiled_step import compile_blocks, compiler_problem
+from minimedusa.training import tree_search
+from minimedusa.budget import (SIZES, expected_length, expected_length_of, grow_tree, nested_trees,
+                               pick_budget)
+from minimedusa.files.heads_files import CALIBRATION, read_calibration
+from minimedusa.speed.step_latency import latency_key, read_cached, step_latency
+from minimedusa.flags.load import decoding_budget, decoding_tree
+from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
 from minimedusa.heads import MedusaHeads
-from minimedusa.training import IGNORE, Rows, head_metrics
+from minimedusa.training.medusa1 import IGNORE, Rows, head_metrics
 from minimedusa.tree import build_tree, dense_tree
-from minimedusa.tree_search import head_accuracies
-from minimedusa.heads_files import load_heads, save_heads
-from minimedusa.weight_formats import activation_dtype, apply_format, default_format
+from minimedusa.training.tree_search import head_accuracies
+from minimedusa.files.heads_files import load_heads, save_heads
+from minimedusa.flags.load import default_format
+from minimedusa.speed.weight_formats import activation_dtype, apply_format
 
 
 def test_heads_read_features_in_their_own_dtype_in_training_and_calibration():

@@ -7,22 +7,23 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model, perturbed, tiny_model
-from minimedusa import group_kernel
+from minimedusa.budget import fixed
+from minimedusa.speed import group_kernel
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import causal_mask
-from minimedusa.packed_linear import PackedLinear
+from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.weight_formats import (GROUP, Int4KernelLinear, Int4Linear, Int8GroupLinear,
-                                       Int8Linear, apply_format, bf16_is_native,
-                                       dequantize_int4, dequantize_int8, dequantize_int8_groups,
-                                       eight_bit_groups, format_of, four_bit_checkpoint,
-                                       on_four_bit_grid, quantize_int4, quantize_int8,
-                                       quantize_int8_groups)
-from minimedusa.weights import save_model
+from minimedusa.flags.load import four_bit_checkpoint
+from minimedusa.speed.quantized import (GROUP, Int4KernelLinear, Int4Linear, Int8GroupLinear,
+                                        Int8Linear, dequantize_int4, dequantize_int8,
+                                        dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
+                                        quantize_int4, quantize_int8, quantize_int8_groups)
+from minimedusa.speed.weight_formats import apply_format, bf16_is_native, format_of
+from minimedusa.files.weights import save_model
 from test_medusa_decoding import flat
 
 
@@ -233,7 +234,7 @@ def test_medusa_greedy_equals_the_formats_plain_greedy(name, kind, seed):
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
-    medusa = flat(medusa_decode(model, heads, tree, prompt, 40, greedy(), set()))
+    medusa = flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set()))
     assert medusa == plain
 
 
@@ -247,4 +248,4 @@ def test_medusa_greedy_equals_int4s_plain_greedy_with_an_eight_bit_lm_head(seed)
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
-    assert flat(medusa_decode(model, heads, tree, prompt, 40, greedy(), set())) == plain
+    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
-from minimedusa.default_model import unpermute_qk
+from minimedusa.files.default_model import unpermute_qk
 from minimedusa.model import LlamaConfig, causal_mask
-from minimedusa.hf_config import ConfigError, config_from_hf, config_to_hf
-from minimedusa.weights import WeightsError, load_model, save_model
+from minimedusa.files.hf_config import ConfigError, config_from_hf, config_to_hf
+from minimedusa.files.weights import WeightsError, load_model, save_model
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}

@@ -1,0 +1,3 @@
+from minimedusa.bench.bench import main
+
+main()

@@ -1,0 +1,241 @@
+"""The benchmark's engines: everything `bench` times, each a function
+(prompt ids, n new tokens, seed) -> (token ids, seconds, steps).
+
+This project's plain decoding and Medusa (greedy, typical and rejection sampling; the tree's size
+adapted step by step as generate.py does, or a fixed --tree, or --sizes' and --ranked's trees),
+the same in other weight formats (--formats), and two baselines from outside, each optional:
+the transformers library's `generate` on the same weights and llama.cpp on the GGUF file the
+default model came from (bench_llama_cpp.py).
+"""
+import copy
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minimedusa.acceptance import greedy, rejection, typical
+from minimedusa.bench.llama_cpp import load_llama_cpp
+from minimedusa.budget import (FixedSize, expected_length, expected_length_of, fixed, grow_tree,
+                               nested_trees)
+from minimedusa.files.heads_files import read_calibration
+from minimedusa.flags.load import (decoding_budget, decoding_heads, decoding_model,
+                                   decoding_tree, ranked_vocab_size)
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.errors import UserError
+from minimedusa.speed.memory_bandwidth import weight_bytes
+from minimedusa.sampling import Sampling
+
+
+EAGER = " (eager)"  # the name's suffix of an engine timed with the decoding step eager
+NO_CONTEXT = " (no context)"  # ... of a Medusa engine without context candidates
+
+
+@dataclass
+class Engines:
+    """What `bench` times, and what it knows of each engine beforehand."""
+    run: dict = field(default_factory=dict)  # name -> engine
+    expected: dict = field(default_factory=dict)  # name -> tokens/step from the calibration
+    usage: dict = field(default_factory=dict)  # name -> Counter of steps by tree size
+    step_bytes: dict = field(default_factory=dict)  # name -> bytes of weights a step reads
+
+
+def engines_to_time(args, model, folder: Path, device, dtype) -> Engines:
+    """Plain decoding and the Medusa engines in the --dtype / --quantize format, the same in
+    each of --formats, and, where they are installed, transformers' generate and llama.cpp."""
+    engines = Engines()
+    engines.run["plain"], engines.step_bytes["plain"] = plain_engine(model), weight_bytes(model)
+    if args.eager_too:
+        engines.run["plain" + EAGER] = eager_engine(engines.run["plain"])
+        engines.step_bytes["plain" + EAGER] = engines.step_bytes["plain"]
+    medusa_engines(args, model, device, engines)
+    for name in args.formats:
+        format_engines(args, folder, device, name, engines)
+    hf = None if args.no_transformers else load_transformers(folder, device, dtype)
+    if hf is not None:
+        engines.run["transformers"] = transformers_engine(hf)
+    elif not args.no_transformers:
+        print("transformers is not installed: it is left out of the comparison "
+              "(pip install transformers, in a scratch environment, to compare)", file=sys.stderr)
+    llama_cpp = None if args.no_llama_cpp else load_llama_cpp(folder, torch.get_num_threads())
+    if llama_cpp is not None:
+        engines.run["llama.cpp Q4_1"] = llama_cpp
+    return engines
+
+
+def format_engines(args, folder: Path, device, name: str, engines: Engines) -> None:
+    """--formats: plain decoding and Medusa greedy with the first --heads (the tree as the other
+    engines pick it) with the model in weight format `name`, as "[name] plain" and so on."""
+    model, step = decoding_model(folder, device, name, args.compile)
+    print(f"[{name}] decoding step: {step}", file=sys.stderr)
+    heads = decoding_heads(args.heads[0], model)
+    tree = None if args.tree is None else decoding_tree(args.tree, heads, model)[1]
+    label = f"[{name}] "
+    plain = {label + "plain": plain_engine(model)}
+    if args.eager_too:
+        plain[label + "plain" + EAGER] = eager_engine(plain[label + "plain"])
+    engines.run.update(plain)
+    engines.step_bytes.update({n: weight_bytes(model) for n in plain})
+    medusa = rule_engines(f"{label}{heads.config.head_kind} ", args.heads[0], model, heads, tree,
+                          0.0, engines.usage, args.eager_too, args.context)
+    engines.run.update(medusa)
+    engines.step_bytes.update({n: weight_bytes(model, heads) for n in medusa})
+
+
+def plain_of(name: str) -> str:
+    """The engine whose output `name`'s must equal: plain decoding in its own weight format,
+    eager if `name` is (compiled and eager steps round differently: each is its own greedy)."""
+    if name.endswith(EAGER):
+        return plain_of(name.removesuffix(EAGER)) + EAGER
+    return name[:name.index("] ") + 2] + "plain" if name.startswith("[") else "plain"
+
+
+def eager_engine(run):
+    """The same engine with the model's decoding step eager, even if it is compiled."""
+    def eager_run(ids, n, seed):
+        with torch.compiler.set_stance("force_eager"):
+            return run(ids, n, seed)
+    return eager_run
+
+
+def timed(steps) -> tuple[list[int], float, int]:
+    """Drain a decoding iterator: (tokens, seconds, steps)."""
+    start, out, n = time.perf_counter(), [], 0
+    for step in steps:
+        out += step
+        n += 1
+    return out, time.perf_counter() - start, n
+
+
+def plain_engine(model):
+    return lambda ids, n, seed: timed(plain_decode(model, ids, n, Sampling(), set()))
+
+
+def medusa_engine(model, heads, tree, acceptance):
+    return lambda ids, n, seed: timed(medusa_decode(model, heads, *fixed(tree), ids, n,
+                                                    acceptance, set(), seed))
+
+
+def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter, ranked=False,
+                    context=False):
+    """Medusa with the tree's size adapted step by step, as generate.py decodes by default (with
+    `ranked`: as --tree ranked does; with `context`: with context candidates): each question
+    starts from the same prior (a fresh copy of `budget`), as each generate.py process does; the
+    steps run at each size go to `usage`."""
+    def run(ids, n, seed):
+        fresh = copy.deepcopy(budget)
+        result = timed(medusa_decode(model, heads, None if ranked else trees, fresh, ids, n,
+                                     acceptance, set(), seed, context=context))
+        usage.update(fresh.used)
+        return result
+    return run
+
+
+def load_transformers(folder: Path, device, dtype):
+    """transformers' Llama on the same converted weights, or None if it is not installed."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    # local_files_only: the folder is this project's converted model; never ask a hub
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True) \
+        .to(device).eval()
+
+
+def transformers_engine(hf_model):
+    def run(prompt_ids: list[int], n: int, seed):
+        ids = torch.tensor([prompt_ids], device=hf_model.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                    min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)
+        return out[0, len(prompt_ids):].tolist(), time.perf_counter() - start, n
+    return run
+
+
+def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dict,
+                 eager_too: bool = False, context: str = "on") -> dict:
+    """Greedy, and at a temperature typical and rejection sampling: with `tree` (the --tree)
+    for every step, or without one with the tree's size adapted (usage[name]: the steps at each
+    size) and context candidates as `context` says (on, off, or both: greedy again without);
+    with `eager_too`, greedy again with the decoding step eager."""
+    rules = {"greedy": greedy()}
+    if temperature > 0:
+        T = temperature
+        rules.update({f"typical T={T}": typical(T), f"rejection T={T}": rejection(T)})
+    if tree is not None:
+        run = {label + r: medusa_engine(model, heads, tree, a) for r, a in rules.items()}
+        if eager_too:
+            run[label + "greedy" + EAGER] = eager_engine(medusa_engine(model, heads, tree,
+                                                                       greedy()))
+        return run
+    trees, budget, why = decoding_budget(heads, model, spec)
+    print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
+    if eager_too:
+        rules["greedy" + EAGER] = greedy()
+    if context == "both":
+        rules["greedy" + NO_CONTEXT] = greedy()
+    usage.update({label + r: Counter() for r in rules})
+    run = {label + r: adaptive_engine(model, heads, trees, budget, a, usage[label + r],
+                                      context=context != "off" and not r.endswith(NO_CONTEXT))
+           for r, a in rules.items()}
+    if eager_too:
+        run[label + "greedy" + EAGER] = eager_engine(run[label + "greedy" + EAGER])
+    return run
+
+
+def medusa_engines(args, model, device, engines: Engines) -> None:
+    """For every --heads, and for each of them every --draft-vocab, its engines (with what
+    they are expected to accept, from the heads' calibration, where there is one)."""
+    for spec in args.heads:
+        for vocab in args.draft_vocab:
+            heads = decoding_heads(spec, model, vocab)
+            label = (f"{heads.config.head_kind} {Path(spec).name} " if len(args.heads) > 1
+                     else f"{heads.config.head_kind} ")
+            if len(args.draft_vocab) > 1:
+                label += f"V'={ranked_vocab_size(heads, model)} "
+            before = set(engines.run)
+            heads_engines(engines, label, spec, heads, model, device, args)
+            engines.step_bytes.update({n: weight_bytes(model, heads)
+                                       for n in engines.run if n not in before})
+
+
+def heads_engines(engines: Engines, label, spec, heads, model, device, args) -> None:
+    """One heads' engines (the acceptance rules, and --sizes' fixed trees), into engines."""
+    accuracy = read_calibration(Path(spec)) if Path(spec).is_dir() else None
+    run, expected, usage = engines.run, engines.expected, engines.usage
+    tree = None
+    if args.tree is not None:
+        tree_name, tree = decoding_tree(args.tree, heads, model)
+        print(f"{label.strip()}: tree {tree_name} ({tree.size - 1} nodes)", file=sys.stderr)
+        if accuracy is not None:
+            expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
+    run.update(rule_engines(label, spec, model, heads, tree, args.temperature, usage,
+                            args.eager_too, args.context))
+    if args.sizes:
+        if accuracy is None:
+            raise UserError(f"--sizes grows trees from {spec}/calibration.json, "
+                            "which does not exist (run python -m minimedusa.training.tree_search)")
+        nodes, probs = grow_tree(accuracy, max(args.sizes))
+        trees, _ = nested_trees(nodes, args.sizes, heads.config.medusa_num_heads,
+                                ranked_vocab_size(heads, model), device)
+        for n, sized in trees.items():
+            run[label + f"greedy {n} nodes"] = medusa_engine(model, heads, sized, greedy())
+            expected[label + f"greedy {n} nodes"] = expected_length(probs[:n])
+    for n in args.ranked:
+        run[label + f"greedy ranked {n} nodes"] = ranked_engine(model, heads, n)
+    if args.ranked_adapted:
+        trees, budget, _ = decoding_budget(heads, model, spec)
+        usage[label + "greedy ranked"] = Counter()
+        run[label + "greedy ranked"] = adaptive_engine(model, heads, trees, budget, greedy(),
+                                                       usage[label + "greedy ranked"], True)
+
+
+def ranked_engine(model, heads, size: int):
+    return lambda ids, n, seed: timed(medusa_decode(model, heads, None, FixedSize(size), ids, n,
+                                                    greedy(), set()))
+
+

@@ -1,0 +1,93 @@
+"""How much a weight format changes the model: next-token agreement with float32, and the KL.
+
+    python -m minimedusa.bench.format_quality --out weights/format-quality.json
+
+Held-out chats: the last --prompts seed prompts (the shipped heads trained on the first 2,048;
+never MT-Bench, the evaluation) answered greedily by the float32 model. Every format then reads
+the same prompt + answer in one forward, and at every answer position we compare it with float32:
+top-1 agreement (the same next token) and the mean KL(p_float32 || p_format). A format whose
+top-1 agreement is under 98% is never a default (weight_formats.default_format).
+Shapes: T sequence length, V vocab.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minimedusa.flags.cli import Parser, positive_int
+from minimedusa.files.default_model import ensure_default_model
+from minimedusa.errors import entry_point
+from minimedusa.model import causal_mask
+from minimedusa.sampling import Sampling
+from minimedusa.training.seed_prompts import seed_prompts
+from minimedusa.training.self_distill import answer_batch
+from minimedusa.tokenizer import Tokenizer
+from minimedusa.speed.weight_formats import FORMATS, apply_format
+from minimedusa.files.weights import load_model
+
+MIN_AGREEMENT = 0.98  # below this, a format is not a default
+
+
+def held_out_chats(model, tokenizer: Tokenizer, n: int, max_new_tokens: int) -> list[tuple]:
+    """(prompt ids, greedy float32 answer ids) for the last n seed prompts."""
+    prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": p["prompt"]}]))
+               for p in seed_prompts()[-n:]]
+    chats = []
+    for i in range(0, n, 16):
+        batch = prompts[i:i + 16]
+        answers = answer_batch(model, batch, max_new_tokens, Sampling(), model.config.stop_ids,
+                               0, None)
+        chats += [(p, a) for p, (a, _) in zip(batch, answers)]
+    return chats
+
+
+@torch.inference_mode()
+def answer_log_probs(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """log p(next token) at every answer position: (len(answer), V) float32."""
+    tokens = torch.tensor([prompt + answer[:-1]])  # (1, T)
+    T = tokens.shape[1]
+    logits, _ = model(tokens, torch.arange(T)[None], causal_mask(0, T))  # (1, T, V)
+    return F.log_softmax(logits[0, len(prompt) - 1:].float(), dim=-1)
+
+
+def compare(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dict:
+    """Top-1 agreement and mean KL(reference || candidate) over every answer position."""
+    ref, cand = torch.cat(reference), torch.cat(candidate)  # (positions, V)
+    agree = (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
+    kl = F.kl_div(cand, ref, log_target=True, reduction="none").sum(-1).mean().item()
+    return {"top1_agreement": round(agree, 5), "mean_kl": round(kl, 6),
+            "positions": ref.shape[0], "default_ok": agree >= MIN_AGREEMENT}
+
+
+@entry_point
+def main(argv=None):
+    p = Parser(description="Next-token agreement and KL of each CPU weight "
+                                "format against float32, on held-out chats.")
+    p.add_argument("--model", type=Path, default=None, help="model folder (default: the default)")
+    p.add_argument("--prompts", type=positive_int, default=48, help="held-out chats (default: 48)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128,
+                   help="answer length (default: 128)")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    folder = args.model or ensure_default_model()
+    tokenizer = Tokenizer.from_folder(folder)
+    float32 = load_model(folder)
+    chats = held_out_chats(float32, tokenizer, args.prompts, args.max_new_tokens)
+    reference = [answer_log_probs(float32, prompt, answer) for prompt, answer in chats]
+    results = {}
+    for name in FORMATS:
+        if name in ("float32", "float16"):
+            continue  # float32 is the reference; float16 is a GPU format
+        model = apply_format(load_model(folder), name)
+        results[name] = compare(reference, [answer_log_probs(model, p, a) for p, a in chats])
+        print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+    print(json.dumps(results, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"model": folder.name, "chats": len(chats),
+                                        "formats": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""generate.py as a user runs it: `python -m minimedusa.bench --generate`.
+
+One generate.py process per question, its default flags against --baseline (plus
+--baseline-flags, e.g. "--dtype float32 --no-compile"), alternating which goes first: each
+process's own tokens/s (from the prompt to the last token) and its wall time, loading included,
+summed over the questions and rounds; and llama.cpp in this process on the same prompt ids,
+where llama-cpp-python is installed.
+"""
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from minimedusa.bench.llama_cpp import load_llama_cpp
+
+
+def model_flags(args) -> list[str]:
+    """The benchmark's model, device, dtype and threads, as generate.py's flags."""
+    flags = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    return flags + (["--model", str(args.model)] if args.model is not None else [])
+
+
+def generate_process(args, prompt: str, mode: str) -> tuple[dict, float]:
+    """One generate.py process in `mode` ("default" or "baseline"): (its JSON, its wall time)."""
+    script = Path(__file__).resolve().parents[2] / "generate.py"
+    cmd = [sys.executable, str(script), "--json", "--prompt", prompt,
+           "--max-new-tokens", str(args.max_new_tokens), "--heads", args.heads[0],
+           *model_flags(args)]
+    if mode == "baseline":
+        cmd += ["--baseline", *shlex.split(args.baseline_flags)]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout), time.perf_counter() - start
+
+
+def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
+    """generate.py as a user runs it: one process per question, its default flags against
+    --baseline, alternating which goes first, for --rounds rounds. Each process's own
+    tokens/s (the prompt to the last token) and its wall time, loading included, are summed.
+    in_process: other engines (name -> (engine, the question's prompt ids)), timed between."""
+    totals = {mode: {"tokens": 0, "seconds": 0.0, "wall_seconds": 0.0, "modes": [],
+                     "formats": []} for mode in ("default", "baseline", *in_process)}
+    for r in range(args.rounds):
+        for i, q in enumerate(questions):
+            order = ["default", "baseline", *in_process]
+            for mode in (order if (i + r) % 2 == 0 else order[::-1]):
+                t = totals[mode]
+                if mode in in_process:
+                    engine, prompt_ids = in_process[mode]
+                    _, seconds, _ = engine(prompt_ids(q["prompt"]), args.max_new_tokens, i)
+                    result, wall = {"new_tokens": args.max_new_tokens, "seconds": seconds,
+                                    "mode": mode, "format": mode, "step": ""}, seconds
+                else:
+                    result, wall = generate_process(args, q["prompt"], mode)
+                t["wall_seconds"] += wall
+                t["tokens"] += result["new_tokens"]
+                t["seconds"] += result["seconds"]
+                t["modes"].append(result["mode"])
+                t["formats"].append(f"{result['format']} {result['step']}".strip())
+            rates = {m: f"{t['tokens'] / t['seconds']:.2f}" for m, t in totals.items()}
+            print(f"[round {r + 1}, {i + 1}/{len(questions)}] {q['category']:<10} tokens/s so "
+                  f"far: {rates}", file=sys.stderr, flush=True)
+    for t in totals.values():
+        t["tokens_per_s"] = round(t["tokens"] / t["seconds"], 2)
+    for mode in ("default", *in_process):
+        totals[mode]["vs_baseline"] = round(totals[mode]["tokens_per_s"] /
+                                            totals["baseline"]["tokens_per_s"], 3)
+    totals["speedup"] = totals["default"]["vs_baseline"]
+    totals["wall_ratio"] = round(totals["baseline"]["wall_seconds"] /
+                                 totals["default"]["wall_seconds"], 3)
+    return totals
+
+
+def report_generate_processes(args, questions: list[dict], machine: str, tokenizer,
+                              folder: Path) -> None:
+    """--generate: print (and with --out save) generate_processes' totals."""
+    in_process = {}
+    llama_cpp = None if args.no_llama_cpp else load_llama_cpp(folder, args.threads)
+    if llama_cpp is not None:  # the prompt ids generate.py decodes from: the chat template's
+        in_process["llama.cpp Q4_1"] = (llama_cpp, lambda prompt: tokenizer.encode(
+            tokenizer.chat_prompt([{"role": "user", "content": prompt}])))
+    result = {"machine": machine, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+              "questions": len(questions), "baseline_flags": args.baseline_flags,
+              **generate_processes(args, questions, in_process)}
+    modes = ("default", "baseline", *in_process)
+    shown = {k: v for k, v in result.items() if k not in modes}
+    for mode in modes:
+        shown[mode] = {k: v for k, v in result[mode].items() if k not in ("modes", "formats")}
+        shown[mode]["format"] = result[mode]["formats"][0]
+    print(json.dumps(shown, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")

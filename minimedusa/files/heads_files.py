@@ -1,0 +1,162 @@
+"""The heads' files: config.json + medusa_lm_head.safetensors, in the Medusa reference's layout.
+
+The reference's keys ({i}.{j}.linear.weight, {i}.{j}.linear.bias, {i}.{L}.weight), so heads move
+between this project and others; the reference's published medusa_lm_head.pt loads too (plain
+tensors only, weights_only=True). Loading checks the heads against the model they will run on.
+Beside them, draft_vocab.safetensors: the training answers' tokens by frequency. The export to
+the layout serving engines load is export_v1.py's.
+"""
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from minimedusa.files.checkpoint import write_atomically
+from minimedusa.errors import UserError
+from minimedusa.draft_layer import HydraPlusPlusHeads
+from minimedusa.heads import MedusaConfig, MedusaHeads
+from minimedusa.hydra import HydraHeads
+from minimedusa.model import LlamaConfig
+
+HEADS_FILE = "medusa_lm_head.safetensors"
+# config.json's head_kind -> class
+HEAD_KINDS = {"medusa": MedusaHeads, "hydra": HydraHeads, "hydra++": HydraPlusPlusHeads}
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # token ids by frequency in the training answers
+CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (training/tree_search.py measures it)
+
+
+class HeadsError(UserError):
+    """Heads that cannot be loaded, or that do not fit the model."""
+
+
+def check_heads_fit(cfg: MedusaConfig, model_config: LlamaConfig) -> None:
+    for field in ("hidden_size", "vocab_size"):
+        ours, theirs = getattr(cfg, field), getattr(model_config, field)
+        if ours != theirs:
+            raise HeadsError(f"the heads' {field} is {ours} but the model's is {theirs}: "
+                             "these heads were trained for another model")
+
+
+def save_heads(heads: MedusaHeads, folder, extra_config: dict | None = None) -> None:
+    """The tensors, then config.json, each written beside its name and renamed: a folder with a
+    config.json holds whole heads (pipeline.py takes it as training's end)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name: t.contiguous() for name, t in files_state(heads).items()}
+    write_atomically(folder / HEADS_FILE,
+                     lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    config = {**asdict(heads.config), **(extra_config or {})}
+    write_atomically(folder / "config.json",
+                     lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def files_state(heads) -> dict[str, torch.Tensor]:
+    """The tensors the files hold, by their names there: the heads' under the reference's keys
+    (heads.heads), a Hydra++ draft layer's under draft_layer.*; never a draft vocabulary set
+    for decoding (a slice of the LM head)."""
+    state = dict(heads.heads.state_dict())
+    if isinstance(heads, HydraPlusPlusHeads):
+        state.update({f"draft_layer.{k}": t for k, t in heads.draft_layer.state_dict().items()})
+    return state
+
+
+def read_heads_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The heads' tensors, reference keys: medusa_lm_head.safetensors, else the reference's
+    medusa_lm_head.pt read with weights_only=True (plain tensors, never arbitrary pickles)."""
+    path, pt = folder / HEADS_FILE, folder / "medusa_lm_head.pt"
+    try:
+        if path.is_file():
+            with safe_open(path, framework="pt", device="cpu") as st:
+                return {k: st.get_tensor(k) for k in st.keys()}
+        if pt.is_file():
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncation/corruption surfaces with varied exception types
+        raise HeadsError(f"cannot read the heads in {folder} (truncated or corrupt?): {e}") \
+            from None
+    raise HeadsError(f"missing heads file {path}")
+
+
+def heads_config(raw: dict, state: dict, model_config) -> MedusaConfig:
+    """The config of heads files. Published reference heads state only medusa_num_heads and
+    medusa_num_layers; the sizes and the form are then read off the tensors: the shared form is
+    the one without a projection {i}.{L}.weight."""
+    missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in raw]
+    if missing:
+        raise HeadsError(f"the heads' config.json lacks {', '.join(missing)}")
+    L = raw["medusa_num_layers"]
+    projection = state.get(f"0.{L}.weight")
+    block = state.get("0.0.linear.weight")
+    shared = raw.get("shared_lm_head", projection is None)
+    hidden = raw.get("hidden_size") or (block.shape[1] if block is not None else
+                                        projection.shape[1] if projection is not None else
+                                        model_config.hidden_size)
+    vocab = raw.get("vocab_size") or (projection.shape[0] if projection is not None else
+                                      model_config.vocab_size)
+    kind = raw.get("head_kind", "medusa")
+    if kind not in HEAD_KINDS:
+        raise HeadsError(f"unknown head_kind {kind!r} in the heads' config.json: "
+                         f"one of {', '.join(HEAD_KINDS)}")
+    if kind in ("hydra", "hydra++") and not shared:
+        raise HeadsError("Hydra heads project with the backbone's LM head: their config.json "
+                         "must not say shared_lm_head false")
+    return MedusaConfig(raw["medusa_num_heads"], L, hidden, vocab, bool(shared), kind)
+
+
+def load_heads(folder, model) -> MedusaHeads:
+    """Heads from a folder (config.json + medusa_lm_head.safetensors or .pt), in this project's
+    or the reference's layout, checked against the model."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise HeadsError(f"no config.json in the heads folder {folder}")
+    state = read_heads_state(folder)
+    cfg = heads_config(json.loads(config_path.read_text()), state, model.config)
+    check_heads_fit(cfg, model.config)
+    heads = (HydraPlusPlusHeads(cfg, model.config) if cfg.head_kind == "hydra++"
+             else HEAD_KINDS[cfg.head_kind](cfg))
+    expected = files_state(heads)
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise HeadsError(f"the heads in {folder} lack tensor {missing[0]}")
+    for name, t in state.items():
+        if name not in expected:
+            raise HeadsError(f"unexpected tensor {name} in the heads in {folder}")
+        if t.shape != expected[name].shape:
+            raise HeadsError(f"tensor {name} has shape {tuple(t.shape)}, "
+                             f"the config needs {tuple(expected[name].shape)}")
+    heads.heads.load_state_dict({k: t for k, t in state.items()
+                                 if not k.startswith("draft_layer.")})
+    if isinstance(heads, HydraPlusPlusHeads):
+        heads.draft_layer.load_state_dict({k.removeprefix("draft_layer."): t
+                                           for k, t in state.items()
+                                           if k.startswith("draft_layer.")})
+    weight = model.lm_head.weight
+    return heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+
+
+def save_draft_vocab(folder, ids: torch.Tensor, counts: torch.Tensor) -> None:
+    """The training answers' token ids, most frequent first, with their counts
+    (heads.token_ranking): a draft vocabulary of any size V' is then the first V' ids."""
+    save_file({"ids": ids.contiguous(), "counts": counts.contiguous()},
+              Path(folder) / DRAFT_VOCAB_FILE, metadata={"format": "pt"})
+
+
+def read_draft_vocab(folder) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(token ids most frequent first, their counts), or None when the heads have none."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, framework="pt", device="cpu") as st:
+            return st.get_tensor("ids"), st.get_tensor("counts")
+    except Exception as e:  # truncation/corruption surfaces with varied exception types
+        raise HeadsError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+
+
+def read_calibration(heads_dir: Path) -> torch.Tensor | None:
+    """The heads' a_k^(i) (K, R) from their calibration.json, or None if not calibrated."""
+    path = Path(heads_dir) / CALIBRATION
+    return torch.tensor(json.loads(path.read_text())["accuracy"]) if path.is_file() else None

@@ -1,0 +1,104 @@
+"""Command-line flags: the parser that ends bad input in one line, the value checks every
+numeric flag goes through, and the flag groups that several commands share (device, weight
+format, compiled step, context candidates, draft vocabulary). What the flags then load is
+load.py's.
+"""
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def dropout(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_device_arguments(parser, threads_default: int | None = None) -> None:
+    """--device, --dtype and --threads, the same in every command line."""
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
+                        "bfloat16 on CUDA; decoding, on a CPU that multiplies bfloat16 natively "
+                        "(avx512_bf16 or AMX): int4 for a model whose weights came from a 4-bit "
+                        "file, as the default model's, else bfloat16), float32, bfloat16, "
+                        "float16")
+    default = threads_default or "torch's choice, one per core"
+    parser.add_argument("--threads", type=positive_int, default=threads_default,
+                        help=f"CPU threads for torch (default: {default})")
+
+
+def add_quantize_argument(parser) -> None:
+    parser.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                        help="int4: the blocks' weights in 4 bits, a scale and a minimum per 32 "
+                        "(as the GGUF's Q4_1), the heads in bfloat16, the LM head in 8-bit "
+                        "groups if its weights already lie on them (as the GGUF's Q8_0), else "
+                        "bfloat16; lossless for a model whose weights came from such a file, "
+                        "where it is the default on a CPU with native bfloat16. int8: "
+                        "weight-only int8 (a scale per output channel) for every linear layer, "
+                        "the LM head and the heads' included. Both run bfloat16 activations on "
+                        "a CPU (weight_formats.py). "
+                        "Default: none, the weights in --dtype (whose auto may pick int4)")
+
+
+def add_compile_argument(parser) -> None:
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the decoding step with torch.compile (compiled_step.py): "
+                        "~20 s the first time on a machine, a few seconds in later runs "
+                        "(cached on disk), then faster steps. Default: on a CPU where a C++ "
+                        "compiler works; --no-compile: eager, the reading path")
+
+
+def add_context_argument(parser) -> None:
+    parser.add_argument("--context", action=argparse.BooleanOptionalAction, default=True,
+                        help="context candidates: each step's tree also holds a branch read from "
+                        "the prompt and the answer so far, where their last tokens occurred "
+                        "before (context_candidates.py; output unchanged). With the adapted "
+                        "trees only, not with a fixed --tree (default: on)")
+
+
+def add_draft_vocab_argument(parser) -> None:
+    parser.add_argument("--draft-vocab", type=non_negative_int, default=None, metavar="N",
+                        help="the heads rank only the N tokens most frequent in their training "
+                        "answers, reading N rows of the LM head instead of all (output "
+                        "unchanged: the model still verifies over the whole vocabulary); 0 = "
+                        "the whole vocabulary (default: the heads' draft_vocab_size, if their "
+                        "config.json sets one)")

@@ -1,0 +1,216 @@
+"""From command-line flags to what decoding needs: the device and weight format, the model (its
+speed plugged in: speed/plug_in.py), the heads, the tree (a fixed --tree, or by default
+budget.py's nested trees and the Budget that picks among them) and the acceptance rule,
+decided here once for generate.py, bench and tree_search alike.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from minimedusa import acceptance
+from minimedusa.budget import (SIZES, Budget, FixedSize, expected_length, fixed, grow_tree,
+                               nested_trees)
+from minimedusa.errors import UserError
+from minimedusa.files.heads_files import (DRAFT_VOCAB_FILE, HeadsError, load_heads,
+                                          read_calibration, read_draft_vocab)
+from minimedusa.files.weights import file_tensors, load_model, safetensors_files
+from minimedusa.flags.device import pick_device, pick_dtype
+from minimedusa.flags.trees import default_tree, ranked_size, tree_choices
+from minimedusa.heads import DraftVocabulary, MedusaHeads
+from minimedusa.hydra import HydraHeads
+from minimedusa.model import Llama
+from minimedusa.speed.plug_in import plug_in
+from minimedusa.speed.quantized import on_four_bit_grid
+from minimedusa.speed.step_latency import machine_latency
+from minimedusa.speed.weight_formats import DTYPE_FORMATS, apply_format, bf16_is_native, format_of
+from minimedusa.tree import MedusaTree, build_tree
+
+
+def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    """The flags' device and dtype; sets torch's CPU threads if asked."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    return device, pick_dtype(args.dtype, device)
+
+
+def device_and_format(args, folder: Path) -> tuple[torch.device, str]:
+    """The flags' device and weight format for decoding the model in `folder`
+    (weight_formats.py): --quantize int8 or int4, else --dtype, whose auto is the machine's and
+    the model's default_format. Sets torch's CPU threads."""
+    device, dtype = device_and_dtype(args)
+    if args.quantize != "none":
+        if device.type != "cpu" or args.dtype not in ("auto", "bfloat16", "bf16"):
+            raise UserError(f"--quantize {args.quantize} runs on a CPU with bfloat16 activations "
+                            "(torch's kernel is vectorised for those only): drop --dtype/--device")
+        return device, args.quantize
+    if args.dtype == "auto":
+        return device, default_format(device, folder)
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cpu" and name == "bfloat16" and not bf16_is_native():
+        print("minimedusa: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products run "
+              "without native kernels, slower than float32 (--dtype float32 is faster here)",
+              file=sys.stderr)
+    return device, name
+
+
+def decoding_model(folder: Path, device, weight_format: str,
+                   compile_flag: bool | None = False) -> tuple[Llama, str]:
+    """(the model for decoding, how its step runs in words): loaded, then its speed plugged in
+    (speed/plug_in.py): the weight format's layers, the step compiled as --compile asks."""
+    if not Path(folder).is_dir():
+        raise UserError(f"model folder {folder} does not exist")
+    # int8 and int4 round the float32 weights; a dtype's weights are read straight into it, so
+    # that no float32 copy of the model is ever held beside them (peak memory)
+    model = load_model(folder, device, DTYPE_FORMATS.get(weight_format, torch.float32))
+    return model, plug_in(model, weight_format, compile_flag)
+
+
+def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
+    """A heads folder, or 'untrained:K' / 'untrained-shared:K' / 'untrained-hydra:K': K fresh
+    heads (own / shared projection / Hydra's) in the paper's initialisation, for trying the
+    machinery without training. With a draft vocabulary of draft_vocab tokens (None: the
+    folder's default), and in the model's weight format (weight_formats.py)."""
+    heads, config = None, {}
+    for prefix in ("untrained:", "untrained-shared:", "untrained-hydra:"):
+        if spec.startswith(prefix):
+            count = spec.removeprefix(prefix)
+            if not count.isdigit() or int(count) < 1:
+                raise HeadsError(f"bad heads {spec!r}: use {prefix}K with K >= 1")
+            heads = (HydraHeads.for_model(model, int(count)) if prefix == "untrained-hydra:" else
+                     MedusaHeads.for_model(model, int(count),
+                                           shared_lm_head=prefix == "untrained-shared:"))
+            heads.eval().requires_grad_(False)
+    if heads is None:
+        if not Path(spec).is_dir():
+            raise HeadsError(f"heads folder {spec} does not exist")
+        heads = load_heads(spec, model)
+        config = json.loads((Path(spec) / "config.json").read_text())
+    size = config.get("draft_vocab_size", 0) if draft_vocab is None else draft_vocab
+    if size:
+        heads.vocabulary = draft_vocabulary(spec, heads, model, size)
+    return apply_format(heads.float(), format_of(model))
+
+
+def draft_vocabulary(spec: str, heads, model: Llama, size: int) -> DraftVocabulary:
+    """The `size` tokens most frequent in the heads' training answers (weights.save_draft_vocab)."""
+    if not heads.config.shared_lm_head:
+        raise HeadsError("a draft vocabulary cuts the shared LM head: these heads have their "
+                         "own projections (use --draft-vocab 0)")
+    counted = read_draft_vocab(spec) if Path(spec).is_dir() else None
+    if counted is None:
+        raise HeadsError(f"--draft-vocab: the heads {spec} have no {DRAFT_VOCAB_FILE} (train.py "
+                         "writes it); use --draft-vocab 0")
+    ids, _ = counted
+    if not 0 < size <= model.config.vocab_size:
+        raise UserError(f"--draft-vocab must be in 1..{model.config.vocab_size}, got {size}")
+    return DraftVocabulary(ids[:size].sort().values, model.lm_head)
+
+
+def ranked_vocab_size(heads, model: Llama) -> int:
+    """How many tokens the heads rank: their draft vocabulary's, else the model's."""
+    return model.config.vocab_size if heads.vocabulary is None else heads.vocabulary.ids.numel()
+
+
+def decoding_tree(spec: str | None, heads, model: Llama) -> tuple[str, MedusaTree]:
+    """(name, tree) for a --tree value, checked against the heads it will read and the
+    vocabulary they rank; without one, the device's default named tree without the paths
+    deeper than the heads."""
+    device = model.embed.weight.device
+    if spec is not None:
+        name, choices = spec, tree_choices(spec)
+    else:  # a general tree, made for any heads: keep the paths these heads can read
+        name, depth = default_tree(device), heads.config.medusa_num_heads
+        every = tree_choices(name)
+        choices = [path for path in every if len(path) <= depth]
+        if len(choices) < len(every):
+            name += f" (cut to its paths of at most {depth} nodes: {depth} heads)"
+    return name, build_tree(choices, heads.config.medusa_num_heads,
+                            ranked_vocab_size(heads, model), device)
+
+
+def decoding_budget(heads, model: Llama, heads_spec: str):
+    """(trees by size, the Budget that picks among them and plain steps, why these): the tree
+    grown from the heads' calibration at every size up to 16 nodes on a CPU (where a 16-node
+    step already cost 1.5-2x a plain one on the 2-core machines measured) or 64 on a GPU; for
+    heads without a calibration, the default tree or plain steps. Step latencies: measured on
+    this machine at first use, then cached (budget.py)."""
+    weight = model.embed.weight
+    folder = Path(heads_spec)
+    accuracy = read_calibration(folder) if folder.is_dir() else None
+    if accuracy is None:
+        name, tree = decoding_tree(None, heads, model)
+        nodes, sizes, expected = tree.nodes[1:], [tree.size - 1], {}
+        why = f"{name} or plain steps (the heads have no calibration.json)"
+    else:
+        nodes, probs = grow_tree(accuracy, 64 if weight.device.type == "cuda" else 16)
+        sizes = [n for n in SIZES if n <= len(nodes)]
+        expected = {n: expected_length(probs[:n]) for n in sizes}
+        why = "grown from the heads' calibration"
+    trees, rank = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
+                               ranked_vocab_size(heads, model), weight.device)
+    latency, source = machine_latency(model, heads, trees)
+    return trees, Budget([0, *sizes], expected, latency, rank), f"{why}, latencies {source}"
+
+
+def decoding_trees(spec: str | None, heads, model: Llama, heads_spec: str, context: bool):
+    """(trees, budget, describe) for decoding.medusa_decode as --tree asks: a fixed tree
+    (budget.fixed: the paper's one tree every step), ranked:N (each step's N most probable
+    nodes), or by default the nested trees and the Budget that picks among them and plain
+    steps, ranked (trees None) with --tree ranked; describe() says which, after the run (the
+    sizes the budget used)."""
+    if spec is not None and spec.startswith("ranked:"):
+        size = ranked_size(spec)
+        return None, FixedSize(size), lambda: f"confidence-ranked tree of {size} nodes (--tree)"
+    if spec is not None and spec != "ranked":
+        name, tree = decoding_tree(spec, heads, model)
+        return (*fixed(tree), lambda: f"tree {name} ({tree.size - 1} nodes, --tree)")
+    trees, budget, why = decoding_budget(heads, model, heads_spec)
+    shape = "confidence-ranked tree" if spec == "ranked" else "tree"
+    joined = " and context candidates" if context else ""
+    return (None if spec == "ranked" else trees, budget,
+            lambda: f"{shape} of {budget.summary()}{joined}: {why}")
+
+
+def decoding_acceptance(kind: str, temperature: float, top_p: float = 1.0, eps: float = 0.09,
+                        delta: float = 0.3) -> acceptance.Acceptance:
+    """'auto' (greedy at temperature 0, lossless rejection sampling above), 'greedy',
+    'typical' or 'rejection'."""
+    if kind == "auto":
+        kind = "greedy" if temperature == 0 else "rejection"
+    if kind == "greedy":
+        if temperature != 0:
+            raise UserError("--acceptance greedy decodes at temperature 0: drop --temperature "
+                            "or use --acceptance typical or rejection")
+        return acceptance.greedy()
+    if kind == "typical":
+        return acceptance.typical(temperature, eps, delta)
+    return acceptance.rejection(temperature, top_p)
+
+
+def default_format(device: torch.device, folder=None) -> str:
+    """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA;
+    on a CPU where oneDNN multiplies bfloat16 natively, int4 if the model's weights came from a
+    4-bit file (four_bit_checkpoint: then int4 loses nothing in the weights, and its top-1
+    agreement with float32 was measured at 98.5%, format_quality.py), else bfloat16 (half
+    float32's bytes, a step as flat in the tree's size); float32 on other CPUs, where bfloat16
+    products are slower than float32's (int4 there: measured nowhere, so never a default)."""
+    if device.type == "cuda":
+        return "bfloat16"
+    if not bf16_is_native():
+        return "float32"
+    return "int4" if folder is not None and four_bit_checkpoint(folder) else "bfloat16"
+
+
+def four_bit_checkpoint(folder) -> bool:
+    """Whether every weight of the model's blocks in `folder` lies on a 4-bit grid of GROUP
+    (what a GGUF's Q4_0, Q4_1 or Q4_K file converted to floats holds); stops at the first that
+    does not (one matrix read for most models)."""
+    if not Path(folder).is_dir():
+        return False  # the loader says so, in its words
+    for name, tensor in file_tensors(safetensors_files(folder)):
+        if ".layers." in name and name.endswith("proj.weight") and not on_four_bit_grid(tensor):
+            return False
+    return True

@@ -1,0 +1,115 @@
+"""The compiled step's attention: attention_kernel.c, model.exact_attention's twin in C.
+
+A decoding step attends its 1 (plain) or n + 1 (tree) rows to every cached key in each block.
+model.exact_attention does it in float64 PyTorch so that a row's output never depends on where
+its keys sit in the cache (what keeps greedy Medusa lossless), at ~150 us a block on a 2-core
+CPU, converting the whole cache to float64 every time. The C twin gets the same guarantee from
+float32 arithmetic in a fixed order (the .c file says how), at a few us: 1 and 9 rows after 265
+keys took 20 and 88 us on the 2-core AVX-512 EPYC, against 97 and 243 for the reference.
+
+Built at first use (c_kernels.py: the C compiler torch.compile already needs, -march=native, the
+user's cache folder); called through ctypes from a torch operator, so that compiled graphs call
+it as they call oneDNN's products (packed_linear.OPERATORS). It serves bfloat16 and float32
+rows of one sequence with a head dim up to 256; anything else (float64 test models, batches,
+long prompts) keeps the reference. Outside compiled graphs (the prompt's
+prefill, a compiled model run eagerly) the reference runs: eager decoding stays the reading path.
+tests/test_attention_kernel.py checks it against the reference and the row property itself.
+
+Shapes: H query heads, G key/value heads, T rows, S attended slots, D head dim.
+"""
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from minimedusa.speed.c_kernels import load_library, why_not
+from minimedusa.model import exact_attention
+from minimedusa.speed.packed_linear import OPERATORS
+
+SOURCE = Path(__file__).with_suffix(".c")
+MAX_D = 256  # attention_kernel.c's MAX_D
+
+
+class Step(ctypes.Structure):
+    """attention_kernel.c's Step: the tensors' addresses, sizes and strides (in elements)."""
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                *[(name, ctypes.c_int64) for name in
+                  ("H", "G", "T", "S", "D", "q_head", "q_row", "kv_head", "out_head", "out_row")],
+                ("bf16", ctypes.c_int), ("scale", ctypes.c_float)]
+
+
+# the kernel, loaded at the first kernel_problem() of the process: "attend", the function, or
+# "problem", why there is none
+_kernel: dict = {}
+
+
+def kernel_problem() -> str | None:
+    """None if the kernel is built and loaded (at the first call), else why not in one line."""
+    if not _kernel:
+        try:
+            attend = load_library(SOURCE).attend
+            attend.argtypes, attend.restype = [ctypes.POINTER(Step)], ctypes.c_int
+            _kernel["attend"] = attend
+        except (OSError, RuntimeError) as e:
+            _kernel["problem"] = why_not(e)
+    return _kernel.get("problem")
+
+
+OPERATORS.define("step_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")
+
+
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """exact_attention's output (1, H, T, D) from the C kernel; q (1, H, T, D), k and v
+    (1, G, S, D) with each key a contiguous row of D (cache slices), mask (1, 1, T, S) bool."""
+    _, H, T, D = q.shape
+    G, S = k.shape[1], k.shape[2]
+    out = new_output(q)
+    mask = mask.contiguous()
+    step = Step(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(),
+                H, G, T, S, D, q.stride(1), q.stride(2), k.stride(1), out.stride(1),
+                out.stride(2), q.dtype == torch.bfloat16, D ** -0.5)
+    if _kernel["attend"](ctypes.byref(step)) != 0:
+        raise MemoryError("attention_kernel.c could not allocate its scores")
+    return out
+
+
+def new_output(q: torch.Tensor) -> torch.Tensor:
+    """(1, H, T, D) laid out as (1, T, H, D): the block's next reshape to (1, T, H * D) is then
+    a view, not a copy."""
+    _, H, T, D = q.shape
+    return q.new_empty(1, T, H, D).transpose(1, 2)
+
+
+OPERATORS.impl("step_attention", step_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minimedusa::step_attention")
+def _(q, k, v, mask):  # its output's shape and strides, for the compiler's tracing
+    return new_output(q)
+
+
+class KernelAttention(nn.Module):
+    """model.ExactAttention's twin: the C kernel inside a compiled step where it serves the
+    tensors; the reference everywhere else (see the module's docstring)."""
+
+    def forward(self, q, k, v, mask):
+        serves = (torch.compiler.is_compiling() and q.dtype in (torch.bfloat16, torch.float32)
+                  and q.shape[0] == 1 and q.shape[-1] <= MAX_D and k.dtype == q.dtype
+                  and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+                  and v.stride() == k.stride() and q.stride(-1) == 1)
+        if serves:
+            return torch.ops.minimedusa.step_attention(q, k, v, mask)
+        return exact_attention(q, k, v, mask)
+
+
+def use_kernel(model) -> str | None:
+    """Swap the C kernel into every block of `model` (its attention's ExactAttention module);
+    None if done, else why not (the blocks keep the reference)."""
+    problem = kernel_problem()
+    if problem is None:
+        for block in model.layers:
+            block.attn.exact = KernelAttention()
+    return problem

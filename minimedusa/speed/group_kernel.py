@@ -1,0 +1,145 @@
+"""Products of weights quantized in groups of 32 inputs, in C, for CPUs with AVX-512 BF16:
+group_kernel.c, built at first use (c_kernels.py) and called through torch operators, as
+oneDNN's products are (packed_linear.OPERATORS).
+
+The int4 format's blocks (weight_formats.Int4KernelLinear: the GGUF's Q4_1) multiply through it
+where this CPU has AVX-512 BF16 (Zen 4, Intel since Cooper Lake), else through torch's
+_weight_int4pack_mm_for_cpu (weight_formats.Int4Linear); so does its LM head where it lies on
+an 8-bit grid (weight_formats.Int8GroupLinear: the GGUF's Q8_0), else it stays bfloat16.
+Measured side by side on the 2-core AVX-512 EPYC, the default model's 120 block products at
+1 / 4 / 5 / 8 / 9 / 16 rows: torch's kernel 4.6 / 7.3 / 12.4 / 12.6 / 18.3 / 22.8 ms, this
+file's first version 3.5 / 4.5 / 5.3 / 7.3 / 9.2 / 12.9; broadcasting the activations from
+memory then took 8 rows a quarter lower (9.8 -> 7.2 ms in a later side-by-side run of the two
+versions, on a slower day of the machine). A tree's rows cost a fraction of what they did. The
+LM head in 8 bits: 1.0 ms a plain step where bfloat16's took 2.8 (bench --profile).
+tests/test_weight_formats.py checks both formats against dequantize-then-multiply, and a row's
+bits whatever rows are beside it.
+
+Shapes: M rows, N outputs, K inputs, G = K / 32 groups, B = N / 16 blocks of outputs.
+"""
+import ctypes
+from pathlib import Path
+
+import torch
+
+from minimedusa.speed.c_kernels import load_library, why_not
+from minimedusa.speed.machine import cpu_features
+from minimedusa.speed.packed_linear import OPERATORS
+
+SOURCE = Path(__file__).with_suffix(".c")
+
+# the kernel, loaded at the first kernel_problem() of the process (require_kernel() asks it):
+# "int4_product" and "int8_product", its functions, or "problem", why there are none
+_kernel: dict = {}
+
+
+def kernel_problem() -> str | None:
+    """None if the kernel is built, loaded and multiplies on this CPU, else why not."""
+    if not _kernel:
+        try:
+            library = load_library(SOURCE)
+            if not library.group_kernel_available():
+                raise RuntimeError("this CPU has no AVX-512 BF16 (avx512_bf16)")
+            for name, pointers in (("int4_product", 5), ("int8_product", 4)):
+                product = getattr(library, name)
+                product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3
+                product.restype = ctypes.c_int
+                _kernel[name] = product
+        except (OSError, RuntimeError) as e:
+            _kernel["problem"] = why_not(e)
+    return _kernel.get("problem")
+
+
+def expected_here() -> bool:
+    """Whether this CPU lists AVX-512 BF16, which the kernel multiplies with: there, a kernel
+    that does not multiply is a fault (no compiler, a failed build) worth a line; elsewhere
+    torch's int4 kernel is the normal case."""
+    return "avx512_bf16" in cpu_features().split("+")
+
+
+def require_kernel() -> None:
+    """Raise, saying why in one line, where group_kernel.c does not multiply on this machine;
+    builds and loads it at the first call. The layers that multiply through it call this when
+    they are made, so that their products (a decoding step's hot path) need not ask again."""
+    problem = kernel_problem()
+    if problem is not None:
+        raise RuntimeError(f"group_kernel.c does not multiply on this machine: {problem}")
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
+    """weight_formats.quantize_int4's (N, K) q, (N, G) scales and minimums -> the kernel's
+    layout: (B, K / 2, 16) bytes, two inputs' q of one output a byte, 16 outputs side by side;
+    (B, G, 16) float16 scales and minimums. note: float16 as Q4_1 stores them, so a 4-bit
+    file's are kept exactly; another model's are rounded (10 bits: far below int4's own step)."""
+    N, K = q.shape
+    pairs = q.view(N // 16, 16, K // 2, 2).to(torch.uint8)  # (B, 16, K / 2, 2)
+    packed = (pairs[..., 0] | pairs[..., 1] << 4).permute(0, 2, 1).contiguous()  # (B, K/2, 16)
+    return packed, by_block(scales), by_block(minimums)  # (B, G, 16) each
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor):
+    """weight_formats.quantize_int8_groups's (N, K) q and (N, G) scales -> the kernel's layout:
+    (B, K / 2, 32) bytes, per pair of inputs the 16 outputs' two q side by side; (B, G, 16)
+    float16 scales (as Q8_0 stores them)."""
+    N, K = q.shape
+    pairs = q.view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3)  # (B, K / 2, 16, 2)
+    return pairs.reshape(N // 16, K // 2, 32).view(torch.uint8).contiguous(), by_block(scales)
+
+
+def unpack_int8(packed: torch.Tensor, scales: torch.Tensor):
+    """pack_int8's inverse: (N, K) int8 q and (N, G) float32 scales."""
+    B, G = scales.shape[:2]
+    q = packed.view(torch.int8).view(B, G * 16, 16, 2).permute(0, 2, 1, 3)  # (B, 16, K / 2, 2)
+    return q.reshape(B * 16, G * 32), scales.permute(0, 2, 1).reshape(B * 16, G).float()
+
+
+def by_block(t: torch.Tensor) -> torch.Tensor:
+    """(N, G) per output and group -> (B, G, 16) float16: a block's 16 outputs side by side."""
+    N = t.shape[0]
+    return t.half().view(N // 16, 16, -1).permute(0, 2, 1).contiguous()
+
+
+OPERATORS.define("int4_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
+                 "-> Tensor")
+
+
+def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                 minimums: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) bfloat16 times the packed weight: (M, N) bfloat16."""
+    rows = rows.contiguous()
+    M, K = rows.shape
+    y = rows.new_empty(M, scales.shape[0] * 16)
+    done = _kernel["int4_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                   minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K)
+    if done != 0:
+        raise MemoryError("group_kernel.c could not allocate its sums")
+    return y
+
+
+OPERATORS.impl("int4_product", int4_product, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minimedusa::int4_product")
+def _(rows, packed, scales, minimums):  # its output's shape, for the compiler's tracing
+    return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
+
+
+OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales) -> Tensor")
+
+
+def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) bfloat16 times the packed 8-bit weight: (M, N) bfloat16."""
+    rows = rows.contiguous()
+    M, K = rows.shape
+    y = rows.new_empty(M, scales.shape[0] * 16)
+    _kernel["int8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(),
+                            M, y.shape[1], K)
+    return y
+
+
+OPERATORS.impl("int8_product", int8_product, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minimedusa::int8_product")
+def _(rows, packed, scales):
+    return rows.new_empty(rows.shape[0], scales.shape[0] * 16)

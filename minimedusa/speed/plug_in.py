@@ -1,0 +1,69 @@
+"""Speed, plugged into a loaded model in one call, as gpt-fast's _load_model swaps its quantized
+layers after building the model: model.py and decoding.py never learn that a C kernel or a
+compiled graph exists.
+
+    step = plug_in(model, "int4", compile_flag=None)   # "compiled (warm-up 1.4 s)"
+
+1. the weight format (weight_formats.py): prepacked, quantized or 4-bit layers swapped in;
+2. the compiled step (compiled_step.py): each block swapped for a compiled one, its attention
+   for the C kernel (attention_kernel.py), where a C++ compiler works.
+how_it_runs(model) then says in words what was plugged in: the key step latencies are kept
+under (step_latency.py) names it, so a latency measured for one way of running is never used
+for another.
+"""
+import sys
+
+import torch.nn as nn
+
+from minimedusa.errors import UserError
+from minimedusa.model import Llama
+from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
+from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
+from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
+from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
+from minimedusa.speed.weight_formats import apply_format, format_of
+
+
+def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
+    """Make a loaded model fast in place: its weight format, then its step compiled as
+    --compile asks (None: where a compiler works, on a CPU). Returns how the step runs, in
+    words: "compiled (warm-up 3.4 s)", or "eager" and why."""
+    apply_format(model, weight_format)
+    if model.embed.weight.device.type != "cpu":
+        if compile_flag:
+            raise UserError("--compile compiles the CPU's step (on CUDA it would be CUDA "
+                            "graphs, left out): drop --compile")
+        return "eager"
+    if compile_flag is False:
+        return "eager (--no-compile)"
+    problem = compiler_problem()
+    if problem is not None:
+        print(f"minimedusa: torch.compile does not work here, decoding eagerly ({problem})",
+              file=sys.stderr)
+        return "eager (no working compiler)"
+    compile_blocks(model)
+    kernel = kernel_problem()
+    attention = "" if kernel is None else f"; attention in PyTorch, no C kernel: {kernel}"
+    return f"compiled (warm-up {warm_up(model):.1f} s{attention})"
+
+
+def how_it_runs(model: Llama) -> str:
+    """What sets a step's cost beside the machine, in words: the weight format (and which
+    kernel multiplies it), whether the step is compiled (and its attention the C kernel), how a
+    block runs its products (how many, at least how many rows)."""
+    block = model.layers[0]
+    fmt = format_of(model)
+    weights = f" | {fmt} weights" if fmt in ("int8", "int4") else ""  # the dtype says the rest
+    if any(isinstance(layer, Int4KernelLinear) for layer in block.modules()):
+        weights += " (group_kernel.c)"
+    if isinstance(model.lm_head, Int8GroupLinear):
+        weights += ", 8-bit LM head"
+    step = " | compiled step" if is_compiled(model) else ""
+    if any(isinstance(m, KernelAttention) for m in block.modules()):
+        step += ", C attention"
+    layers = [layer for layer in block.modules()
+              if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear, Int4Linear,
+                                    Int4KernelLinear))]
+    rows = (f", of >= {MIN_ROWS} rows" if any(isinstance(layer, PackedLinear) for layer in layers)
+            else "")
+    return f"{weights}{step} | {len(layers)} products a block{rows}"

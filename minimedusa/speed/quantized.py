@@ -1,0 +1,256 @@
+"""The quantized layers of the int8 and int4 weight formats (weight_formats.py), each with the
+slow reference it must equal: quantize, then dequantize and multiply.
+
+    Int8Linear       int8, a scale per output channel; torch's _weight_int8pack_mm
+    Int4Linear       4-bit groups of 32 with a scale and a minimum (the GGUF's Q4_1), torch's
+                     _weight_int4pack_mm_for_cpu (fp32 FMA, the weights read once per 4 rows)
+    Int4KernelLinear the same weights multiplied by group_kernel.c (read once for any rows)
+    Int8GroupLinear  8-bit groups of 32 with a scale (the GGUF's Q8_0), group_kernel.c: an LM
+                     head whose weights already lie on that grid
+
+Shapes: N output features, K input features, M rows.
+"""
+import sys
+
+import torch
+import torch.nn as nn
+
+from minimedusa.errors import UserError
+from minimedusa.model import Llama
+from minimedusa.speed import group_kernel
+
+
+GROUP = 32  # int4: input features that share a scale and a minimum (the GGUF's Q4_1 blocks)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (N, K) int8 and (N,) float32 scales, symmetric per output channel:
+    w ~= q * scale, scale = max |w| of the channel / 127 (round to nearest)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (N,)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # (N, K)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The slow reference: (N, K) int8 and (N,) scales -> the (N, K) float32 weight they hold."""
+    return q.float() * scales[:, None]
+
+
+class Int8Linear(nn.Module):
+    """y = x (q * scale)^T + b, weights held as int8, for bfloat16 activations on a CPU."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        q, scales = quantize_int8(linear.weight)
+        self.register_buffer("q", q)  # (N, K) int8
+        self.register_buffer("scales", scales.to(dtype))  # (N,): in the activations' dtype
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized (N, K) weight, for setup code that reads it (the draft vocabulary's
+        cut, the heads' dtype and device); computed on each read, never on a decoding step."""
+        return dequantize_int8(self.q, self.scales.float()).to(self.scales.dtype)
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scales)  # (M, N)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_int4(weight: torch.Tensor):
+    """(N, K) float -> q (N, K) int32 in 0..15, scales and minimums (N, K / GROUP) float32:
+    w ~= q * scale + minimum, the group's minimum and (maximum - minimum) / 15, as Q4_1 does.
+    A group of a 4-bit file holds its minimum at q = 0 and its maximum at q = 15, so this finds
+    the file's own scale and minimum again."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // GROUP, GROUP)
+    minimums = w.amin(dim=-1)  # (N, K / GROUP)
+    scales = (w.amax(dim=-1) - minimums) / 15
+    steps = (w - minimums[..., None]) / scales.clamp(min=1e-30)[..., None]
+    q = torch.round(steps).clamp(0, 15).to(torch.int32).view(N, K)
+    return q, scales, minimums
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
+    """The slow reference: the (N, K) float32 weight that quantize_int4's output holds."""
+    N, K = q.shape
+    w = q.view(N, K // GROUP, GROUP).float() * scales[..., None] + minimums[..., None]
+    return w.view(N, K)
+
+
+def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> q (N, K) int8 in -127..127 and (N, K / GROUP) float32 scales, symmetric
+    per group of GROUP inputs: w ~= q * scale, scale = the group's max |w| / 127, as Q8_0 does
+    (so a Q8_0 file's groups, whose largest |q| is 127, are found again)."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // GROUP, GROUP)
+    scales = w.abs().amax(dim=-1) / 127  # (N, K / GROUP)
+    q = torch.round(w / scales.clamp(min=1e-30)[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).view(N, K), scales
+
+
+def dequantize_int8_groups(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The slow reference: the (N, K) float32 weight that quantize_int8_groups's output holds."""
+    N, K = q.shape
+    return (q.view(N, K // GROUP, GROUP).float() * scales[..., None]).view(N, K)
+
+
+def eight_bit_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """quantize_int8_groups's (q, scales), the scales rounded to float16 as the kernel reads
+    them, if they hold this weight exactly (its groups of GROUP inputs are q * scale with q in
+    -127..127 and a float16 scale: what a GGUF's Q8_0 holds) and the kernel's blocks of 16
+    outputs fit it; else None."""
+    N, K = weight.shape
+    if K % GROUP or N % 16:
+        return None
+    q, scales = quantize_int8_groups(weight)
+    scales = scales.half().float()
+    exact = torch.equal(dequantize_int8_groups(q, scales), weight.detach().float())
+    return (q, scales) if exact else None
+
+
+def on_four_bit_grid(weight: torch.Tensor) -> bool:
+    """Whether quantize_int4 keeps this weight as it is (to float32's rounding of the scale)."""
+    if weight.shape[1] % GROUP:
+        return False
+    q, scales, minimums = quantize_int4(weight)
+    error = (dequantize_int4(q, scales, minimums) - weight.float()).abs().max()
+    return bool(error <= 1e-4 * scales.max())
+
+
+class Int4Linear(nn.Module):
+    """y = x (q * scale + minimum)^T + b, weights held as 4-bit groups, bfloat16 activations."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        N, K = linear.weight.shape
+        if K % GROUP or N % 16:
+            raise UserError(f"int4 needs layers of a multiple of {GROUP} inputs and of 16 "
+                            f"outputs (torch's kernel): this model has one of {K} and {N}")
+        q, scales, minimums = quantize_int4(linear.weight)
+        # torch's layout: two 4-bit values a byte, blocked for its kernel (N a multiple of 16)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # its kernel computes w = (q - 8) * scale + zero, so zero = minimum + 8 scale: (K / GROUP,
+        # N, 2), in the activations' dtype
+        zeros = minimums + 8 * scales
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(dtype)
+                             .contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
+                                                        self.scales_and_zeros)  # (M, N)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4KernelLinear(nn.Module):
+    """Int4Linear's weights, multiplied by group_kernel.c (AVX-512 BF16 dot products, the weights
+    read once for any number of rows) instead of torch's kernel: bfloat16 activations."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        N, K = linear.weight.shape
+        if K % GROUP or N % 16:
+            raise UserError(f"int4 needs layers of a multiple of {GROUP} inputs and of 16 "
+                            f"outputs: this model has one of {K} and {N}")
+        group_kernel.require_kernel()
+        packed, scales, minimums = group_kernel.pack_int4(*quantize_int4(linear.weight))
+        self.register_buffer("packed", packed)  # (N / 16, K / 2, 16) uint8
+        # float16 whatever the activations' dtype (kept out of .to(bfloat16), which would round
+        # them: plain attributes, not buffers)
+        self.scales, self.minimums = scales, minimums  # (N / 16, K / GROUP, 16) each
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.detach().to(torch.bfloat16))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.minimedusa.int4_product(rows, self.packed, self.scales, self.minimums)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8GroupLinear(nn.Module):
+    """y = x (q * scale)^T, weights held as 8-bit groups (Q8_0's), multiplied by group_kernel.c:
+    for an LM head whose weights already lie on that grid (eight_bit_groups' q and scales),
+    bfloat16 activations."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        group_kernel.require_kernel()
+        packed, scales = group_kernel.pack_int8(q, scales)
+        self.register_buffer("packed", packed)  # (N / 16, K / 2, 32) uint8
+        self.scales = scales  # (N / 16, K / GROUP, 16) float16: a plain attribute, as int4's
+        self.out_features, self.in_features = q.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The (N, K) float32 weight, for setup code that reads it (the draft vocabulary's cut);
+        computed on each read, never on a decoding step."""
+        return dequantize_int8_groups(*group_kernel.unpack_int8(self.packed, self.scales))
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.minimedusa.int8_product(rows, self.packed, self.scales)  # (M, N)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Replace every nn.Linear inside `module` by an Int8Linear, in place; returns how many.
+    note: a tied LM head becomes its own int8 copy; the embedding it was tied to stays whole."""
+    count = 0
+    for name, child in module.named_children():
+        if type(child) is nn.Linear:
+            setattr(module, name, Int8Linear(child, dtype))
+            count += 1
+        else:
+            count += quantize_linear_layers(child, dtype)
+    return count
+
+
+def four_bit_layers(model: Llama) -> int:
+    """Replace every nn.Linear of the model's blocks by an int4 layer, in place; how many."""
+    layer = int4_layer()
+    count = 0
+    for block in model.layers:
+        for parent in (block.attn, block.mlp):
+            for name, child in parent.named_children():
+                if type(child) is nn.Linear:
+                    setattr(parent, name, layer(child))
+                    count += 1
+    return count
+
+
+def int4_layer() -> type:
+    """Int4KernelLinear where group_kernel.c multiplies on this CPU, else Int4Linear; where the
+    CPU has what the kernel needs and it still does not multiply, a line on stderr says so."""
+    problem = group_kernel.kernel_problem()
+    if problem is None:
+        return Int4KernelLinear
+    if group_kernel.expected_here():
+        print(f"minimedusa: int4's C kernel (group_kernel.c) is not available here ({problem}); "
+              "torch's int4 kernel multiplies instead (slower)", file=sys.stderr)
+    return Int4Linear
+
+
+def eight_bit_lm_heads(module: nn.Module) -> int:
+    """Replace every LM head inside `module` (the model's, a draft vocabulary's cut) whose
+    weights lie on an 8-bit grid by an Int8GroupLinear, in place, where group_kernel.c
+    multiplies on this CPU; how many."""
+    if group_kernel.kernel_problem() is not None:
+        return 0
+    heads = [(parent, eight_bit_groups(child.weight)) for parent in module.modules()
+             for name, child in parent.named_children()
+             if name == "lm_head" and type(child) is nn.Linear and child.bias is None]
+    kept = [(parent, groups) for parent, groups in heads if groups is not None]
+    for parent, (q, scales) in kept:
+        parent.lm_head = Int8GroupLinear(q, scales)
+    return len(kept)

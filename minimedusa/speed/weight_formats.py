@@ -1,0 +1,86 @@
+"""Weight formats for a CPU: fewer bytes read per decoding step, swapped in after loading.
+
+A decoding step on a CPU reads every weight once, so its time is the weights' bytes over the
+memory's bandwidth: 540 MB for the default model in float32. model.py stays plain nn.Linear (the
+reading path); a format is applied to a loaded model, as gpt-fast does:
+
+    float32   PackedLinear (packed_linear.py): oneDNN's prepacked layout, 4 bytes a weight.
+    bfloat16  the whole model in bfloat16, its layers prepacked for oneDNN: 2 bytes a weight.
+              oneDNN multiplies bfloat16 natively only where the CPU has avx512_bf16 or AMX
+              (torch.ops.mkldnn._is_mkldnn_bf16_supported); elsewhere it is slower than float32.
+    int8      weight-only int8 with a float scale per output channel, ~1 byte a weight, through
+              torch's _weight_int8pack_mm, vectorised for bfloat16 activations only (so the
+              rest of the model runs in bfloat16); the LM head and the heads' projections too.
+    int4      the blocks' weights in 4 bits, a scale and a minimum per 32 input features (the
+              GGUF's Q4_1 layout), through torch's _weight_int4pack_mm_for_cpu, bfloat16
+              activations; the heads stay bfloat16. Half a byte a weight, and for a model
+              whose weights came from a 4-bit file (the default model: a Q4_1 GGUF) no loss at
+              all in the weights: the 4-bit grid found again is theirs, to the bit
+              (four_bit_checkpoint). Where the CPU has AVX-512 BF16 the products are
+              group_kernel.c's (Int4KernelLinear: the weights read once for any number of
+              rows); elsewhere torch's kernel's, which reads them once per 4 rows (a tree of
+              5-8 rows costs it a second pass). There too, an LM head (and the heads' draft
+              vocabulary's cut of it) whose weights lie on an 8-bit grid of 32 (the GGUF's
+              Q8_0, which the default model's came from) is kept in it (Int8GroupLinear: a
+              byte a weight, half of bfloat16's, and the file's own values, which bfloat16
+              rounds); any other stays bfloat16.
+
+Left out: activation quantization.
+Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
+format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
+step (one row): bfloat16 logits tie often, so a rounding difference anywhere flips tokens. Two
+things make it so: attention that adds its terms in an order the keys' slots do not change
+(model.exact_attention's float64 sums; attention_kernel.c's fixed float32 order in compiled
+steps) and a plain step's products computed as four rows (packed_linear.PackedLinear: oneDNN's
+one-row kernel rounds differently; int4's kernel gives a row the same bits at any row count).
+Measured: 8 of 8 MT-Bench answers identical to plain greedy over 256 tokens in every format.
+Shapes: N output features, K input features, M rows.
+"""
+import torch
+import torch.nn as nn
+
+from minimedusa.model import Llama
+from minimedusa.speed.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
+from minimedusa.speed.quantized import (Int4KernelLinear, Int4Linear, Int8GroupLinear,
+                                        Int8Linear, eight_bit_lm_heads, four_bit_layers,
+                                        quantize_linear_layers)
+
+DTYPE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMATS = (*DTYPE_FORMATS, "int8", "int4")
+
+
+def bf16_is_native() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (avx512_bf16, AMX, or Arm's)."""
+    return ONEDNN_LINEAR and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def apply_format(module: nn.Module, name: str) -> nn.Module:
+    """The model (or the heads), loaded in float32, in format `name`: cast, then its layers
+    swapped (prepacked where that pays, or quantized). int4 quantizes a model's blocks, and
+    keeps LM heads that lie on an 8-bit grid in it."""
+    if name == "int8":
+        quantize_linear_layers(module)  # from the float32 weights: rounded once, not twice
+        return module.to(torch.bfloat16)
+    if name == "int4":
+        if isinstance(module, Llama):
+            four_bit_layers(module)  # from the float32 weights: the file's grid, found again
+        eight_bit_lm_heads(module)
+    dtype = activation_dtype(name)
+    module = module.to(dtype)
+    if can_pack(next(module.parameters()).device, dtype):
+        pack_linear_layers(module)  # int4: the heads, and an LM head off the 8-bit grid
+    return module
+
+
+def format_of(model: nn.Module) -> str:
+    """The format a loaded model (or heads) runs in: "int8", "int4", or its dtype's name."""
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        return "int8"
+    if any(isinstance(m, (Int4Linear, Int4KernelLinear, Int8GroupLinear)) for m in model.modules()):
+        return "int4"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def activation_dtype(name: str) -> torch.dtype:
+    """The dtype a format's activations, KV cache and heads run in."""
+    return torch.bfloat16 if name in ("int8", "int4") else DTYPE_FORMATS[name]

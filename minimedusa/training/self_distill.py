@@ -1,0 +1,300 @@
+"""Self-distillation data (paper section 5): the model answers seed prompts itself, batched.
+
+The heads must predict the model's own output distribution, so the model's own answers are the
+right training data, and they need no dataset. Prompts are batched with LEFT padding in one
+static KV cache: every row's last prompt token sits in the same slot, so each decoding step is
+one (B, 1) forward; a row's positions start at 0 at its first real token, and its mask hides
+its padding slots. Each step's last hidden state is saved with the answer: it is exactly what
+the frozen backbone would recompute for training (paper: "its hidden states can be computed
+once and reused").
+
+The prompts: the project's seed prompts (templates x topics, `training/seed_prompts.py`), or,
+with `--prompts model`, user turns the model writes itself: it samples what follows
+`<|im_start|>user` in its own chat template. Templated prompts are many but alike, and heads
+trained on their answers learn the templates' answers: on unseen seed prompts the shipped heads'
+first guess was accepted 56% of the time, on MT-Bench only 24%. Heads calibrated on answers to
+model-written turns predict their MT-Bench acceptance within a few percent (weights/RESULTS.md,
+"Speed").
+
+Output: a folder of shards (shard-00000.safetensors, ...) plus meta.json; the run resumes by
+skipping finished shards. Each shard holds, for its prompts, the token ids and for every answer
+token the hidden state that predicts it (the state at the token before it).
+
+    python -m minimedusa.training.self_distill --out data/distill --limit 512
+    python -m minimedusa.training.self_distill --out data/distill-mw --prompts model --limit 512
+
+Shapes: B batch, P padded prompt length, T steps, C model dim.
+"""
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from minimedusa.files.checkpoint import write_atomically
+from minimedusa.flags.cli import Parser, add_device_arguments, non_negative, positive_int
+from minimedusa.flags.load import device_and_dtype
+from minimedusa.training.progress import progress_bar, say
+from minimedusa.files.default_model import ensure_default_model
+from minimedusa.errors import UserError, entry_point
+from minimedusa.kv_cache import KVCache
+from minimedusa.sampling import Sampling, make_generator, next_token
+from minimedusa.training.seed_prompts import seed_prompts
+from minimedusa.tokenizer import Tokenizer
+from minimedusa.files.weights import load_model
+
+
+def left_pad(prompts: list[list[int]], pad_id: int):
+    """(tokens (B, P), positions (B, P), pad (B,)): each row right-aligned at slot P - 1."""
+    P = max(map(len, prompts))
+    pad = torch.tensor([P - len(p) for p in prompts])  # (B,)
+    tokens = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])  # (B, P)
+    positions = (torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)  # (B, P)
+    return tokens, positions, pad
+
+
+def padded_mask(pad: torch.Tensor, n_query: int, n_slots: int) -> torch.Tensor:
+    """(B, T, S) bool for the last n_query of n_slots tokens: causal, blind to each row's padding.
+
+    note: a padding token still sees itself; a row that sees nothing would make attention's
+    softmax NaN, and NaN keys would poison every row through 0 * NaN.
+    """
+    q = torch.arange(n_slots - n_query, n_slots).view(1, -1, 1)  # (1, T, 1) query slots
+    s = torch.arange(n_slots).view(1, 1, -1)  # (1, 1, S)
+    real = s >= pad.view(-1, 1, 1)  # (B, 1, S)
+    return ((s <= q) & real) | (s == q)
+
+
+@torch.inference_mode()
+def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                 stop_ids: set[int], pad_id: int, generator):
+    """Answer B prompts at once. Returns, per row, (answer ids, hidden (n, C)): hidden[i] is the
+    last hidden state at the token before answer[i], the state from which the LM head predicted
+    answer[i] and from which head k must predict answer[i + k]."""
+    device = model.embed.weight.device
+    tokens, positions, pad = (t.to(device) for t in left_pad(prompts, pad_id))
+    B, P = tokens.shape
+    cache = KVCache.for_model(model, capacity=P + max_new_tokens, batch_size=B)
+    hidden = model.hidden_states(tokens, positions, padded_mask(pad, P, P), cache,
+                                 cache.slots(0, P))[:, -1:]  # (B, 1, C)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,) next positions
+    answers, states, done = [[] for _ in prompts], [hidden], [False] * B
+    for t in range(max_new_tokens):
+        token = next_token(model.lm_head(hidden[:, -1]), sampling, generator)  # (B,)
+        ids = token.tolist()  # the host sync of the step: who has stopped
+        for b in range(B):
+            if not done[b]:
+                answers[b].append(ids[b])
+                done[b] = ids[b] in stop_ids
+        if all(done) or t == max_new_tokens - 1:
+            break
+        slot = P + t
+        hidden = model.hidden_states(token.unsqueeze(1), (lengths + t).unsqueeze(1),
+                                     padded_mask(pad, 1, slot + 1), cache,
+                                     cache.slots(slot, 1))  # (B, 1, C)
+        states.append(hidden)
+    states = torch.cat(states, dim=1)  # (B, T, C)
+    return [(a, states[b, :len(a)]) for b, a in enumerate(answers)]
+
+
+def write_user_turns(model, tokenizer: Tokenizer, batch_size: int, max_tokens: int,
+                     generator) -> list[str]:
+    """One batch of user turns written by the model: samples (temperature 1, top-p 0.95) of
+    what follows `<|im_start|>user`. Only finished turns of 3 words or more are kept: a turn
+    cut at max_tokens is half a question."""
+    opening = tokenizer.encode(tokenizer.user_turn_opening())
+    stop_ids = model.config.stop_ids
+    rows = answer_batch(model, [opening] * batch_size, max_tokens, Sampling(1.0, 0.95),
+                        stop_ids, pad_id=0, generator=generator)
+    turns = [tokenizer.decode(ids[:-1]).strip() for ids, _ in rows if ids[-1] in stop_ids]
+    return [t for t in turns if len(t.split()) >= 3]
+
+
+def model_written_prompts(model, tokenizer: Tokenizer, n: int, folder: Path, batch_size: int,
+                          seed: int, say) -> list[dict]:
+    """n distinct user turns written by the model, made batch by batch into
+    folder/user_turns.jsonl (one line per batch, the file replaced whole after each), so a
+    killed run resumes where it stopped and makes the same turns."""
+    path, device = folder / "user_turns.jsonl", model.embed.weight.device
+    batches = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    distinct = lambda: list(dict.fromkeys(t for b in batches for t in b))  # noqa: E731
+    max_batches = 10 * (n // batch_size + 1)
+    while len(distinct()) < n:
+        if len(batches) == max_batches:
+            raise RuntimeError(f"the model finished only {len(distinct())} distinct user turns "
+                               f"in {max_batches} batches (of {n} asked)")
+        generator = make_generator(device, seed + len(batches))  # per batch: resuming is exact
+        batches.append(write_user_turns(model, tokenizer, batch_size, 96, generator))
+        write_atomically(path, lambda tmp: tmp.write_text("".join(json.dumps(b) + "\n"
+                                                                  for b in batches)))
+        say(f"[user turns] {min(len(distinct()), n)}/{n} written")
+    return [{"category": "model-written", "prompt": t} for t in distinct()[:n]]
+
+
+def tokenizer_fingerprint(folder: Path) -> str:
+    """Data made with one tokenizer is meaningless for another: training checks this."""
+    return hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def save_shard(path: Path, rows: list[dict]) -> None:
+    """One file per batch: flat int32 token ids with offsets, and the hidden states (bf16).
+    Written beside its final name and renamed, so a killed run leaves no half shard."""
+    prompt_ids = [torch.tensor(r["prompt_ids"], dtype=torch.int32) for r in rows]
+    answer_ids = [torch.tensor(r["answer_ids"], dtype=torch.int32) for r in rows]
+    offsets = lambda xs: torch.tensor([0] + [len(x) for x in xs]).cumsum(0)  # noqa: E731
+    tensors = {"prompt_ids": torch.cat(prompt_ids), "prompt_offsets": offsets(prompt_ids),
+               "answer_ids": torch.cat(answer_ids), "answer_offsets": offsets(answer_ids),
+               "hidden": torch.cat([r["hidden"] for r in rows]).to(torch.bfloat16).contiguous()}
+    write_atomically(path, lambda tmp: save_file(tensors, tmp))
+
+
+def same_settings(old: dict, new: dict) -> bool:
+    """Shards made with these settings may be reused. The prompt count may grow: the prompt
+    order is fixed by the seed, so a larger --limit only appends batches to a run whose last
+    batch was full (a short last batch would be a different shard in the longer run)."""
+    keep = lambda meta: {"prompts_from": "templates",  # noqa: E731 (older folders lack it)
+                         **{k: v for k, v in meta.items() if k != "prompts"}}
+    grows = new["prompts"] > old["prompts"] and old["prompts"] % old["batch_size"] == 0
+    return keep(old) == keep(new) and (new["prompts"] == old["prompts"] or grows)
+
+
+@dataclass
+class Settings:
+    """How the data is made; a folder made with other settings is never mixed with new shards."""
+    prompts_from: str = "templates"  # or "model": the model writes the user turns
+    limit: int | None = None  # answer only the first N prompts
+    batch_size: int = 32
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy answers, as the heads will be used
+    seed: int = 0
+
+
+def open_folder(out: Path, folder: Path, settings: Settings, n_prompts: int, dtype) -> None:
+    """Check that `out` holds no data made otherwise, and write its meta.json."""
+    meta = {"model": str(folder), "tokenizer": tokenizer_fingerprint(folder),
+            "prompts_from": settings.prompts_from, "prompts": n_prompts,
+            **{k: getattr(settings, k) for k in ("batch_size", "max_new_tokens", "temperature",
+                                                 "seed")},
+            "dtype": str(dtype).removeprefix("torch.")}
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / "meta.json"
+    if meta_path.is_file() and not same_settings(json.loads(meta_path.read_text()), meta):
+        raise UserError(f"{out} holds data made with other settings; use another --out")
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def prompt_ids(tokenizer: Tokenizer, batch: list[dict]) -> list[list[int]]:
+    """Each prompt as the model sees it: a user turn in the model's chat template."""
+    return [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": x["prompt"]}]))
+            for x in batch]
+
+
+def shard_path(out: Path, i: int) -> Path:
+    return out / f"shard-{i:05d}.safetensors"
+
+
+def pending_batches(out: Path, prompts: list[dict],
+                    batch_size: int) -> list[tuple[int, list[dict]]]:
+    """[(batch index, its prompts)] of the batches whose shard is not written yet."""
+    batches = [prompts[a:a + batch_size] for a in range(0, len(prompts), batch_size)]
+    return [(i, b) for i, b in enumerate(batches) if not shard_path(out, i).is_file()]
+
+
+@torch.inference_mode()
+def batch_seconds(model, tokenizer: Tokenizer, batch: list[dict], settings: Settings,
+                  repeats: int = 5) -> float:
+    """The expected time of one batch, timed on it: the prompts' forward, then max_new_tokens - 1
+    decoding steps of the cost of one at mid-answer (the median of `repeats`, after a warm-up).
+    A batch of many answers runs to max_new_tokens: one of them at least goes on that long (the
+    default model's 2,048 answers in batches of 64: every one of the 32 batches did)."""
+    ids, device = prompt_ids(tokenizer, batch), model.embed.weight.device
+    prefill = lambda: answer_batch(model, ids, 1, Sampling(), set(), 0, None)  # noqa: E731
+    prefill()
+    start = time.perf_counter()
+    prefill()
+    seconds = time.perf_counter() - start
+    # one decoding step at slot S - 1: B rows of one token, each seeing its whole answer so far,
+    # in a cache of answer_batch's capacity (the attention reads a strided view of it)
+    _, _, pad = left_pad(ids, 0)
+    P = max(map(len, ids))
+    S = P + settings.max_new_tokens // 2
+    cache = KVCache.for_model(model, capacity=P + settings.max_new_tokens, batch_size=len(ids))
+    token = torch.zeros(len(ids), 1, dtype=torch.long, device=device)  # (B, 1)
+    positions = (S - 1 - pad).unsqueeze(1).to(device)  # (B, 1)
+    mask = padded_mask(pad, 1, S).to(device)  # (B, 1, S)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        hidden = model.hidden_states(token, positions, mask, cache, cache.slots(S - 1, 1))
+        next_token(model.lm_head(hidden[:, -1]), Sampling(), None).tolist()
+        times.append(time.perf_counter() - start)
+    step = sorted(times[1:])[repeats // 2]
+    return seconds + (settings.max_new_tokens - 1) * step
+
+
+def distill(model, tokenizer: Tokenizer, out: Path, prompts: list[dict], settings: Settings,
+            progress) -> None:
+    """Answer every prompt whose batch has no shard in `out` yet, one shard per batch."""
+    device = model.embed.weight.device
+    sampling = Sampling(settings.temperature, 1.0, settings.seed)
+    todo = pending_batches(out, prompts, settings.batch_size)
+    n_batches = -(-len(prompts) // settings.batch_size)
+    start, tokens_done = time.time(), 0
+    for done, (i, batch) in enumerate(todo, start=1):
+        ids = prompt_ids(tokenizer, batch)
+        generator = make_generator(device, settings.seed + i)  # per batch: resuming is exact
+        answers = answer_batch(model, ids, settings.max_new_tokens, sampling,
+                               model.config.stop_ids, pad_id=0,
+                               generator=generator)  # any pad id: padding is masked
+        save_shard(shard_path(out, i), [{"prompt_ids": p, "answer_ids": a, "hidden": h}
+                                        for p, (a, h) in zip(ids, answers)])
+        tokens_done += sum(len(a) for a, _ in answers)
+        rate = tokens_done / (time.time() - start)
+        progress(done, len(todo), f"shard {i + 1}/{n_batches}, {tokens_done} answer tokens "
+                 f"this run, {rate:.0f}/s")
+
+
+@entry_point
+def main():
+    p = Parser(description="Self-distillation data: the default model (or --model) answers the "
+               "seed prompts, batched; resumable.")
+    p.add_argument("--out", type=Path, required=True, help="output folder (shards + meta.json)")
+    p.add_argument("--model", type=Path, default=None, help="HF Llama folder (default: the "
+                   "default model)")
+    p.add_argument("--prompts", choices=["templates", "model"], default="templates",
+                   help="templates: the project's seed prompts (default); model: the model "
+                   "writes the user turns itself, --limit of them, kept in OUT/user_turns.jsonl")
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="answer only the first N prompts "
+                   "(with --prompts model: how many the model writes; required)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="prompts per batch "
+                   "(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256,
+                   help="answer length cap (default: %(default)s)")
+    p.add_argument("--temperature", type=non_negative, default=0.0,
+                   help="0 = greedy answers (default), as the heads will be used with greedy "
+                   "decoding; > 0 samples")
+    p.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed")
+    add_device_arguments(p)
+    args = p.parse_args()
+    if args.prompts == "model" and not args.limit:
+        p.error("--prompts model needs --limit N: how many user turns the model writes")
+
+    device, dtype = device_and_dtype(args)
+    folder = args.model or ensure_default_model()
+    model, tokenizer = load_model(folder, device, dtype), Tokenizer.from_folder(folder)
+    settings = Settings(args.prompts, args.limit, args.batch_size, args.max_new_tokens,
+                        args.temperature, args.seed)
+    templated = seed_prompts(args.seed)[:args.limit] if args.prompts == "templates" else None
+    open_folder(args.out, folder, settings, args.limit if templated is None else len(templated),
+                dtype)
+    prompts = templated if templated is not None else model_written_prompts(
+        model, tokenizer, args.limit, args.out, args.batch_size, args.seed, say)
+    distill(model, tokenizer, args.out, prompts, settings, progress_bar())
+
+
+if __name__ == "__main__":
+    main()
