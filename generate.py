@@ -1,6 +1,9 @@
 """Generate text with the default model (SmolLM2-135M-Instruct) or any HF Llama folder.
 
+    python generate.py                                   # a chat (flags/chat.py)
     python generate.py --prompt "What is the capital of France?"
+    echo "What is the capital of France?" | python generate.py
+    python generate.py --prompts questions.txt --out answers.jsonl   # flags/prompts.py
     python generate.py --prompt "Once upon a time" --raw --temperature 0.8 --seed 1
     python generate.py --prompt "Hi" --heads DIR --tree cpu_8 --acceptance typical --json
 
@@ -9,7 +12,8 @@ the tree's size adapted to this machine as it runs (budget.py); without them, or
 --baseline, plainly: one forward per token. The answer streams to stdout as tokens are
 accepted; a summary follows on stderr: tokens, seconds and tokens/s from the prompt to the last
 token, steps, acceleration rate, the histogram of tokens per step, the tree sizes used and why,
-and the one-time loading time apart.
+and the one-time loading time apart. A chat does the same turn by turn, in one KV cache kept for
+the conversation; a file of prompts pays the loading once for all of them.
 """
 import json
 import sys
@@ -19,22 +23,51 @@ from pathlib import Path
 from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
-    from minimedusa.decoding import StepStats, medusa_decode, plain_decode
+    from minimedusa.decoding import medusa_decode, plain_decode
+    from minimedusa.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
+    from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
+    from minimedusa.flags.chat import chat
     from minimedusa.flags.cli import (Parser, add_compile_argument, add_context_argument,
                                       add_device_arguments, add_draft_vocab_argument,
                                       add_quantize_argument, non_negative, positive_int,
                                       probability)
     from minimedusa.flags.load import (decoding_acceptance, decoding_heads, decoding_model,
                                        decoding_trees, device_and_format, ranked_vocab_size)
+    from minimedusa.flags.prompts import (answer_prompts, open_out, prompt_from_stdin,
+                                          prompt_ids, prompts_summary, read_prompts)
     from minimedusa.sampling import Sampling
     from minimedusa.speed.weight_formats import format_of
     from minimedusa.tokenizer import StreamDecoder, Tokenizer
     from minimedusa.tree import NAMED_TREES
 
 
+def add_input_arguments(p) -> None:
+    """Where the prompts come from: --prompt, --prompts FILE, a chat, or standard input."""
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default=None,
+                        help="the user's message (or raw text with --raw). Without --prompt, "
+                        "--prompts or --chat: a chat on a terminal, else standard input's whole "
+                        "text is the prompt (echo \"Hi\" | python generate.py)")
+    source.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                        help="answer every prompt of FILE, loading the model once: one prompt a "
+                        "line, or JSON lines whose objects all have a \"prompt\" (a message, or "
+                        "a list of {\"role\", \"content\"} messages); writes a JSON line per "
+                        "prompt (prompt, answer, tokens, steps, seconds)")
+    source.add_argument("--chat", action="store_true",
+                        help="a chat even where standard input is not a terminal (a script of "
+                        "messages and commands, one a line). Its commands: /help, /exit, /reset, "
+                        "/undo (the last exchange), /regen (the last answer), /save FILE, "
+                        "/load FILE (JSON: a list of {\"role\", \"content\"}); Ctrl-C stops "
+                        "an answer, keeping what came")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="with --prompts: write the answers to FILE (default: stdout)")
+    p.add_argument("--when-full", choices=["drop-oldest", "reset"], default="drop-oldest",
+                   help="a chat past the model's context: drop the oldest exchanges (default) "
+                   "or start over from the last message")
+
+
 def add_prompt_arguments(p) -> None:
-    p.add_argument("--prompt", required=True, help="the user's message (or raw text with --raw)")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as is, without the chat template")
     p.add_argument("--system", default=None,
@@ -83,15 +116,40 @@ def add_medusa_arguments(p) -> None:
 
 def parse_args(argv=None):
     p = Parser(description="Generate text with a Llama (default: SmolLM2-135M-Instruct, "
-               "fetched and converted into weights/ on first use).")
+               "fetched and converted into weights/ on first use): a chat, one prompt or a file "
+               "of them.")
+    add_input_arguments(p)
     add_prompt_arguments(p)
     add_device_arguments(p)
     add_quantize_argument(p)
     add_compile_argument(p)
     add_medusa_arguments(p)
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (ids, text, timing) instead of streaming text")
-    return p.parse_args(argv)
+                   help="print one JSON object (ids, text, timing) instead of streaming text "
+                   "(one prompt)")
+    args = p.parse_args(argv)
+    if args.out is not None and args.prompts is None:
+        p.error("--out writes the answers of --prompts FILE")
+    if args.json and (args.prompts is not None or args.chat):
+        p.error("--json prints one prompt's answer (--prompts writes JSON lines already)")
+    return args
+
+
+def input_mode(args) -> str:
+    """"prompts" (--prompts FILE), "chat" (--chat, or standard input a terminal) or "prompt"
+    (--prompt, else standard input's whole text, read here: an empty one ends the run before
+    the model loads)."""
+    if args.prompts is not None:
+        return "prompts"
+    if args.prompt is None and not args.chat and not sys.stdin.isatty():
+        args.prompt = prompt_from_stdin(sys.stdin)
+    if args.prompt is None:
+        if args.json or args.raw:
+            raise UserError(f"{'--json' if args.json else '--raw'} is for one prompt, not a "
+                            "chat: give --prompt TEXT")
+        args.chat = True
+        return "chat"
+    return "prompt"
 
 
 def load(args):
@@ -103,82 +161,101 @@ def load(args):
     return model, step, Tokenizer.from_folder(folder)
 
 
-def prompt_ids(args, tokenizer: Tokenizer) -> list[int]:
-    if args.raw:
-        ids = tokenizer.encode(args.prompt)
-    else:
-        messages = [{"role": "user", "content": args.prompt}]
-        if args.system is not None:
-            messages.insert(0, {"role": "system", "content": args.system})
-        ids = tokenizer.encode(tokenizer.chat_prompt(messages))
-    if not ids:
-        raise UserError("the prompt is empty")
-    return ids
-
-
-def decoder(args, model):
-    """(describe, decode) for the mode the flags ask: decode(prompt ids) iterates over the
-    tokens each step yields, describe() names the mode (after the run: which tree sizes the
-    budget used). The one-time work, the heads and the tree budget (its step latencies timed
+def decoder(args, model) -> Decoder:
+    """What the flags ask to decode with (answer.Decoder): decode(prompt ids, cache) iterates
+    over the tokens each step yields, describe() names the mode (after the run: which tree sizes
+    the budget used). The one-time work, the heads and the tree budget (its step latencies timed
     here at first use), is done here, the flags checked first."""
     stops, n = model.config.stop_ids, args.max_new_tokens
     if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
         args.heads = str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
     if args.baseline or args.heads is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
-        return lambda: "plain", lambda ids: plain_decode(model, ids, n, sampling, stops)
+        return Decoder(lambda ids, cache=None: plain_decode(model, ids, n, sampling, stops, cache),
+                       lambda: "plain", 0)
     heads = decoding_heads(args.heads, model, args.draft_vocab)
+    if args.chat and isinstance(heads, HydraPlusPlusHeads):
+        raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
+                        "cache is not kept between turns): use other heads or --baseline")
     kind = heads.config.head_kind + (f" heads (draft vocabulary {ranked_vocab_size(heads, model)})"
                                      if heads.vocabulary is not None else " heads")
     accept = decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps,
                                  args.delta)
     context = args.context and args.tree in (None, "ranked")  # with the adapted trees only
     trees, budget, tree = decoding_trees(args.tree, heads, model, args.heads, context)
-    return (lambda: f"{kind}, {tree()}, {accept.name}",
-            lambda ids: medusa_decode(model, heads, trees, budget, ids, n, accept, stops,
-                                      args.seed, context=context))
+    return Decoder(lambda ids, cache=None: medusa_decode(model, heads, trees, budget, ids, n,
+                                                         accept, stops, args.seed,
+                                                         context=context, cache=cache),
+                   lambda: f"{kind}, {tree()}, {accept.name}",
+                   max(budget.sizes) + 1)  # a step's tree tokens, written before compaction
 
 
 def run(args) -> dict:
+    """One prompt (--prompt or standard input), streamed unless --json: the result's numbers."""
     start = time.perf_counter()
     model, step, tokenizer = load(args)
-    describe, decode = decoder(args, model)
+    decode = decoder(args, model)
     loaded, start = time.perf_counter() - start, time.perf_counter()
-    ids = prompt_ids(args, tokenizer)  # timed from here: the prompt to the last token
-    stream, stats, output = StreamDecoder(tokenizer), StepStats(), []
-    for new in decode(ids):
-        output += new
-        stats.record(len(new))
-        if not args.json:
-            print(stream.push(new), end="", flush=True)
-    seconds = time.perf_counter() - start
-    if not args.json:
-        print(stream.flush(), end="", flush=True)
+    ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system)  # timed from here
+    answer = decode_answer(decode, ids, Answer(), None if args.json else StreamDecoder(tokenizer),
+                           start=start)
+    output, stats, seconds = answer.ids, answer.stats, answer.seconds
     weight = model.embed.weight
     return {"prompt_ids": ids, "output_ids": output,
             "text": tokenizer.decode(output, skip_special=True), "new_tokens": len(output),
             "steps": stats.steps, "acceleration_rate": round(stats.acceleration_rate, 3),
             "accepted_histogram": dict(sorted(stats.histogram.items())),
             "seconds": round(seconds, 4), "tokens_per_s": round(len(output) / seconds, 2),
-            "load_seconds": round(loaded, 3), "mode": describe(), "device": str(weight.device),
-            "dtype": str(weight.dtype).removeprefix("torch."), "format": format_of(model),
-            "step": step}
+            "load_seconds": round(loaded, 3), "mode": decode.describe(),
+            "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
+            "format": format_of(model), "step": step}
+
+
+def load_once(args):
+    """(model, tokenizer, decoder, where and how it runs in words): for a chat or a file of
+    prompts, the model, heads and tree budget loaded once for all their answers."""
+    start = time.perf_counter()
+    model, step, tokenizer = load(args)
+    decode = decoder(args, model)
+    return model, tokenizer, decode, (f"{model.embed.weight.device}, {format_of(model)} "
+                                      f"weights, {step} step; loaded once in "
+                                      f"{time.perf_counter() - start:.1f} s")
+
+
+def run_chat(args) -> None:
+    model, tokenizer, decode, where = load_once(args)
+    chat(args, model, tokenizer, decode, where)
+
+
+def run_prompts(args) -> None:
+    prompts, out = read_prompts(args.prompts), open_out(args.out)  # said before the loading
+    model, tokenizer, decode, where = load_once(args)
+    try:
+        answers = answer_prompts(args, prompts, model, tokenizer, decode, out)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(prompts_summary(decode.describe(), answers, f"({where}, not counted)"),
+          file=sys.stderr)
 
 
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
+    mode = input_mode(args)
+    if mode == "chat":
+        return run_chat(args)
+    if mode == "prompts":
+        return run_prompts(args)
     result = run(args)
     if args.json:
         print(json.dumps(result))
     else:
         print()
-    histogram = " ".join(f"{n}:{c}" for n, c in result["accepted_histogram"].items())
-    print(f"[{result['mode']}] {result['new_tokens']} tokens in {result['seconds']:.2f} s: "
-          f"{result['tokens_per_s']:.1f} tokens/s, {result['steps']} steps, "
-          f"{result['acceleration_rate']:.2f} tokens/step (tokens per step: {histogram}) "
-          f"({result['device']}, {result['format']} weights, {result['step']} step; loaded in "
-          f"{result['load_seconds']:.1f} s, not counted)", file=sys.stderr)
+    print(summary_line(result["mode"], result["new_tokens"], result["seconds"], result["steps"],
+                       result["accepted_histogram"],
+                       f"({result['device']}, {result['format']} weights, {result['step']} step; "
+                       f"loaded in {result['load_seconds']:.1f} s, not counted)"), file=sys.stderr)
 
 
 if __name__ == "__main__":

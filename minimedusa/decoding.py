@@ -1,8 +1,9 @@
 """Decoding, in the order the data flows: plain decoding (the reference), then Medusa decoding.
 
-Plain: prefill the prompt into a static KV cache, then one forward per new token. It is what
-every speedup is measured against (acceleration rate 1.0, paper section 7) and what Medusa's
-greedy output must equal token for token.
+Plain: prefill the prompt into a static KV cache (a fresh one, or a conversation's that already
+holds the prompt's first tokens: the rest is prefilled), then one forward per new token. It is
+what every speedup is measured against (acceleration rate 1.0, paper section 7) and what
+Medusa's greedy output must equal token for token.
 Medusa (paper sections 2-3), one step: the heads' top-k at the last accepted position give the
 candidates (the draft: Medusa heads guess every depth at once, Hydra heads depth by depth,
 hydra.py); all N tree tokens run through the model in ONE forward after the cached prefix,
@@ -29,7 +30,7 @@ from minimedusa.heads import (DraftVocabulary, MedusaHeads, as_features, draftin
                               token_ids)
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.kv_cache import KVCache
-from minimedusa.model import Llama, at_least_float32, causal_mask
+from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32, causal_mask
 from minimedusa.ranked_tree import ranked_draft
 from minimedusa.sampling import Sampling, make_generator, next_token
 from minimedusa.tree import MedusaTree
@@ -39,20 +40,47 @@ class PromptTooLongError(UserError):
     """The prompt plus the requested new tokens exceed the model's context."""
 
 
-def new_cache(model: Llama, prompt_len: int, max_new_tokens: int, margin: int = 0) -> KVCache:
-    """A cache for prompt + new tokens (+ a margin for Medusa's tree tokens), checked against
-    the model's context length first so that the error names the real problem."""
+def check_context(model: Llama, prompt_len: int, max_new_tokens: int) -> None:
+    """The prompt plus the new tokens must fit the model's context: checked before any cache is
+    written, so that the error names the real problem."""
     context = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > context:
         raise PromptTooLongError(
             f"the prompt has {prompt_len} tokens and {max_new_tokens} new ones were asked for, "
             f"but the model's context is {context} tokens")
+
+
+def new_cache(model: Llama, prompt_len: int, max_new_tokens: int, margin: int = 0) -> KVCache:
+    """A cache for prompt + new tokens (+ a margin for Medusa's tree tokens), checked against
+    the model's context length first."""
+    check_context(model, prompt_len, max_new_tokens)
     return KVCache.for_model(model, capacity=prompt_len + max_new_tokens + margin)
+
+
+def decoding_cache(model: Llama, cache: KVCache | None, prompt_ids: list[int],
+                   max_new_tokens: int, margin: int = 0) -> KVCache:
+    """The cache a decoding run writes in: a new one (cache None), or the caller's, holding a
+    conversation so far (a chat's earlier turns) whose cache.length tokens must be the first
+    of prompt_ids: the run prefills only the rest, and leaves the cache holding the
+    conversation (the prompt and the answer but its last token, which no step has fed yet).
+    note: the cache cannot check which tokens it holds (it keeps keys and values, not ids):
+    the caller keeps them (flags/chat.py); here the lengths are checked."""
+    if cache is None:
+        return new_cache(model, len(prompt_ids), max_new_tokens, margin)
+    check_context(model, len(prompt_ids), max_new_tokens)
+    if not cache.length < len(prompt_ids):  # the prefill's last logits give the first token
+        raise ValueError(f"the cache holds {cache.length} tokens: the prompt ({len(prompt_ids)}"
+                         ") must add at least one")
+    if len(prompt_ids) + max_new_tokens + margin > cache.capacity:
+        raise ValueError(f"a cache of {cache.capacity} slots cannot hold {len(prompt_ids)} + "
+                         f"{max_new_tokens} tokens and a margin of {margin}")
+    return cache
 
 
 @torch.inference_mode()
 def prefill(model: Llama, cache: KVCache, prompt: torch.Tensor):
-    """Run the prompt (1, T) through the model into an empty cache.
+    """Run the prompt (1, T) through the model after the cache's n tokens (none, or a
+    conversation so far), at positions n, n + 1, ...
 
     Returns (logits (1, V) at the prompt's last position only: the LM head over every prompt
     token would be wasted work (49k x 576 per token on the default model), hidden (T, C) at
@@ -60,13 +88,20 @@ def prefill(model: Llama, cache: KVCache, prompt: torch.Tensor):
     Logits come back in float32 (or float64) whatever the weights' dtype, as from every step: the
     acceptance and sampling math runs in float32 (and on a CPU torch's argmax over bfloat16 is
     4x slower than over float32: 0.9 ms for a 9-node tree's logits).
+    subtle: in chunks of at most EXACT_ATTENTION_TOKENS, so that a long prompt never switches to
+    SDPA (model.attention), whose sums round otherwise: a token's row is then the same bits
+    whether it came in a prompt, a chat's later turn or a decoding step, and a conversation
+    continued in its cache answers as a fresh run given the whole history does.
     """
-    T = prompt.shape[1]
-    positions = torch.arange(T, device=prompt.device).unsqueeze(0)  # (1, T)
-    hidden = model.hidden_states(prompt, positions, causal_mask(0, T, prompt.device), cache,
-                                 cache.next_slots(T))  # (1, T, C)
-    cache.advance(T)
-    return at_least_float32(model.lm_head(hidden[:, -1])), hidden[0]
+    hidden = []
+    for chunk in prompt.split(EXACT_ATTENTION_TOKENS, dim=1):  # (1, <= 256) each
+        n, T = cache.length, chunk.shape[1]
+        positions = torch.arange(n, n + T, device=prompt.device).unsqueeze(0)  # (1, T)
+        hidden.append(model.hidden_states(chunk, positions, causal_mask(n, T, prompt.device),
+                                          cache, cache.next_slots(T))[0])  # (T, C)
+        cache.advance(T)
+    hidden = torch.cat(hidden)  # (T, C)
+    return at_least_float32(model.lm_head(hidden[-1:])), hidden
 
 
 # --- plain decoding: one forward per token -----------------------------------------------------
@@ -84,13 +119,14 @@ def decode_step(model: Llama, cache: KVCache, token: torch.Tensor):
 
 
 def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
-                 stop_ids: set[int]) -> Iterator[list[int]]:
+                 stop_ids: set[int], cache: KVCache | None = None) -> Iterator[list[int]]:
     """Yield the new tokens one step at a time ([token] per step) until a stop id (which is
-    yielded) or max_new_tokens. The caller times and streams; this only decodes."""
+    yielded) or max_new_tokens. The caller times and streams; this only decodes. `cache`: a
+    conversation's, holding prompt_ids' first tokens (decoding_cache), or None: a new one."""
     device = model.embed.weight.device
-    cache = new_cache(model, len(prompt_ids), max_new_tokens)
+    cache = decoding_cache(model, cache, prompt_ids, max_new_tokens)
     generator = sampling.generator(device)
-    logits, _ = prefill(model, cache, torch.tensor([prompt_ids], device=device))
+    logits, _ = prefill(model, cache, torch.tensor([prompt_ids[cache.length:]], device=device))
     for i in range(max_new_tokens):
         token = next_token(logits, sampling, generator)  # (1,)
         token_id = token.item()  # the one host sync per step: needed to stop at EOS
@@ -185,12 +221,17 @@ def draft(heads: MedusaHeads | HydraHeads, model: Llama, tree: MedusaTree, root:
     return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary)
 
 
-def context_reader(heads, capacity: int):
+def context_reader(heads, capacity: int, cached: int = 0):
     """What the heads read after each forward, from the backbone's hidden states (a, C) at the
     a positions it kept: the last one's, or for Hydra++ heads the draft layer's output there,
-    the layer reading every kept position into its own cache (draft_layer.py)."""
+    the layer reading every kept position into its own cache (draft_layer.py). Refused for
+    Hydra++ heads where the backbone's cache already holds `cached` tokens of a conversation:
+    their draft layer would have to read them again (its cache is not kept between runs)."""
     if not isinstance(heads, HydraPlusPlusHeads):
         return lambda hidden: as_features(heads, hidden[-1])
+    if cached:
+        raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
+                        "cache is not kept between turns): use other heads or --baseline")
     cache = new_draft_cache(heads, capacity)
     return lambda hidden: read_accepted(heads, cache, as_features(heads, hidden))
 
@@ -223,8 +264,8 @@ def step_tree(model: Llama, heads, trees: dict[int, MedusaTree] | None, rank: di
 def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
                   trees: dict[int, MedusaTree] | None, budget, prompt_ids: list[int],
                   max_new_tokens: int, acceptance: Acceptance, stop_ids: set[int],
-                  seed: int | None = None, context: bool = False,
-                  clock=time.perf_counter) -> Iterator[list[int]]:
+                  seed: int | None = None, context: bool = False, clock=time.perf_counter,
+                  cache: KVCache | None = None) -> Iterator[list[int]]:
     """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
     first the prefill's token, then each step's accepted candidates + the next token.
 
@@ -234,14 +275,14 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
     n nodes the heads find most probable at that step (ranked_tree.py). With `context`, a
     chain read from the sequence itself joins the tree (context_candidates.py). Every step's
     time and accepted path go back to the budget. Lossless under greedy acceptance whatever
-    the trees: which tree verifies a step never changes what is accepted."""
+    the trees. `cache`: a conversation's, holding prompt_ids' first tokens, or None (new)."""
     device = model.embed.weight.device
     generator = make_generator(device, seed)
     # the margin: a step writes all its tree's tokens before compaction drops the rejected ones
-    cache = new_cache(model, len(prompt_ids), max_new_tokens, max(budget.sizes) + 1)
-    read = context_reader(heads, cache.capacity)
+    cache = decoding_cache(model, cache, prompt_ids, max_new_tokens, max(budget.sizes) + 1)
+    read = context_reader(heads, cache.capacity, cache.length)
     sequence = ContextIndex(prompt_ids) if context else None
-    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids], device=device))
+    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids[cache.length:]], device=device))
     new, features = [acceptance.first(logits[0], generator).item()], read(hidden)
     produced = 0
     while True:
@@ -249,6 +290,7 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
         produced += len(new)
         yield new
         if stop or produced == max_new_tokens:
+            cache.rewind(len(prompt_ids) + produced - 1)  # a cut step's later tokens: dropped
             return
         n, start, root = budget.choose(), clock(), new[-1]  # root: the last token emitted
         if sequence is not None:

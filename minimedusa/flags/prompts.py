@@ -1,0 +1,134 @@
+"""Prompts from elsewhere than --prompt: standard input's whole text (`echo ... | python
+generate.py`), or a file of many (--prompts FILE), answered one after another by the model,
+heads and tree budget loaded once, each in a fresh cache, so that each answer is what a run
+given that prompt alone gives. The answers go out as JSON lines.
+
+A file is one prompt a line, or JSON lines whose every object has a "prompt": a user message
+(a string), or a conversation to answer (a list of {"role", "content"} messages, as the chat's
+/save writes them).
+"""
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from minimedusa.decoding import check_context
+from minimedusa.errors import UserError
+from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
+from minimedusa.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+
+
+def prompt_from_stdin(stdin) -> str:
+    """Standard input's whole text, the one prompt (its trailing newline dropped, as `echo`
+    adds one)."""
+    text = stdin.read().rstrip("\r\n")
+    if not text.strip():
+        raise UserError("standard input is empty: no prompt to answer (or --prompt TEXT)")
+    return text
+
+
+def read_prompts(path: Path) -> list[tuple[int, str | list]]:
+    """[(line number, prompt)] of a --prompts file: each non-empty line's text, or where every
+    one is a JSON object with a "prompt", those (strings or message lists)."""
+    try:
+        lines = [(i, line) for i, line in enumerate(Path(path).read_text().splitlines(), 1)
+                 if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--prompts {path}: cannot read it ({e})") from None
+    if not lines:
+        raise UserError(f"--prompts {path}: the file holds no prompt")
+    objects = [json_object(line) for _, line in lines]
+    if not all(o is not None and "prompt" in o for o in objects):
+        if objects[0] is not None and "prompt" in objects[0]:  # JSON lines gone wrong
+            bad = next(i for (i, _), o in zip(lines, objects) if o is None or "prompt" not in o)
+            raise UserError(f"--prompts {path} line {bad}: not a JSON object with a \"prompt\" "
+                            "(the file's first line is one)")
+        return lines
+    for (i, _), o in zip(lines, objects):
+        check_prompt(o["prompt"], f"--prompts {path} line {i}")
+    return [(i, o["prompt"]) for (i, _), o in zip(lines, objects)]
+
+
+def json_object(line: str) -> dict | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def is_conversation(value) -> bool:
+    """Whether `value` is a list of {"role", "content"} messages (a role of ROLES, a string)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        for m in value)
+
+
+def check_prompt(prompt, where: str) -> None:
+    """A prompt is a string (a user's message), or a conversation to answer."""
+    if not isinstance(prompt, str) and not is_conversation(prompt):
+        raise UserError(f"{where}: \"prompt\" must be a string or a list of messages, each "
+                        f"{{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}")
+
+
+def prompt_ids(prompt, tokenizer: Tokenizer, raw: bool, system: str | None) -> list[int]:
+    """A prompt's token ids: a user message (with `system` first, if given) through the model's
+    chat template, a list of messages through it as they are, or (raw) a string as it is."""
+    if raw:
+        if not isinstance(prompt, str):
+            raise UserError("--raw feeds text as it is: a conversation needs the chat template")
+        ids = tokenizer.encode(prompt)
+    else:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if system is not None and isinstance(prompt, str):
+            messages.insert(0, {"role": "system", "content": system})
+        ids = tokenizer.encode(tokenizer.chat_prompt(messages))
+    if not ids:
+        raise UserError("the prompt is empty")
+    return ids
+
+
+def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoder: Decoder,
+                   out) -> list[Answer]:
+    """Answer every prompt of read_prompts(args.prompts), each encoded and checked against the
+    context first (a bad one ends the run before any is decoded), writing one JSON line each
+    to `out` (prompt, answer, tokens, steps, seconds) and a progress line to stderr."""
+    all_ids = []
+    for line, prompt in prompts:
+        try:
+            all_ids.append(prompt_ids(prompt, tokenizer, args.raw, args.system))
+            check_context(model, len(all_ids[-1]), args.max_new_tokens)
+        except UserError as e:
+            raise UserError(f"--prompts {args.prompts} line {line}: {e}") from None
+    answers = []
+    for i, ((_, prompt), ids) in enumerate(zip(prompts, all_ids), 1):
+        answer = decode_answer(decoder, ids, Answer())
+        answers.append(answer)
+        text = tokenizer.decode(answer.ids, skip_special=True)
+        print(json.dumps({"prompt": prompt, "answer": text,
+                          "tokens": len(answer.ids), "steps": answer.stats.steps,
+                          "seconds": round(answer.seconds, 4)}), file=out, flush=True)
+        print(f"prompts: {i}/{len(prompts)}, {len(answer.ids)} tokens in "
+              f"{answer.seconds:.2f} s ({answer.tokens_per_s:.1f} tokens/s)", file=sys.stderr)
+    return answers
+
+
+def prompts_summary(mode: str, answers: list[Answer], tail: str) -> str:
+    """The summary line over every prompt of the file: their tokens over their decoding time
+    (the prompts to their last tokens; the loading, paid once, apart)."""
+    histogram = sum((a.stats.histogram for a in answers), Counter())
+    return summary_line(f"{mode}; {len(answers)} prompts", sum(len(a.ids) for a in answers),
+                        sum(a.seconds for a in answers), sum(a.stats.steps for a in answers),
+                        histogram, tail)
+
+
+def open_out(path: Path | None):
+    """Where the answers go: stdout, or --out FILE (written as they come)."""
+    if path is None:
+        return sys.stdout
+    try:
+        return open(path, "w")
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot write it ({e})") from None
