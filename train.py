@@ -1,7 +1,8 @@
-"""Train Medusa heads: Medusa-1 (frozen backbone, this file) or Medusa-2 (joint_training.py).
+"""Train Medusa heads: Medusa-1 (frozen backbone, this file) or Medusa-2
+(training/medusa2.py).
 
     python train.py --frozen                                              # from the model alone
-    python -m minimedusa.training.self_distill --out data/distill                  # or: the data first,
+    python -m minimedusa.training.self_distill --out data/distill        # or: the data first,
     python train.py --frozen --data data/distill --out weights/my-heads  # then Medusa-1 on it
     python train.py --data data/distill --out data/medusa2 --init-heads weights/my-heads
 
@@ -25,7 +26,8 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     import torch.distributed as dist
 
     from minimedusa.training import medusa2 as joint_training, pipeline
-    from minimedusa.files.checkpoint import CHECKPOINT, checkpoint_on_interrupt, resume, save_checkpoint
+    from minimedusa.files.checkpoint import (CHECKPOINT, checkpoint_on_interrupt, resume,
+                                             save_checkpoint)
     from minimedusa.flags.cli import Parser, non_negative, non_negative_int, positive, positive_int
     from minimedusa.training.progress import progress_bar, say
     from minimedusa.files.default_model import ensure_default_model
@@ -55,7 +57,8 @@ def add_loop_flags(p) -> None:
                    "the heads (from scratch, or on from --init-heads). Without it: Medusa-2 "
                    "(joint training from Medusa-1 heads, see --init-heads)")
     p.add_argument("--data", type=Path, default=None, help="self-distillation folder made by "
-                   "python -m minimedusa.training.self_distill. Without it, --frozen runs the whole "
+                   "python -m minimedusa.training.self_distill. Without it, --frozen runs the "
+                   "whole "
                    "recipe from the model alone (see 'From the model alone' below)")
     p.add_argument("--out", type=Path, default=None, help="output folder: heads, train_log.json, "
                    "checkpoint (Medusa-2 adds the merged backbone in OUT/model and "

@@ -126,7 +126,8 @@ def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampl
     device = model.embed.weight.device
     cache = decoding_cache(model, cache, prompt_ids, max_new_tokens)
     generator = sampling.generator(device)
-    logits, _ = prefill(model, cache, torch.tensor([prompt_ids[cache.length:]], device=device))
+    rest = torch.tensor([prompt_ids[cache.length:]], device=device)  # (1, T): not yet cached
+    logits, _ = prefill(model, cache, rest)
     for i in range(max_new_tokens):
         token = next_token(logits, sampling, generator)  # (1,)
         token_id = token.item()  # the one host sync per step: needed to stop at EOS
@@ -282,7 +283,8 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
     cache = decoding_cache(model, cache, prompt_ids, max_new_tokens, max(budget.sizes) + 1)
     read = context_reader(heads, cache.capacity, cache.length)
     sequence = ContextIndex(prompt_ids) if context else None
-    logits, hidden = prefill(model, cache, torch.tensor([prompt_ids[cache.length:]], device=device))
+    rest = torch.tensor([prompt_ids[cache.length:]], device=device)  # (1, T): not yet cached
+    logits, hidden = prefill(model, cache, rest)
     new, features = [acceptance.first(logits[0], generator).item()], read(hidden)
     produced = 0
     while True:
