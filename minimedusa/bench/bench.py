@@ -167,6 +167,7 @@ def parse_args(argv=None):
     p = Parser(description="Decoding speed on MT-Bench first turns: this project's plain "
                "decoding, Medusa (greedy, typical and rejection sampling) and the transformers "
                "library's generate, interleaved question by question in one process.")
+    p.prog = "python -m minimedusa.bench"  # as typed (else argparse names the file)
     add_engine_flags(p)
     add_engine_variants(p)
     add_device_arguments(p, threads_default=2)  # 2: this project's CI machine

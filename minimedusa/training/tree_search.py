@@ -160,6 +160,7 @@ def main(argv=None):
                "(paper section 6) and time each tree size on this machine; writes "
                "calibration.json beside the heads and caches the step latencies that "
                "generate.py starts from.")
+    p.prog = "python -m minimedusa.training.tree_search"  # as typed (else argparse names the file)
     p.add_argument("--heads", type=Path, required=True, help="trained heads folder")
     p.add_argument("--data", type=Path, default=None,
                    help="self-distillation data to calibrate on (its held-out answers); "
