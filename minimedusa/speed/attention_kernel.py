@@ -5,7 +5,9 @@ model.exact_attention does it in float64 PyTorch so that a row's output never de
 its keys sit in the cache (what keeps greedy Medusa lossless), at ~150 us a block on a 2-core
 CPU, converting the whole cache to float64 every time. The C twin gets the same guarantee from
 float32 arithmetic in a fixed order (the .c file says how), at a few us: 1 and 9 rows after 265
-keys took 20 and 88 us on the 2-core AVX-512 EPYC, against 97 and 243 for the reference.
+keys took 20 and 88 us on the 2-core AVX-512 EPYC, against 97 and 243 for the reference; on
+the 2-core AVX2 EPYC, in vectors of 8 floats there, ~80 and ~265 us against ~300 and ~700 us
+(float32; with vectors of 16 it had taken ~100 and ~700: AVX2 has no 16-float registers).
 
 Built at first use (c_kernels.py: the C compiler torch.compile already needs, -march=native, the
 user's cache folder); called through ctypes from a torch operator, so that compiled graphs call
