@@ -101,7 +101,8 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     the baseline with its own extra flags, and an in-process engine timed between them."""
     args = bench.parse_args(["--generate", "--rounds", "1", "--max-new-tokens", "6",
                              "--model", str(tiny_folder), "--heads", "untrained-shared:3",
-                             "--threads", "1", "--baseline-flags", "--dtype float32"])
+                             "--threads", "1", "--dtype", "float32",
+                             "--baseline-flags", "--seed 1"])
     question = {"id": 1, "category": "writing", "prompt": "Hi"}
     asked = []
 
@@ -117,6 +118,7 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     assert asked == [[2]] and totals["other"]["tokens_per_s"] == 12.0
     assert totals["speedup"] > 0 and totals["wall_ratio"] > 0
     assert totals["other"]["vs_baseline"] > 0
+    assert totals["identical"] == "1/1"  # float32 both ways: greedy Medusa is plain greedy
 
 
 def test_formats_are_timed_side_by_side_each_lossless_against_its_own_plain(tmp_path, tiny_folder):

@@ -3,8 +3,9 @@
 One generate.py process per question, its default flags against --baseline (plus
 --baseline-flags, e.g. "--dtype float32 --no-compile"), alternating which goes first: each
 process's own tokens/s (from the prompt to the last token) and its wall time, loading included,
-summed over the questions and rounds; and llama.cpp in this process on the same prompt ids,
-where llama-cpp-python is installed.
+summed over the questions and rounds, and how many answers the two gave alike (greedy Medusa is
+lossless: all, where --baseline-flags keeps the format); and llama.cpp in this process on the
+same prompt ids, where llama-cpp-python is installed.
 """
 import json
 import shlex
@@ -42,6 +43,7 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
     in_process: other engines (name -> (engine, the question's prompt ids)), timed between."""
     totals = {mode: {"tokens": 0, "seconds": 0.0, "wall_seconds": 0.0, "modes": [],
                      "formats": []} for mode in ("default", "baseline", *in_process)}
+    answers = {"default": [], "baseline": []}  # each process's output ids
     for r in range(args.rounds):
         for i, q in enumerate(questions):
             order = ["default", "baseline", *in_process]
@@ -54,6 +56,7 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
                                     "mode": mode, "format": mode, "step": ""}, seconds
                 else:
                     result, wall = generate_process(args, q["prompt"], mode)
+                    answers[mode].append(result["output_ids"])
                 t["wall_seconds"] += wall
                 t["tokens"] += result["new_tokens"]
                 t["seconds"] += result["seconds"]
@@ -68,6 +71,9 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
         totals[mode]["vs_baseline"] = round(totals[mode]["tokens_per_s"] /
                                             totals["baseline"]["tokens_per_s"], 3)
     totals["speedup"] = totals["default"]["vs_baseline"]
+    # lossless where both run the same format (no --baseline-flags): the same answers
+    same = sum(a == b for a, b in zip(answers["default"], answers["baseline"]))
+    totals["identical"] = f"{same}/{len(answers['default'])}"
     totals["wall_ratio"] = round(totals["baseline"]["wall_seconds"] /
                                  totals["default"]["wall_seconds"], 3)
     return totals
