@@ -190,7 +190,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
                    "the first question (torch.profiler, operators by their own time), then time "
-                   "a forward and the products alone at 1 to 17 rows, and a whole step at each "
+                   "a forward (after 256 and 1,536 cached tokens) and the products alone at 1 to "
+                   "17 rows, and a whole step at each "
                    "tree size grown from the heads' calibration against a plain step")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None,
@@ -300,6 +301,7 @@ def main(argv=None):
         prompt = [{"role": "user", "content": questions[0]["prompt"]}]
         print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
         print(forward_times(model))
+        print(forward_times(model, cached=1536))  # how a row's cost grows with the context
         print(product_times(model))
         accuracy = read_calibration(Path(args.heads[0])) if Path(args.heads[0]).is_dir() else None
         print(step_times(model, heads, accuracy) if accuracy is not None else

@@ -57,10 +57,11 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
     """--device, --dtype and --threads, the same in every command line."""
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
-                        "bfloat16 on CUDA; decoding, on a CPU that multiplies bfloat16 natively "
-                        "(avx512_bf16 or AMX): int4 for a model whose weights came from a 4-bit "
-                        "file, as the default model's, else bfloat16), float32, bfloat16, "
-                        "float16")
+                        "bfloat16 on CUDA; decoding on a CPU: int4 for a model whose weights "
+                        "came from a 4-bit file, as the default model's, where the CPU has "
+                        "avx512_bf16, AMX, or AVX2 and FMA; else bfloat16 where it multiplies "
+                        "bfloat16 natively (avx512_bf16 or AMX), else float32), float32, "
+                        "bfloat16, float16")
     default = threads_default or "torch's choice, one per core"
     parser.add_argument("--threads", type=positive_int, default=threads_default,
                         help=f"CPU threads for torch (default: {default})")
@@ -72,7 +73,7 @@ def add_quantize_argument(parser) -> None:
                         "(as the GGUF's Q4_1), the heads in bfloat16, the LM head in 8-bit "
                         "groups if its weights already lie on them (as the GGUF's Q8_0), else "
                         "bfloat16; lossless for a model whose weights came from such a file, "
-                        "where it is the default on a CPU with native bfloat16. int8: "
+                        "for which it is the default on most CPUs (see --dtype). int8: "
                         "weight-only int8 (a scale per output channel) for every linear layer, "
                         "the LM head and the heads' included. Both run bfloat16 activations on "
                         "a CPU (weight_formats.py). "

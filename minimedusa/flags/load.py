@@ -21,6 +21,7 @@ from minimedusa.flags.trees import default_tree, ranked_size, tree_choices
 from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
+from minimedusa.speed import group_kernel
 from minimedusa.speed.plug_in import plug_in
 from minimedusa.speed.quantized import on_four_bit_grid
 from minimedusa.speed.step_latency import machine_latency
@@ -192,16 +193,18 @@ def decoding_acceptance(kind: str, temperature: float, top_p: float = 1.0, eps: 
 
 def default_format(device: torch.device, folder=None) -> str:
     """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA;
-    on a CPU where oneDNN multiplies bfloat16 natively, int4 if the model's weights came from a
-    4-bit file (four_bit_checkpoint: then int4 loses nothing in the weights, and its top-1
-    agreement with float32 was measured at 98.5%, format_quality.py), else bfloat16 (half
-    float32's bytes, a step as flat in the tree's size); float32 on other CPUs, where bfloat16
-    products are slower than float32's (int4 there: measured nowhere, so never a default)."""
+    on a CPU, int4 if the model's weights came from a 4-bit file (four_bit_checkpoint: then int4
+    loses nothing in the weights, and its top-1 agreement with float32 was measured at 98.5%,
+    format_quality.py) and the CPU multiplies it well: natively in bfloat16, or through
+    group_kernel.c's AVX2 path (3.2x float32's plain step on a 2-core AVX2 EPYC, bench
+    --profile). Otherwise bfloat16 where oneDNN multiplies it natively (half float32's bytes, a
+    step as flat in the tree's size), else float32 (bfloat16 products are slower there)."""
     if device.type == "cuda":
         return "bfloat16"
-    if not bf16_is_native():
-        return "float32"
-    return "int4" if folder is not None and four_bit_checkpoint(folder) else "bfloat16"
+    four_bit = folder is not None and four_bit_checkpoint(folder)
+    if bf16_is_native():
+        return "int4" if four_bit else "bfloat16"
+    return "int4" if four_bit and group_kernel.kernel_problem() is None else "float32"
 
 
 def four_bit_checkpoint(folder) -> bool:

@@ -55,10 +55,12 @@ def compile_kernel(source: Path, compiler: str) -> Path:
     return path
 
 
-def build(source: Path, compiler: str, out: Path) -> None:
-    """Compile `source` into the library `out`, with OpenMP if the compiler has it."""
+def build(source: Path, compiler: str, out: Path, extra: tuple[str, ...] = ()) -> None:
+    """Compile `source` into the library `out`, with OpenMP if the compiler has it; `extra`
+    flags after this CPU's (tests build a kernel's AVX2 path on an AVX-512 CPU with
+    -march=haswell: the last -march wins)."""
     for openmp in (["-fopenmp"], []):
-        done = subprocess.run([compiler, *flags(), *openmp, str(source), "-o", str(out)],
+        done = subprocess.run([compiler, *flags(), *extra, *openmp, str(source), "-o", str(out)],
                               capture_output=True, text=True)
         if done.returncode == 0:
             return

@@ -1,6 +1,7 @@
-/* Products of weights quantized in groups of 32 inputs, in C, for CPUs with AVX-512 BF16
-   (group_kernel.py builds this file and calls it; dequantize-then-multiply is the reference:
-   weight_formats.dequantize_int4 and dequantize_int8_groups).
+/* Products of weights quantized in groups of 32 inputs, in C, for CPUs with AVX-512 BF16, and
+   (second half of the file) for CPUs with AVX2, FMA and F16C only (group_kernel.py builds this
+   file and calls it; dequantize-then-multiply is the reference: quantized.dequantize_int4 and
+   dequantize_int8_groups).
 
    y (M, N) = x (M, K) W^T, x and y bfloat16, W in groups of 32 inputs, two formats (the GGUF's):
        int4 (Q4_1): w = q * scale + minimum, q in 0..15     (the blocks' weights)
@@ -126,11 +127,145 @@ static inline __attribute__((always_inline)) void product(const uint16_t* x, con
     }
   }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define AVX2_PATH 1
+
+/* AVX2 (no bfloat16 dot product): the rows go to float32 once per call, each q to float32 as
+   it is read, and FMA multiplies 8 outputs at a time. Same layouts, same order per row: one
+   accumulator per 8 outputs, the group's pairs of inputs in order. 16 vector registers hold
+   ROWS rows' 2 accumulators each, and a pair's weights. */
+enum { ROWS = 4 };
+
+/* int4: one group of 16 outputs for n rows: per pair of inputs 16 bytes, low nibbles input k
+   of the 16 outputs, high nibbles input k + 1 */
+static inline __attribute__((always_inline)) void group_rows4(
+    const float* x, const uint8_t* w, __m256 acc[][2], int64_t K, const int n) {
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int p = 0; p < 16; p++, w += 16) {
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)w));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8)));
+    const __m256 k0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));  /* outputs 0-7, k */
+    const __m256 k1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));  /* 8-15, k */
+    const __m256 l0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));   /* 0-7, k + 1 */
+    const __m256 l1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));   /* 8-15, k + 1 */
+    for (int i = 0; i < n; i++) {
+      const __m256 xk = _mm256_broadcast_ss(x + i * K + 2 * p);
+      const __m256 xl = _mm256_broadcast_ss(x + i * K + 2 * p + 1);
+      acc[i][0] = _mm256_fmadd_ps(xl, l0, _mm256_fmadd_ps(xk, k0, acc[i][0]));
+      acc[i][1] = _mm256_fmadd_ps(xl, l1, _mm256_fmadd_ps(xk, k1, acc[i][1]));
+    }
+  }
+}
+
+/* int8: per pair of inputs 32 bytes, output-major (q[o][k], q[o][k + 1], q[o + 1][k], ...):
+   8 bytes are 4 outputs x 2 inputs; the rows' (x_k, x_k+1) broadcast as a pair multiply them
+   as they lie, and the pairs are added at the group's end (group_sums8) */
+static inline __attribute__((always_inline)) void group_rows8(
+    const float* x, const uint8_t* w, __m256 acc[][4], int64_t K, const int n) {
+  for (int p = 0; p < 16; p++, w += 32) {
+    __m256 q[4];
+    for (int j = 0; j < 4; j++)
+      q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8 * j))));
+    for (int i = 0; i < n; i++) {
+      const __m256 xx = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(x + i * K + 2 * p)));
+      for (int j = 0; j < 4; j++) acc[i][j] = _mm256_fmadd_ps(xx, q[j], acc[i][j]);
+    }
+  }
+}
+
+/* 4 vectors of (4 outputs x 2 inputs) -> 16 outputs' sums, in order, as 2 vectors */
+static inline void group_sums8(const __m256 a[4], __m256 s[2]) {
+  for (int h = 0; h < 2; h++)  /* hadd gives outputs 0 1 4 5 | 2 3 6 7: put them in order */
+    s[h] = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_hadd_ps(a[2 * h], a[2 * h + 1])), 0xD8));
+}
+
+/* float32 -> bfloat16, to nearest even (no NaN here: the sums are finite) */
+static inline void store_bf16(uint16_t* y, __m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128((__m128i*)y, h);
+}
+
+/* one block of 16 outputs for `n` rows from row m0 (x and sums already from m0) */
+static inline __attribute__((always_inline)) void block_rows(
+    const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
+    const float* sums, uint16_t* y, int64_t N, int64_t K, const int n, const int bits) {
+  const int64_t G = K / 32;
+  __m256 out[ROWS][2];
+  for (int i = 0; i < n; i++) out[i][0] = out[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++, w += 16 * 4 * bits) {
+    __m256 s[ROWS][2];
+    if (bits == 4) {
+      for (int i = 0; i < n; i++) s[i][0] = s[i][1] = _mm256_setzero_ps();
+      group_rows4(x + g * 32, w, s, K, n);
+    } else {
+      __m256 a[ROWS][4];
+      for (int i = 0; i < n; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
+      group_rows8(x + g * 32, w, a, K, n);
+      for (int i = 0; i < n; i++) group_sums8(a[i], s[i]);
+    }
+    for (int h = 0; h < 2; h++) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + g * 16 + 8 * h)));
+      const __m256 minimum = bits == 4 ? _mm256_cvtph_ps(
+          _mm_loadu_si128((const __m128i*)(minimums + g * 16 + 8 * h))) : _mm256_setzero_ps();
+      for (int i = 0; i < n; i++) {
+        __m256 part = _mm256_mul_ps(s[i][h], scale);
+        if (bits == 4) part = _mm256_add_ps(part, _mm256_mul_ps(minimum, _mm256_set1_ps(sums[i * G + g])));
+        out[i][h] = _mm256_add_ps(out[i][h], part);
+      }
+    }
+  }
+  for (int i = 0; i < n; i++)
+    for (int h = 0; h < 2; h++) store_bf16(y + i * N + 8 * h, out[i][h]);
+}
+
+static inline __attribute__((always_inline)) void product_avx2(
+    const float* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* minimums,
+    const float* sums, uint16_t* y, int64_t M, int64_t N, int64_t K, const int bits) {
+  const int64_t G = K / 32;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < N / 16; b++) {
+    const uint8_t* w = packed + b * G * 64 * bits;
+    const uint16_t *s = scales + b * G * 16, *mn = bits == 4 ? minimums + b * G * 16 : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+      const float *xm = x + m0 * K, *sm = bits == 4 ? sums + m0 * G : NULL;
+      uint16_t* ym = y + m0 * N + b * 16;
+      switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
+#define ROWS_OF(n) case n: block_rows(xm, w, s, mn, sm, ym, N, K, n, bits); break;
+        ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
+#undef ROWS_OF
+      }
+    }
+  }
+}
+
+/* the rows in float32 (M, K), and, for int4, sum_k x_k per row and group (M, G), in order */
+static float* rows_as_float(const uint16_t* x, int64_t M, int64_t K, float** sums) {
+  float* f = malloc(sizeof(float) * M * (K + K / 32));
+  if (f == NULL) return NULL;
+  for (int64_t i = 0; i < M * K; i++) {
+    uint32_t bits = (uint32_t)x[i] << 16;
+    memcpy(f + i, &bits, sizeof(float));
+  }
+  *sums = f + M * K;
+  for (int64_t r = 0; r < M * K / 32; r++) {
+    float s = 0.0f;
+    for (int k = 0; k < 32; k++) s += f[r * 32 + k];
+    (*sums)[r] = s;
+  }
+  return f;
+}
 #endif
 
-/* 1 where this build multiplies (the CPU had AVX-512 BF16 when it was compiled), else 0 */
+/* 1 where this build multiplies (the CPU had AVX-512 BF16, or AVX2 with FMA and F16C, when it
+   was compiled), else 0 */
 int group_kernel_available(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if (defined(__AVX512BF16__) && defined(__AVX512BW__)) || defined(AVX2_PATH)
   return 1;
 #else
   return 0;
@@ -158,17 +293,31 @@ int int4_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
   product(x, packed, scales, minimums, sums, y, M, N, K, 4);
   free(sums);
   return 0;
+#elif defined(AVX2_PATH)
+  float* sums;
+  float* f = rows_as_float(x, M, K, &sums);
+  if (f == NULL) return 2;
+  product_avx2(f, packed, scales, minimums, sums, y, M, N, K, 4);
+  free(f);
+  return 0;
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
   return 1;
 #endif
 }
 
-/* int8: 0 done, 1 not available in this build */
+/* int8: 0 done, 1 not available in this build, 2 out of memory */
 int int8_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales, uint16_t* y,
                  int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   product(x, packed, scales, NULL, NULL, y, M, N, K, 8);
+  return 0;
+#elif defined(AVX2_PATH)
+  float* sums;
+  float* f = rows_as_float(x, M, K, &sums);
+  if (f == NULL) return 2;
+  product_avx2(f, packed, scales, NULL, NULL, y, M, N, K, 8);
+  free(f);
   return 0;
 #else
   (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K;

@@ -1,19 +1,27 @@
-"""Products of weights quantized in groups of 32 inputs, in C, for CPUs with AVX-512 BF16:
-group_kernel.c, built at first use (c_kernels.py) and called through torch operators, as
-oneDNN's products are (packed_linear.OPERATORS).
+"""Products of weights quantized in groups of 32 inputs, in C: group_kernel.c, built at first
+use (c_kernels.py) and called through torch operators, as oneDNN's products are
+(packed_linear.OPERATORS). Two paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and
+AVX2 with FMA and F16C (Zen 2 and 3, Intel since Haswell), the rows in float32 there.
 
 The int4 format's blocks (weight_formats.Int4KernelLinear: the GGUF's Q4_1) multiply through it
-where this CPU has AVX-512 BF16 (Zen 4, Intel since Cooper Lake), else through torch's
-_weight_int4pack_mm_for_cpu (weight_formats.Int4Linear); so does its LM head where it lies on
-an 8-bit grid (weight_formats.Int8GroupLinear: the GGUF's Q8_0), else it stays bfloat16.
+where this CPU has either, else through torch's _weight_int4pack_mm_for_cpu
+(weight_formats.Int4Linear); so does its LM head where it lies on an 8-bit grid
+(weight_formats.Int8GroupLinear: the GGUF's Q8_0), else it stays bfloat16.
 Measured side by side on the 2-core AVX-512 EPYC, the default model's 120 block products at
 1 / 4 / 5 / 8 / 9 / 16 rows: torch's kernel 4.6 / 7.3 / 12.4 / 12.6 / 18.3 / 22.8 ms, this
 file's first version 3.5 / 4.5 / 5.3 / 7.3 / 9.2 / 12.9; broadcasting the activations from
 memory then took 8 rows a quarter lower (9.8 -> 7.2 ms in a later side-by-side run of the two
 versions, on a slower day of the machine). A tree's rows cost a fraction of what they did. The
 LM head in 8 bits: 1.0 ms a plain step where bfloat16's took 2.8 (bench --profile).
+On the 2-core AVX2 EPYC (Zen 3), one run, the AVX2 path at 1 / 4 / 8 / 9 / 16 rows: 10.0 /
+15.1 / 23.2 / 27.2 / 34.0 ms, torch's kernel 13.5 / 22.6 / 40.1 / 44.5 / 70.6, float32's
+(oneDNN) 51.0 / 44.7 / 49.4 / 46.1 / 74.8; the LM head 1.8 ms at 1 row (float32's 10.2). There
+a row costs ~2 ms of FMAs: each weight is converted to float32 and multiplied once per row, at
+~80% of the FMA units' rate in one thread, so rows are far from free (an 8-row step 2.05x a
+plain one, bench --profile), yet the whole step is 3.2x float32's.
 tests/test_weight_formats.py checks both formats against dequantize-then-multiply, and a row's
-bits whatever rows are beside it.
+bits whatever rows are beside it; tests/test_group_kernel_avx2.py the same of the AVX2 path,
+built for it on any CPU that has AVX2.
 
 Shapes: M rows, N outputs, K inputs, G = K / 32 groups, B = N / 16 blocks of outputs.
 """
@@ -39,22 +47,32 @@ def kernel_problem() -> str | None:
         try:
             library = load_library(SOURCE)
             if not library.group_kernel_available():
-                raise RuntimeError("this CPU has no AVX-512 BF16 (avx512_bf16)")
-            for name, pointers in (("int4_product", 5), ("int8_product", 4)):
-                product = getattr(library, name)
-                product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3
-                product.restype = ctypes.c_int
-                _kernel[name] = product
+                raise RuntimeError("this CPU has neither AVX-512 BF16 nor AVX2 with FMA and F16C")
+            _kernel.update(products(library))
         except (OSError, RuntimeError) as e:
             _kernel["problem"] = why_not(e)
     return _kernel.get("problem")
 
 
+def products(library: ctypes.CDLL) -> dict:
+    """A built group_kernel.c's two functions, their arguments typed: int4_product(x, packed,
+    scales, minimums, y, M, N, K) and int8_product(x, packed, scales, y, M, N, K), pointers to
+    the tensors' data; each returns 0 when done (1: not in this build, 2: out of memory)."""
+    found = {}
+    for name, pointers in (("int4_product", 5), ("int8_product", 4)):
+        product = getattr(library, name)
+        product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3
+        product.restype = ctypes.c_int
+        found[name] = product
+    return found
+
+
 def expected_here() -> bool:
-    """Whether this CPU lists AVX-512 BF16, which the kernel multiplies with: there, a kernel
-    that does not multiply is a fault (no compiler, a failed build) worth a line; elsewhere
-    torch's int4 kernel is the normal case."""
-    return "avx512_bf16" in cpu_features().split("+")
+    """Whether this CPU lists what the kernel multiplies with (AVX-512 BF16, or AVX2 and FMA):
+    there, a kernel that does not multiply is a fault (no compiler, a failed build) worth a
+    line; elsewhere torch's int4 kernel is the normal case."""
+    features = cpu_features().split("+")
+    return "avx512_bf16" in features or {"avx2", "fma"} <= set(features)
 
 
 def require_kernel() -> None:
@@ -132,8 +150,10 @@ def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor)
     rows = rows.contiguous()
     M, K = rows.shape
     y = rows.new_empty(M, scales.shape[0] * 16)
-    _kernel["int8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(),
-                            M, y.shape[1], K)
+    done = _kernel["int8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                   y.data_ptr(), M, y.shape[1], K)
+    if done != 0:
+        raise MemoryError("group_kernel.c could not allocate its rows in float32")
     return y
 
 

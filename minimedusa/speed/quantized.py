@@ -152,8 +152,9 @@ class Int4Linear(nn.Module):
 
 
 class Int4KernelLinear(nn.Module):
-    """Int4Linear's weights, multiplied by group_kernel.c (AVX-512 BF16 dot products, the weights
-    read once for any number of rows) instead of torch's kernel: bfloat16 activations."""
+    """Int4Linear's weights, multiplied by group_kernel.c (AVX-512 BF16 dot products, or AVX2
+    FMAs; the weights read once for any number of rows) instead of torch's kernel: bfloat16
+    activations."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -16,10 +16,10 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               activations; the heads stay bfloat16. Half a byte a weight, and for a model
               whose weights came from a 4-bit file (the default model: a Q4_1 GGUF) no loss at
               all in the weights: the 4-bit grid found again is theirs, to the bit
-              (four_bit_checkpoint). Where the CPU has AVX-512 BF16 the products are
-              group_kernel.c's (Int4KernelLinear: the weights read once for any number of
-              rows); elsewhere torch's kernel's, which reads them once per 4 rows (a tree of
-              5-8 rows costs it a second pass). There too, an LM head (and the heads' draft
+              (four_bit_checkpoint). Where the CPU has AVX-512 BF16, or AVX2 with FMA, the
+              products are group_kernel.c's (Int4KernelLinear: the weights read once for any
+              number of rows); elsewhere torch's kernel's, which reads them once per 4 rows (a
+              tree of 5-8 rows costs it a second pass). There too, an LM head (and the heads' draft
               vocabulary's cut of it) whose weights lie on an 8-bit grid of 32 (the GGUF's
               Q8_0, which the default model's came from) is kept in it (Int8GroupLinear: a
               byte a weight, half of bfloat16's, and the file's own values, which bfloat16
