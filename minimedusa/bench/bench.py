@@ -207,8 +207,7 @@ def parse_args(argv=None):
         p.error(f"--formats: unknown format {unknown[0]!r} (choose from {', '.join(FORMATS)})")
     args.sizes = [int(n) for n in args.sizes.split(",") if n]
     args.ranked = [int(n) for n in args.ranked.split(",") if n]
-    if args.no_sampling:
-        args.temperature = 0.0
+    args.temperature = 0.0 if args.no_sampling else args.temperature
     if args.heads is None:
         if args.model is not None or not DEFAULT_HEADS_DIR.is_dir():
             p.error("no --heads given and no trained heads for the default model in weights/")
