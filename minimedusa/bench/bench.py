@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from minimedusa.bench.engines import Engines, engines_to_time, plain_of
+from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.processes import report_generate_processes
 from minimedusa.bench.report import category_table, markdown, plot, summarize
 from minimedusa.files.heads_files import read_calibration
@@ -215,26 +216,47 @@ def parse_args(argv=None):
     return args
 
 
+def warm_up(engines: Engines, tokenizer) -> None:
+    """One short excluded run of each engine: compiles, caches, and llama.cpp's first
+    multi-token evaluation, where a native crash would come (it is dropped, one line)."""
+    warm = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]))
+    for name, run in list(engines.run.items()):
+        try:
+            run(warm, 8, 0)
+        except EngineDied as died:
+            left_out(engines, name, died, [])
+    for counts in engines.usage.values():  # the warm-up's steps are not the benchmark's
+        counts.clear()
+
+
+def left_out(engines: Engines, name: str, died: EngineDied, rows: list[dict]) -> None:
+    """An engine whose process died leaves the comparison, its rows so far too, with one line;
+    every other engine goes on."""
+    print(f"{name} is left out of the comparison: {died}", file=sys.stderr, flush=True)
+    engines.drop(name)
+    for row in rows:
+        row.pop(name, None)
+
+
 def run_questions(engines: Engines, questions: list[dict], tokenizer,
                   max_new_tokens: int) -> list[dict]:
     """Every engine on every question, alternating who goes first, after an excluded warm-up:
     one row per question with each engine's tokens, seconds, steps and sameness to plain
     decoding in its own weight format."""
-    names = list(engines.run)
-    warm = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]))
-    for run in engines.run.values():  # warm-up, excluded
-        run(warm, 8, 0)
-    for counts in engines.usage.values():  # the warm-up's steps are not the benchmark's
-        counts.clear()
+    warm_up(engines, tokenizer)
     rows = []
     for i, q in enumerate(questions):
         ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q["prompt"]}]))
         row, outputs = {"id": q["id"], "category": q["category"]}, {}
-        order = names if i % 2 == 0 else names[::-1]  # alternate who goes first
-        for name in order:
-            outputs[name], seconds, steps = engines.run[name](ids, max_new_tokens, i)
+        for name in list(engines.run)[::1 if i % 2 == 0 else -1]:  # alternate who goes first
+            try:
+                outputs[name], seconds, steps = engines.run[name](ids, max_new_tokens, i)
+            except EngineDied as died:
+                left_out(engines, name, died, rows)
+                continue
             row[name] = {"tokens": len(outputs[name]), "seconds": round(seconds, 4),
                          "steps": steps}
+        names = list(engines.run)  # those still running
         for name in names:
             row[name]["same_as_plain"] = outputs[name] == outputs[plain_of(name)]
         rows.append(row)

@@ -5,7 +5,7 @@ This project's plain decoding and Medusa (greedy, typical and rejection sampling
 adapted step by step as generate.py does, or a fixed --tree, or --sizes' and --ranked's trees),
 the same in other weight formats (--formats), and two baselines from outside, each optional:
 the transformers library's `generate` on the same weights and llama.cpp on the GGUF file the
-default model came from (bench_llama_cpp.py).
+default model came from (llama_cpp.py).
 """
 import copy
 import sys
@@ -40,6 +40,11 @@ class Engines:
     expected: dict = field(default_factory=dict)  # name -> tokens/step from the calibration
     usage: dict = field(default_factory=dict)  # name -> Counter of steps by tree size
     step_bytes: dict = field(default_factory=dict)  # name -> bytes of weights a step reads
+
+    def drop(self, name: str) -> None:
+        """Out of the comparison (an engine whose process died), wherever it is named."""
+        for table in (self.run, self.expected, self.usage, self.step_bytes):
+            table.pop(name, None)
 
 
 def engines_to_time(args, model, folder: Path, device, dtype) -> Engines:

@@ -4,8 +4,8 @@ One generate.py process per question, its default flags against --baseline (plus
 --baseline-flags, e.g. "--dtype float32 --no-compile"), alternating which goes first: each
 process's own tokens/s (from the prompt to the last token) and its wall time, loading included,
 summed over the questions and rounds, and how many answers the two gave alike (greedy Medusa is
-lossless: all, where --baseline-flags keeps the format); and llama.cpp in this process on the
-same prompt ids, where llama-cpp-python is installed.
+lossless: all, where --baseline-flags keeps the format); and llama.cpp, loaded once in a process
+of its own (llama_cpp.py), on the same prompt ids, where llama-cpp-python is installed.
 """
 import json
 import shlex
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from minimedusa.bench.llama_cpp import load_llama_cpp
+from minimedusa.bench.llama_cpp import EngineDied, load_llama_cpp
 
 
 def model_flags(args) -> list[str]:
@@ -36,11 +36,19 @@ def generate_process(args, prompt: str, mode: str) -> tuple[dict, float]:
     return json.loads(done.stdout), time.perf_counter() - start
 
 
+def in_process_run(args, mode: str, engine, prompt_ids, q: dict, i: int) -> tuple[dict, float]:
+    """An in-process engine on question q, as a generate.py process's JSON, and its wall time."""
+    _, seconds, _ = engine(prompt_ids(q["prompt"]), args.max_new_tokens, i)
+    return {"new_tokens": args.max_new_tokens, "seconds": seconds, "mode": mode, "format": mode,
+            "step": ""}, seconds
+
+
 def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
     """generate.py as a user runs it: one process per question, its default flags against
     --baseline, alternating which goes first, for --rounds rounds. Each process's own
     tokens/s (the prompt to the last token) and its wall time, loading included, are summed.
-    in_process: other engines (name -> (engine, the question's prompt ids)), timed between."""
+    in_process: other engines (name -> (engine, the question's prompt ids)), timed between;
+    one whose process dies is deleted from it, with one line, and the others go on."""
     totals = {mode: {"tokens": 0, "seconds": 0.0, "wall_seconds": 0.0, "modes": [],
                      "formats": []} for mode in ("default", "baseline", *in_process)}
     answers = {"default": [], "baseline": []}  # each process's output ids
@@ -50,10 +58,12 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
             for mode in (order if (i + r) % 2 == 0 else order[::-1]):
                 t = totals[mode]
                 if mode in in_process:
-                    engine, prompt_ids = in_process[mode]
-                    _, seconds, _ = engine(prompt_ids(q["prompt"]), args.max_new_tokens, i)
-                    result, wall = {"new_tokens": args.max_new_tokens, "seconds": seconds,
-                                    "mode": mode, "format": mode, "step": ""}, seconds
+                    try:
+                        result, wall = in_process_run(args, mode, *in_process[mode], q, i)
+                    except EngineDied as died:  # the others go on without it
+                        print(f"{mode} is left out of the comparison: {died}", file=sys.stderr)
+                        del in_process[mode], totals[mode]
+                        continue
                 else:
                     result, wall = generate_process(args, q["prompt"], mode)
                     answers[mode].append(result["output_ids"])
