@@ -254,7 +254,7 @@ def test_a_kernel_that_cannot_be_built_is_named_in_one_line(tiny_folder, monkeyp
 @pytest.mark.parametrize("cpu_has_it", [True, False])
 def test_int4_names_its_missing_kernel_only_where_the_cpu_could_run_it(
         cpu_has_it, tiny_folder, monkeypatch, capsys):
-    """group_kernel.c needs AVX-512 BF16: on such a CPU a kernel that does not build is a
+    """group_kernel.c needs AVX-512 BF16 or AVX2: on such a CPU a kernel that does not build is a
     fault, named in one line; elsewhere torch's int4 kernel is the normal case, and quiet."""
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setattr(group_kernel, "_kernel", {})  # built anew, by that compiler
@@ -267,6 +267,14 @@ def test_int4_names_its_missing_kernel_only_where_the_cpu_could_run_it(
     assert notices == (["minimedusa: int4's C kernel (group_kernel.c) is not available here "
                         "(RuntimeError: /bin/false failed (exit status 1)); torch's int4 kernel "
                         "multiplies instead (slower)"] if cpu_has_it else [])
+
+
+def test_w4a8_without_the_kernel_is_one_line(tiny_folder, monkeypatch):
+    monkeypatch.setattr(group_kernel, "_kernel", {"problem": "RuntimeError: no compiler"})
+    with pytest.raises(SystemExit) as stop:
+        generate_main(["--model", str(tiny_folder), "--prompt", "Hi", "--quantize", "w4a8"])
+    assert str(stop.value) == ("error: --quantize w4a8 multiplies in group_kernel.c only, which "
+                               "does not here: RuntimeError: no compiler")
 
 
 def test_an_unwritable_latency_cache_still_decodes_and_says_so(tiny_folder, tmp_path,

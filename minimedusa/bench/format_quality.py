@@ -6,9 +6,13 @@ Held-out chats: the last --prompts seed prompts (the shipped heads trained on th
 never MT-Bench, the evaluation) answered greedily by the float32 model. Every format then reads
 the same prompt + answer in one forward, and at every answer position we compare it with float32:
 top-1 agreement (the same next token) and the mean KL(p_float32 || p_format). A format whose
-top-1 agreement is under 98% is never a default (weight_formats.default_format).
+top-1 agreement is under 98% is never a default (flags/load.default_format).
+So does llama.cpp, where llama-cpp-python is installed and the model is the default one: its
+logits of the same tokens, from the GGUF the model came from (Q4_1 weights, and 8-bit
+activations in its products: Q8_1), as the yardstick its users already accept.
 Shapes: T sequence length, V vocab.
 """
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minimedusa.flags.cli import Parser, positive_int
-from minimedusa.files.default_model import ensure_default_model
+from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_gguf, ensure_default_model
 from minimedusa.errors import entry_point
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
@@ -52,6 +56,28 @@ def answer_log_probs(model, prompt: list[int], answer: list[int]) -> torch.Tenso
     return F.log_softmax(logits[0, len(prompt) - 1:].float(), dim=-1)
 
 
+def llama_cpp_log_probs(folder: Path, chats: list[tuple]) -> list[torch.Tensor] | None:
+    """llama.cpp's log p(next token) at every answer position of each chat, (len(answer), V)
+    float32 each; None (saying why) without llama-cpp-python or for another model than the
+    default (llama.cpp reads its GGUF)."""
+    if importlib.util.find_spec("llama_cpp") is None or (
+            Path(folder).resolve() != DEFAULT_MODEL_DIR.resolve()):
+        print("llama.cpp left out (needs llama-cpp-python and the default model)",
+              file=sys.stderr)
+        return None
+    from llama_cpp import Llama
+    longest = max(len(p) + len(a) for p, a in chats)
+    llm = Llama(model_path=str(ensure_default_gguf()), n_ctx=longest, logits_all=True,
+                n_threads=torch.get_num_threads(), verbose=False)
+    log_probs = []
+    for prompt, answer in chats:
+        llm.reset()
+        llm.eval(prompt + answer[:-1])
+        scores = torch.from_numpy(llm.scores[len(prompt) - 1:len(prompt) + len(answer) - 1])
+        log_probs.append(F.log_softmax(scores.float(), dim=-1))  # (len(answer), V)
+    return log_probs
+
+
 def compare(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dict:
     """Top-1 agreement and mean KL(reference || candidate) over every answer position."""
     ref, cand = torch.cat(reference), torch.cat(candidate)  # (positions, V)
@@ -84,6 +110,10 @@ def main(argv=None):
         model = apply_format(load_model(folder), name)
         results[name] = compare(reference, [answer_log_probs(model, p, a) for p, a in chats])
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+    llama_cpp = llama_cpp_log_probs(folder, chats)
+    if llama_cpp is not None:
+        results["llama.cpp Q4_1"] = compare(reference, llama_cpp)
+        print(f"llama.cpp Q4_1: {results['llama.cpp Q4_1']}", file=sys.stderr, flush=True)
     print(json.dumps(results, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"model": folder.name, "chats": len(chats),

@@ -68,15 +68,17 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
 
 
 def add_quantize_argument(parser) -> None:
-    parser.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+    parser.add_argument("--quantize", choices=("none", "int8", "int4", "w4a8"), default="none",
                         help="int4: the blocks' weights in 4 bits, a scale and a minimum per 32 "
                         "(as the GGUF's Q4_1), the heads in bfloat16, the LM head in 8-bit "
                         "groups if its weights already lie on them (as the GGUF's Q8_0), else "
                         "bfloat16; lossless for a model whose weights came from such a file, "
                         "for which it is the default on most CPUs (see --dtype). int8: "
                         "weight-only int8 (a scale per output channel) for every linear layer, "
-                        "the LM head and the heads' included. Both run bfloat16 activations on "
-                        "a CPU (weight_formats.py). "
+                        "the LM head and the heads' included. w4a8: int4's weights times 8-bit "
+                        "activations in the blocks (a scale per row and group of 32, as "
+                        "llama.cpp's Q4_1 decoding does), integer products; AVX2 CPUs. All "
+                        "run bfloat16 activations on a CPU (weight_formats.py). "
                         "Default: none, the weights in --dtype (whose auto may pick int4)")
 
 

@@ -39,13 +39,17 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
 
 def device_and_format(args, folder: Path) -> tuple[torch.device, str]:
     """The flags' device and weight format for decoding the model in `folder`
-    (weight_formats.py): --quantize int8 or int4, else --dtype, whose auto is the machine's and
+    (weight_formats.py): --quantize int8, int4 or w4a8, else --dtype, whose auto is the machine's and
     the model's default_format. Sets torch's CPU threads."""
     device, dtype = device_and_dtype(args)
     if args.quantize != "none":
         if device.type != "cpu" or args.dtype not in ("auto", "bfloat16", "bf16"):
             raise UserError(f"--quantize {args.quantize} runs on a CPU with bfloat16 activations "
                             "(torch's kernel is vectorised for those only): drop --dtype/--device")
+        problem = group_kernel.kernel_problem() if args.quantize == "w4a8" else None
+        if problem is not None:
+            raise UserError(f"--quantize w4a8 multiplies in group_kernel.c only, which does not "
+                            f"here: {problem}")
         return device, args.quantize
     if args.dtype == "auto":
         return device, default_format(device, folder)

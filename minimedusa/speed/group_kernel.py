@@ -55,11 +55,12 @@ def kernel_problem() -> str | None:
 
 
 def products(library: ctypes.CDLL) -> dict:
-    """A built group_kernel.c's two functions, their arguments typed: int4_product(x, packed,
-    scales, minimums, y, M, N, K) and int8_product(x, packed, scales, y, M, N, K), pointers to
-    the tensors' data; each returns 0 when done (1: not in this build, 2: out of memory)."""
+    """A built group_kernel.c's three functions, their arguments typed: int4_product(x, packed,
+    scales, minimums, y, M, N, K), int4_a8_product (the same arguments) and int8_product(x,
+    packed, scales, y, M, N, K), pointers to the tensors' data; each returns 0 when done (1: not
+    in this build, 2: out of memory)."""
     found = {}
-    for name, pointers in (("int4_product", 5), ("int8_product", 4)):
+    for name, pointers in (("int4_product", 5), ("int4_a8_product", 5), ("int8_product", 4)):
         product = getattr(library, name)
         product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3
         product.restype = ctypes.c_int
@@ -139,6 +140,32 @@ OPERATORS.impl("int4_product", int4_product, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("minimedusa::int4_product")
 def _(rows, packed, scales, minimums):  # its output's shape, for the compiler's tracing
+    return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
+
+
+OPERATORS.define("int4_a8_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
+                 "-> Tensor")
+
+
+def int4_a8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    minimums: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) bfloat16, quantized to 8 bits per group of 32 inside the kernel, times the
+    packed int4 weight (the w4a8 format): (M, N) bfloat16."""
+    rows = rows.contiguous()
+    M, K = rows.shape
+    y = rows.new_empty(M, scales.shape[0] * 16)
+    done = _kernel["int4_a8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                      minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K)
+    if done != 0:
+        raise MemoryError("group_kernel.c could not allocate the rows' 8-bit copy")
+    return y
+
+
+OPERATORS.impl("int4_a8_product", int4_a8_product, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minimedusa::int4_a8_product")
+def _(rows, packed, scales, minimums):
     return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
 
 

@@ -21,7 +21,7 @@ from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
-from minimedusa.speed.weight_formats import apply_format, format_of
+from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
 
 
 def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
@@ -53,7 +53,7 @@ def how_it_runs(model: Llama) -> str:
     block runs its products (how many, at least how many rows)."""
     block = model.layers[0]
     fmt = format_of(model)
-    weights = f" | {fmt} weights" if fmt in ("int8", "int4") else ""  # the dtype says the rest
+    weights = f" | {fmt} weights" if fmt in QUANTIZED else ""  # the dtype says the rest
     if any(isinstance(layer, Int4KernelLinear) for layer in block.modules()):
         weights += " (group_kernel.c)"
     if isinstance(model.lm_head, Int8GroupLinear):

@@ -5,6 +5,7 @@ slow reference it must equal: quantize, then dequantize and multiply.
     Int4Linear       4-bit groups of 32 with a scale and a minimum (the GGUF's Q4_1), torch's
                      _weight_int4pack_mm_for_cpu (fp32 FMA, the weights read once per 4 rows)
     Int4KernelLinear the same weights multiplied by group_kernel.c (read once for any rows)
+    Int4A8KernelLinear  the same, times 8-bit activations (the w4a8 format, llama.cpp's Q8_1)
     Int8GroupLinear  8-bit groups of 32 with a scale (the GGUF's Q8_0), group_kernel.c: an LM
                      head whose weights already lie on that grid
 
@@ -179,6 +180,19 @@ class Int4KernelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Int4A8KernelLinear(Int4KernelLinear):
+    """Int4KernelLinear's weights times 8-bit activations (the w4a8 format): each row's groups
+    of 32 quantized to -127..127 with a scale (max |x| / 127), as llama.cpp's Q8_1, inside
+    group_kernel.c, whose integer products are cheaper than float ones on a CPU (VPMADDUBSW:
+    32 byte pairs an instruction, 8 floats an FMA)."""
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.minimedusa.int4_a8_product(rows, self.packed, self.scales, self.minimums)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class Int8GroupLinear(nn.Module):
     """y = x (q * scale)^T, weights held as 8-bit groups (Q8_0's), multiplied by group_kernel.c:
     for an LM head whose weights already lie on that grid (eight_bit_groups' q and scales),
@@ -217,9 +231,12 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
     return count
 
 
-def four_bit_layers(model: Llama) -> int:
-    """Replace every nn.Linear of the model's blocks by an int4 layer, in place; how many."""
-    layer = int4_layer()
+def four_bit_layers(model: Llama, activations8: bool = False) -> int:
+    """Replace every nn.Linear of the model's blocks by an int4 layer, in place (with 8-bit
+    activations: Int4A8KernelLinear, which group_kernel.c must multiply); how many."""
+    if activations8:
+        group_kernel.require_kernel()
+    layer = Int4A8KernelLinear if activations8 else int4_layer()
     count = 0
     for block in model.layers:
         for parent in (block.attn, block.mlp):

@@ -24,8 +24,12 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               Q8_0, which the default model's came from) is kept in it (Int8GroupLinear: a
               byte a weight, half of bfloat16's, and the file's own values, which bfloat16
               rounds); any other stays bfloat16.
+    w4a8      int4's weights times 8-bit activations in the blocks' products (each row's
+              groups of 32 quantized with a scale, as llama.cpp does in its own Q4_1 decoding):
+              integer products, cheaper than float ones, so a tree's rows cost less; its
+              quality against float32 (and llama.cpp's) is bench/format_quality.py's to say.
+              group_kernel.c only (AVX2); the rest as int4.
 
-Left out: activation quantization.
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
 step (one row): bfloat16 logits tie often, so a rounding difference anywhere flips tokens. Two
@@ -41,12 +45,13 @@ import torch.nn as nn
 
 from minimedusa.model import Llama
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
-from minimedusa.speed.quantized import (Int4KernelLinear, Int4Linear, Int8GroupLinear,
-                                        Int8Linear, eight_bit_lm_heads, four_bit_layers,
-                                        quantize_linear_layers)
+from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, Int4Linear,
+                                        Int8GroupLinear, Int8Linear, eight_bit_lm_heads,
+                                        four_bit_layers, quantize_linear_layers)
 
 DTYPE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FORMATS = (*DTYPE_FORMATS, "int8", "int4")
+FORMATS = (*DTYPE_FORMATS, "int8", "int4", "w4a8")
+QUANTIZED = ("int8", "int4", "w4a8")  # the formats whose activations are bfloat16
 
 
 def bf16_is_native() -> bool:
@@ -61,9 +66,9 @@ def apply_format(module: nn.Module, name: str) -> nn.Module:
     if name == "int8":
         quantize_linear_layers(module)  # from the float32 weights: rounded once, not twice
         return module.to(torch.bfloat16)
-    if name == "int4":
-        if isinstance(module, Llama):
-            four_bit_layers(module)  # from the float32 weights: the file's grid, found again
+    if name in ("int4", "w4a8"):
+        if isinstance(module, Llama):  # from the float32 weights: the file's grid, found again
+            four_bit_layers(module, activations8=name == "w4a8")
         eight_bit_lm_heads(module)
     dtype = activation_dtype(name)
     module = module.to(dtype)
@@ -73,9 +78,12 @@ def apply_format(module: nn.Module, name: str) -> nn.Module:
 
 
 def format_of(model: nn.Module) -> str:
-    """The format a loaded model (or heads) runs in: "int8", "int4", or its dtype's name."""
+    """The format a loaded model (or heads) runs in: "int8", "int4", "w4a8", or its dtype's
+    name."""
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return "int8"
+    if any(isinstance(m, Int4A8KernelLinear) for m in model.modules()):
+        return "w4a8"
     if any(isinstance(m, (Int4Linear, Int4KernelLinear, Int8GroupLinear)) for m in model.modules()):
         return "int4"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -83,4 +91,4 @@ def format_of(model: nn.Module) -> str:
 
 def activation_dtype(name: str) -> torch.dtype:
     """The dtype a format's activations, KV cache and heads run in."""
-    return torch.bfloat16 if name in ("int8", "int4") else DTYPE_FORMATS[name]
+    return torch.bfloat16 if name in QUANTIZED else DTYPE_FORMATS[name]

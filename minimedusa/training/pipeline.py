@@ -17,6 +17,7 @@ import torch
 from minimedusa.budget import grow_tree
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.speed.step_latency import latency_key, read_cached
+from minimedusa.speed.weight_formats import QUANTIZED
 from minimedusa.files.checkpoint import CHECKPOINT, write_json
 from minimedusa.flags.cli import positive_int
 from minimedusa.flags.load import decoding_heads, decoding_model
@@ -60,13 +61,12 @@ def add_flags(p) -> None:
     alone.add_argument("--decode-format", choices=DECODE_FORMATS, default="auto",
                        help="the weight format stage 3 calibrates the heads in and times their "
                        "trees in, as generate.py will decode with them (default: auto, "
-                       "generate.py's own default here: on a CPU that multiplies bfloat16 "
-                       "natively int4 for a model from a 4-bit file, else bfloat16; float32 on "
-                       "other CPUs; int8 and int4 on a CPU only)")
+                       "generate.py's own default here, see its --dtype; int8, int4 and w4a8 on "
+                       "a CPU only)")
 
 
 STAGES = 3
-DECODE_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+DECODE_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")
 
 
 def check_model_folder(folder: Path) -> None:
@@ -172,7 +172,7 @@ def from_model(args, medusa1, train_loop) -> None:
     device = pick_device(args.device)
     folder = args.model or ensure_default_model()
     check_model_folder(folder)
-    if args.decode_format in ("int8", "int4") and device.type != "cpu":
+    if args.decode_format in QUANTIZED and device.type != "cpu":
         raise UserError(f"--decode-format {args.decode_format} multiplies on a CPU only (as "
                         "generate.py's --quantize): drop it or --device")
     args.out = args.out or WEIGHTS_DIR / f"{folder.name}-trained"

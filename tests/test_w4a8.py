@@ -1,0 +1,89 @@
+"""The w4a8 format: int4 weights times 8-bit activations (group_kernel.c's int4_a8_product).
+Its slow reference quantizes each row's groups of 32 as the kernel does (d = max |x| / 127,
+a = x / d to nearest), then multiplies the dequantized activations by the dequantized weight. A row's bits do not depend on the rows beside it,
+so greedy Medusa stays lossless with respect to w4a8's own plain decoding."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+from conftest import copycat_model, perturbed
+from minimedusa.acceptance import greedy
+from minimedusa.budget import fixed
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.heads import MedusaHeads
+from minimedusa.hydra import HydraHeads
+from minimedusa.model import causal_mask
+from minimedusa.sampling import Sampling
+from minimedusa.speed.quantized import (GROUP, Int4A8KernelLinear, Int8GroupLinear,
+                                        dequantize_int4, quantize_int4)
+from minimedusa.speed.weight_formats import apply_format, format_of
+from minimedusa.tree import build_tree
+from test_medusa_decoding import flat
+from test_weight_formats import four_bit_model, four_bit_weight, needs_group_kernel
+
+pytestmark = needs_group_kernel
+
+
+def w4a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, K) times a 4-bit grid's weight (N, K), the activations quantized per row and group
+    of 32 first (and dequantized), in float64: (M, N)."""
+    (M, K), N = x.shape, weight.shape[0]
+    groups = x.double().view(M, K // GROUP, GROUP)  # (M, G, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    a = torch.round(groups / d.clamp(min=1e-30))  # (M, G, 32), in -127..127
+    q, scales, minimums = quantize_int4(weight)  # (N, K), (N, G), (N, G): float16 in the kernel
+    w = dequantize_int4(q, scales.half().float(), minimums.half().float()).double()  # (N, K)
+    return (a * d).view(M, K) @ w.T  # (M, N)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), bias=st.booleans())
+def test_w4a8_product_equals_quantize_the_activations_then_matmul(seed, rows, bias):
+    linear = nn.Linear(96, 48, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(four_bit_weight(48, 96, seed))
+    layer = Int4A8KernelLinear(linear)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    reference = w4a8_reference(x, linear.weight) + (layer.bias.double() if bias else 0)
+    torch.testing.assert_close(layer(x).double(), reference, rtol=1e-2, atol=1e-2)
+
+
+def test_a_w4a8_rows_product_has_the_same_bits_whatever_rows_beside_it():
+    linear = nn.Linear(1536, 576, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(four_bit_weight(576, 1536))
+    layer = Int4A8KernelLinear(linear)
+    rows = torch.randn(17, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
+    alone = layer(rows[:1])  # (1, N)
+    assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
+    assert torch.equal(layer(rows.flip(0))[-1:], alone)
+
+
+def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():
+    model = four_bit_model(3)
+    tokens, positions, mask = torch.randint(0, 64, (1, 9)), torch.arange(9)[None], causal_mask(0, 9)
+    with torch.inference_mode():
+        reference, _ = model(tokens, positions, mask)
+        w4a8 = apply_format(model, "w4a8")
+        logits, _ = w4a8(tokens, positions, mask)
+    assert format_of(w4a8) == "w4a8" and isinstance(w4a8.lm_head, Int8GroupLinear)
+    assert all(isinstance(block.mlp.down, Int4A8KernelLinear) for block in w4a8.layers)
+    assert (logits.float() - reference).abs().max() / reference.abs().max() <= 3e-2
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_medusa_greedy_equals_w4a8s_plain_greedy(kind, seed):
+    """On a model where candidates are accepted (copycat) and on a 4-bit model with an 8-bit LM
+    head, heads in the same format."""
+    for model in (copycat_model(seed, dtype=torch.float32), four_bit_model(seed)):
+        model = apply_format(model, "w4a8")
+        heads = (perturbed(MedusaHeads.for_model(model, 4, num_layers=1), seed, 0.05)
+                 if kind == "medusa" else HydraHeads.for_model(model, 4))
+        heads = apply_format(heads.float().eval(), "w4a8")
+        tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
+        prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
+        assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain
+
