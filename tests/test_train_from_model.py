@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import generate
 import train
 from conftest import tiny_model
+from minimedusa.speed import group_kernel
 from minimedusa.training import pipeline, self_distill
 from minimedusa.files.heads_files import CALIBRATION
 from minimedusa.files.heads_files import HEADS_FILE
@@ -129,6 +130,8 @@ def test_a_model_it_cannot_run_or_prompt_is_one_line_before_any_work(
     ("float32", ["--dtype", "float32"]),
     ("bfloat16", ["--dtype", "bfloat16"]),
     ("int4", ["--quantize", "int4"]),
+    pytest.param("w4a8", ["--quantize", "w4a8"], marks=pytest.mark.skipif(
+        group_kernel.kernel_problem() is not None, reason="w4a8 needs group_kernel.c")),
 ])
 def test_the_one_command_training_finishes_in_every_format_and_its_heads_decode_losslessly(
         chat_model, tmp_path, capsys, fmt, flags):

@@ -69,6 +69,7 @@ def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():
         logits, _ = w4a8(tokens, positions, mask)
     assert format_of(w4a8) == "w4a8" and isinstance(w4a8.lm_head, Int8GroupLinear)
     assert all(isinstance(block.mlp.down, Int4A8KernelLinear) for block in w4a8.layers)
+    assert not any(isinstance(block.attn.wqkv, Int4A8KernelLinear) for block in w4a8.layers)
     assert (logits.float() - reference).abs().max() / reference.abs().max() <= 3e-2
 
 

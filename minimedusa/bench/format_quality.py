@@ -32,6 +32,8 @@ from minimedusa.speed.weight_formats import FORMATS, apply_format
 from minimedusa.files.weights import load_model
 
 MIN_AGREEMENT = 0.98  # below this, a format is not a default
+# float32 is the reference; float16 is a GPU format
+CPU_FORMATS = tuple(name for name in FORMATS if name not in ("float32", "float16"))
 
 
 def held_out_chats(model, tokenizer: Tokenizer, n: int, max_new_tokens: int) -> list[tuple]:
@@ -96,17 +98,21 @@ def main(argv=None):
     p.add_argument("--prompts", type=positive_int, default=48, help="held-out chats (default: 48)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128,
                    help="answer length (default: 128)")
+    p.add_argument("--formats", type=lambda s: s.split(","), default=None,
+                   help="formats to score, e.g. int4,w4a8 (default: every CPU format: "
+                   f"{', '.join(CPU_FORMATS)})")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    unknown = [f for f in args.formats or [] if f not in CPU_FORMATS]
+    if unknown:
+        p.error(f"--formats: unknown format {unknown[0]!r} (choose from {', '.join(CPU_FORMATS)})")
     folder = args.model or ensure_default_model()
     tokenizer = Tokenizer.from_folder(folder)
     float32 = load_model(folder)
     chats = held_out_chats(float32, tokenizer, args.prompts, args.max_new_tokens)
     reference = [answer_log_probs(float32, prompt, answer) for prompt, answer in chats]
     results = {}
-    for name in FORMATS:
-        if name in ("float32", "float16"):
-            continue  # float32 is the reference; float16 is a GPU format
+    for name in args.formats or CPU_FORMATS:
         model = apply_format(load_model(folder), name)
         results[name] = compare(reference, [answer_log_probs(model, p, a) for p, a in chats])
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)

@@ -196,19 +196,21 @@ def decoding_acceptance(kind: str, temperature: float, top_p: float = 1.0, eps: 
 
 
 def default_format(device: torch.device, folder=None) -> str:
-    """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA;
-    on a CPU, int4 if the model's weights came from a 4-bit file (four_bit_checkpoint: then int4
-    loses nothing in the weights, and its top-1 agreement with float32 was measured at 98.5%,
-    format_quality.py) and the CPU multiplies it well: natively in bfloat16, or through
-    group_kernel.c's AVX2 path (3.2x float32's plain step on a 2-core AVX2 EPYC, bench
-    --profile). Otherwise bfloat16 where oneDNN multiplies it natively (half float32's bytes, a
-    step as flat in the tree's size), else float32 (bfloat16 products are slower there)."""
+    """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA.
+    On a CPU, for a model whose weights came from a 4-bit file (four_bit_checkpoint: int4 then
+    loses nothing in the weights; top-1 agreement with float32 98.4%, format_quality.py): int4
+    where oneDNN multiplies bfloat16 natively (avx512_bf16, AMX: group_kernel.c's VDPBF16PS
+    path); w4a8 where group_kernel.c multiplies through its AVX2 path, whose 8-bit products
+    make a tree's rows cheaper than its float ones (top-1 98.2%, KL 0.0018: closer to float32
+    than llama.cpp's own Q4_1 decoding, 97.8% and 0.0025, on a 2-core AVX2 EPYC). Any other
+    model: bfloat16 where it is native (half float32's bytes, a step as flat in the tree's
+    size), else float32 (bfloat16 products are slower there)."""
     if device.type == "cuda":
         return "bfloat16"
     four_bit = folder is not None and four_bit_checkpoint(folder)
     if bf16_is_native():
         return "int4" if four_bit else "bfloat16"
-    return "int4" if four_bit and group_kernel.kernel_problem() is None else "float32"
+    return "w4a8" if four_bit and group_kernel.kernel_problem() is None else "float32"
 
 
 def four_bit_checkpoint(folder) -> bool:
