@@ -1,7 +1,8 @@
 """group_kernel.c's AVX2 path (for CPUs without AVX-512 BF16: AMD's Zen 2 and 3, Intel's before
 Cooper Lake), built here with -march=haswell whatever this CPU has, so that a test run on an
-AVX-512 machine checks it too: its products equal dequantize-then-multiply, and a row's bits do
-not depend on the rows multiplied beside it (what keeps greedy Medusa lossless in int4)."""
+AVX-512 machine checks it too: its products, of bfloat16 rows and of float32 ones, equal
+dequantize-then-multiply, and a row's bits do not depend on the rows multiplied beside it (what
+keeps greedy Medusa lossless in int4)."""
 import ctypes
 import os
 import shutil
@@ -14,6 +15,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.speed.c_kernels import build
 from minimedusa.speed.machine import cpu_features
 from minimedusa.speed.quantized import dequantize_int4, eight_bit_groups, quantize_int4
+from test_w4a8 import w4a8_reference
 from test_weight_formats import eight_bit_weight, four_bit_weight
 
 COMPILER = os.environ.get("CC", "cc")
@@ -28,51 +30,77 @@ def avx2(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("avx2") / "group_kernel_avx2.so"
     build(group_kernel.SOURCE, COMPILER, out, ("-march=haswell",))
     library = ctypes.CDLL(str(out))
-    assert library.group_kernel_available() == 1
+    assert library.group_kernel_available() == 1 and library.group_kernel_floats() == 1
     return group_kernel.products(library)
 
 
-def int4_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bfloat16 times a 4-bit grid's weight (N, K), by the AVX2 build: (M, N)."""
+def int4_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor, name="int4_product"):
+    """x (M, K) bfloat16 or float32 times a 4-bit grid's weight (N, K), by the AVX2 build: (M,
+    N), x's dtype; name="int4_a8_product": x quantized to 8 bits first (w4a8)."""
     packed, scales, minimums = group_kernel.pack_int4(*quantize_int4(weight))
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    assert avx2["int4_product"](x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                minimums.data_ptr(), y.data_ptr(), *x.shape[:1], *weight.shape) == 0
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    assert avx2[name](x.data_ptr(), packed.data_ptr(), scales.data_ptr(), minimums.data_ptr(),
+                      y.data_ptr(), *x.shape[:1], *weight.shape, group_kernel.floats(x)) == 0
     return y
+
+
+def int4_a8_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return int4_product(avx2, x, weight, "int4_a8_product")
 
 
 def int8_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bfloat16 times an 8-bit grid's weight (N, K), by the AVX2 build: (M, N)."""
+    """x (M, K) bfloat16 or float32 times an 8-bit grid's weight (N, K), by the AVX2 build."""
     packed, scales = group_kernel.pack_int8(*eight_bit_groups(weight))
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     assert avx2["int8_product"](x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                y.data_ptr(), *x.shape[:1], *weight.shape) == 0
+                                y.data_ptr(), *x.shape[:1], *weight.shape,
+                                group_kernel.floats(x)) == 0
     return y
 
 
+DTYPES = st.sampled_from([torch.bfloat16, torch.float32])
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """bfloat16's rounding of the rows and the output, or float32's of the sums."""
+    return {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+
+
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
-def test_avx2_int4_product_equals_dequantize_then_matmul(avx2, seed, rows):
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), dtype=DTYPES)
+def test_avx2_int4_product_equals_dequantize_then_matmul(avx2, seed, rows, dtype):
     weight = four_bit_weight(48, 96, seed)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).to(dtype)
     reference = x.float() @ dequantize_int4(*quantize_int4(weight)).T
     torch.testing.assert_close(int4_product(avx2, x, weight).float(), reference,
-                               rtol=2e-2, atol=2e-2)
+                               **tolerance(dtype))
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
-def test_avx2_int8_product_equals_dequantize_then_matmul(avx2, seed, rows):
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), dtype=DTYPES)
+def test_avx2_w4a8_product_equals_quantize_the_activations_then_matmul(avx2, seed, rows, dtype):
+    weight = four_bit_weight(48, 96, seed)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    torch.testing.assert_close(int4_a8_product(avx2, x, weight).double(),
+                               w4a8_reference(x, weight), **tolerance(dtype))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), dtype=DTYPES)
+def test_avx2_int8_product_equals_dequantize_then_matmul(avx2, seed, rows, dtype):
     weight = eight_bit_weight(48, 96, seed)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).to(dtype)
     torch.testing.assert_close(int8_product(avx2, x, weight).float(), x.float() @ weight.T,
-                               rtol=2e-2, atol=2e-2)
+                               **tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("product, weight", [(int4_product, four_bit_weight(576, 1536)),
+                                             (int4_a8_product, four_bit_weight(576, 1536)),
                                              (int8_product, eight_bit_weight(160, 576))])
-def test_an_avx2_rows_product_has_the_same_bits_whatever_rows_beside_it(avx2, product, weight):
-    rows = torch.randn(17, weight.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+def test_an_avx2_rows_product_has_the_same_bits_whatever_rows_beside_it(avx2, product, weight,
+                                                                         dtype):
+    rows = torch.randn(17, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
     alone = product(avx2, rows[:1], weight)  # (1, N)
     assert all(torch.equal(product(avx2, rows[:m], weight)[:1], alone) for m in range(2, 18))
     assert torch.equal(product(avx2, rows.flip(0).contiguous(), weight)[-1:], alone)

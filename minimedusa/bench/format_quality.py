@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from minimedusa.flags.cli import Parser, positive_int
-from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_gguf, ensure_default_model
+from minimedusa.files.default_model import (DEFAULT_MODEL_DIR, ensure_default_gguf,
+                                            ensure_default_model)
 from minimedusa.errors import entry_point
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling

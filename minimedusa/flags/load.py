@@ -39,13 +39,13 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
 
 def device_and_format(args, folder: Path) -> tuple[torch.device, str]:
     """The flags' device and weight format for decoding the model in `folder`
-    (weight_formats.py): --quantize int8, int4 or w4a8, else --dtype, whose auto is the machine's and
-    the model's default_format. Sets torch's CPU threads."""
+    (weight_formats.py): --quantize int8, int4 or w4a8, else --dtype, whose auto is the
+    machine's and the model's default_format. Sets torch's CPU threads."""
     device, dtype = device_and_dtype(args)
     if args.quantize != "none":
         if device.type != "cpu" or args.dtype not in ("auto", "bfloat16", "bf16"):
-            raise UserError(f"--quantize {args.quantize} runs on a CPU with bfloat16 activations "
-                            "(torch's kernel is vectorised for those only): drop --dtype/--device")
+            raise UserError(f"--quantize {args.quantize} runs on a CPU, its activations in the "
+                            "dtype its kernels take (weight_formats.py): drop --dtype/--device")
         problem = group_kernel.kernel_problem() if args.quantize == "w4a8" else None
         if problem is not None:
             raise UserError(f"--quantize w4a8 multiplies in group_kernel.c only, which does not "
@@ -197,20 +197,21 @@ def decoding_acceptance(kind: str, temperature: float, top_p: float = 1.0, eps: 
 
 def default_format(device: torch.device, folder=None) -> str:
     """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA.
-    On a CPU, for a model whose weights came from a 4-bit file (four_bit_checkpoint: int4 then
-    loses nothing in the weights; top-1 agreement with float32 98.4%, format_quality.py): int4
-    where oneDNN multiplies bfloat16 natively (avx512_bf16, AMX: group_kernel.c's VDPBF16PS
-    path); w4a8 where group_kernel.c multiplies through its AVX2 path, whose 8-bit products
-    make a tree's rows cheaper than its float ones (top-1 98.2%, KL 0.0018: closer to float32
-    than llama.cpp's own Q4_1 decoding, 97.8% and 0.0025, on a 2-core AVX2 EPYC). Any other
-    model: bfloat16 where it is native (half float32's bytes, a step as flat in the tree's
-    size), else float32 (bfloat16 products are slower there)."""
+    On a CPU, int4 for a model whose weights came from a 4-bit file (four_bit_checkpoint: int4
+    then loses nothing in the weights) where group_kernel.c multiplies it (AVX-512 BF16, with
+    bfloat16 activations: top-1 agreement with float32 98.5%, format_quality.py; or AVX2, with
+    float32 activations) or oneDNN multiplies bfloat16 natively (torch's int4 kernel then).
+    Otherwise bfloat16 where that is native (half float32's bytes, a step as flat in the
+    tree's size), else float32. Not w4a8, whose 8-bit activations make products cheaper but
+    turn answers (top-1 agreement with float32 98.3%, int4's with float32 activations 100%, on
+    the 2-core AVX2 EPYC): it answers "What is the capital of France?" as llama.cpp does
+    ("L'Etoile, la Marseillaise"), not as float32 and int4 do ("Paris")."""
     if device.type == "cuda":
         return "bfloat16"
     four_bit = folder is not None and four_bit_checkpoint(folder)
-    if bf16_is_native():
-        return "int4" if four_bit else "bfloat16"
-    return "w4a8" if four_bit and group_kernel.kernel_problem() is None else "float32"
+    if four_bit and (bf16_is_native() or group_kernel.kernel_problem() is None):
+        return "int4"
+    return "bfloat16" if bf16_is_native() else "float32"
 
 
 def four_bit_checkpoint(folder) -> bool:

@@ -132,8 +132,8 @@ static inline __attribute__((always_inline)) void product(const uint16_t* x, con
 #include <immintrin.h>
 #define AVX2_PATH 1
 
-/* AVX2 (no bfloat16 dot product): the rows go to float32 once per call, each q to float32 as
-   it is read, and FMA multiplies 8 outputs at a time. Same layouts, same order per row: one
+/* AVX2 (no bfloat16 dot product): bfloat16 rows go to float32 once per call (float32 rows are
+   taken as they are), each q to float32 as it is read, and FMA multiplies 8 outputs at a time. Same layouts, same order per row: one
    accumulator per 8 outputs, the group's pairs of inputs in order. 16 vector registers hold
    ROWS rows' 2 accumulators each, and a pair's weights. */
 enum { ROWS = 4 };
@@ -194,7 +194,8 @@ static inline void store_bf16(uint16_t* y, __m256 v) {
 /* one block of 16 outputs for `n` rows from row m0 (x and sums already from m0) */
 static inline __attribute__((always_inline)) void block_rows(
     const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
-    const float* sums, uint16_t* y, int64_t N, int64_t K, const int n, const int bits) {
+    const float* sums, void* y, int64_t N, int64_t K, const int n, const int bits,
+    const int floats) {
   const int64_t G = K / 32;
   __m256 out[ROWS][2];
   for (int i = 0; i < n; i++) out[i][0] = out[i][1] = _mm256_setzero_ps();
@@ -221,12 +222,17 @@ static inline __attribute__((always_inline)) void block_rows(
     }
   }
   for (int i = 0; i < n; i++)
-    for (int h = 0; h < 2; h++) store_bf16(y + i * N + 8 * h, out[i][h]);
+    for (int h = 0; h < 2; h++)
+      if (floats)
+        _mm256_storeu_ps((float*)y + i * N + 8 * h, out[i][h]);
+      else
+        store_bf16((uint16_t*)y + i * N + 8 * h, out[i][h]);
 }
 
 static inline __attribute__((always_inline)) void product_avx2(
     const float* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* minimums,
-    const float* sums, uint16_t* y, int64_t M, int64_t N, int64_t K, const int bits) {
+    const float* sums, void* y, int64_t M, int64_t N, int64_t K, const int bits,
+    const int floats) {
   const int64_t G = K / 32;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < N / 16; b++) {
@@ -234,9 +240,10 @@ static inline __attribute__((always_inline)) void product_avx2(
     const uint16_t *s = scales + b * G * 16, *mn = bits == 4 ? minimums + b * G * 16 : NULL;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
       const float *xm = x + m0 * K, *sm = bits == 4 ? sums + m0 * G : NULL;
-      uint16_t* ym = y + m0 * N + b * 16;
+      const int64_t at = m0 * N + b * 16;  /* y's first element for these rows and outputs */
+      void* ym = floats ? (void*)((float*)y + at) : (void*)((uint16_t*)y + at);
       switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
-#define ROWS_OF(n) case n: block_rows(xm, w, s, mn, sm, ym, N, K, n, bits); break;
+#define ROWS_OF(n) case n: block_rows(xm, w, s, mn, sm, ym, N, K, n, bits, floats); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
 #undef ROWS_OF
       }
@@ -244,18 +251,21 @@ static inline __attribute__((always_inline)) void product_avx2(
   }
 }
 
-/* the rows in float32 (M, K), and, for int4, sum_k x_k per row and group (M, G), in order */
-static float* rows_as_float(const uint16_t* x, int64_t M, int64_t K, float** sums) {
-  float* f = malloc(sizeof(float) * M * (K + K / 32));
+/* the rows in float32 (M, K): x itself where `floats`, else a copy of the bfloat16 rows; and
+   sum_k x_k per row and group (M, G), in order. One allocation, freed by the caller. */
+static float* rows_as_float(const void* x, const int floats, int64_t M, int64_t K,
+                            const float** rows, float** sums) {
+  float* f = malloc(sizeof(float) * M * ((floats ? 0 : K) + K / 32));
   if (f == NULL) return NULL;
-  for (int64_t i = 0; i < M * K; i++) {
-    uint32_t bits = (uint32_t)x[i] << 16;
-    memcpy(f + i, &bits, sizeof(float));
+  *sums = f;
+  *rows = floats ? (const float*)x : f + M * K / 32;
+  for (int64_t i = 0; !floats && i < M * K; i++) {
+    uint32_t bits = (uint32_t)((const uint16_t*)x)[i] << 16;
+    memcpy(f + M * K / 32 + i, &bits, sizeof(float));
   }
-  *sums = f + M * K;
   for (int64_t r = 0; r < M * K / 32; r++) {
     float s = 0.0f;
-    for (int k = 0; k < 32; k++) s += f[r * 32 + k];
+    for (int k = 0; k < 32; k++) s += (*rows)[r * 32 + k];
     (*sums)[r] = s;
   }
   return f;
@@ -295,7 +305,7 @@ static inline float lanes_max(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
 
-static int rows_as_int8(const uint16_t* x, int64_t M, int64_t K, Rows8* r) {
+static int rows_as_int8(const void* x, const int floats, int64_t M, int64_t K, Rows8* r) {
   const int64_t groups = M * K / 32;
   float* f = malloc(sizeof(float) * 2 * groups + M * K);
   if (f == NULL) return 0;
@@ -303,9 +313,10 @@ static int rows_as_int8(const uint16_t* x, int64_t M, int64_t K, Rows8* r) {
   const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t g = 0; g < groups; g++) {
     __m256 v[4];
-    for (int j = 0; j < 4; j++)  /* bfloat16 -> float32: its 16 bits on top */
-      v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-          _mm_loadu_si128((const __m128i*)(x + g * 32 + 8 * j))), 16));
+    for (int j = 0; j < 4; j++)  /* float32, or bfloat16 -> float32: its 16 bits on top */
+      v[j] = floats ? _mm256_loadu_ps((const float*)x + g * 32 + 8 * j)
+                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                          (const __m128i*)((const uint16_t*)x + g * 32 + 8 * j))), 16));
     const float amax = lanes_max(_mm256_and_ps(no_sign, _mm256_max_ps(
         _mm256_max_ps(_mm256_and_ps(no_sign, v[0]), _mm256_and_ps(no_sign, v[1])),
         _mm256_max_ps(_mm256_and_ps(no_sign, v[2]), _mm256_and_ps(no_sign, v[3])))));
@@ -350,7 +361,7 @@ static inline void quad_weights(const uint8_t* bytes, __m256i w[2]) {
 /* one block of 16 outputs for `n` rows (a, d and sums from the block's first row) */
 static inline __attribute__((always_inline)) void block_rows8(
     const Rows8* r, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
-    uint16_t* y, int64_t N, int64_t K, const int n) {
+    void* y, int64_t N, int64_t K, const int n, const int floats) {
   const int64_t G = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   float out[ROWS8][16] = {{0}};
@@ -378,10 +389,13 @@ static inline __attribute__((always_inline)) void block_rows8(
     }
   }
   for (int i = 0; i < n; i++)
-    for (int o = 0; o < 16; o++) {  /* to bfloat16, to nearest even (the sums are finite) */
+    for (int o = 0; o < 16; o++) {  /* float32, or bfloat16 to nearest even (sums are finite) */
       uint32_t bits;
       memcpy(&bits, out[i] + o, sizeof bits);
-      y[i * N + o] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+      if (floats)
+        ((float*)y)[i * N + o] = out[i][o];
+      else
+        ((uint16_t*)y)[i * N + o] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
     }
 }
 #endif
@@ -396,10 +410,24 @@ int group_kernel_available(void) {
 #endif
 }
 
-/* int4: 0 done, 1 not available in this build, 2 out of memory */
-int int4_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
-                 const uint16_t* minimums, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+/* 1 where this build takes float32 rows too (`floats` below): its AVX2 path, which multiplies in
+   float32 whatever the rows' dtype, so float32 rows lose nothing to bfloat16's rounding */
+int group_kernel_floats(void) {
+#if defined(AVX2_PATH)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* The entry points. x (M, K) and y (M, N): bfloat16, or float32 where `floats` (AVX2 path only).
+   Each returns 0 when done, 1 where this build does not multiply so, 2 out of memory. */
+
+/* int4 */
+int int4_product(const void* x, const uint8_t* packed, const uint16_t* scales,
+                 const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K, int floats) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (floats) return 1;
   const int64_t G = K / 32;
   float* sums = malloc(sizeof(float) * M * G);  /* sum_k x_k per row and group, in order */
   if (sums == NULL) return 2;
@@ -407,7 +435,7 @@ int int4_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
     for (int64_t g = 0; g < G; g++) {
       float s = 0.0f;
       for (int k = 0; k < 32; k++) {
-        uint32_t bits = (uint32_t)x[m * K + g * 32 + k] << 16;  /* a bfloat16's float */
+        uint32_t bits = (uint32_t)((const uint16_t*)x)[m * K + g * 32 + k] << 16;
         float f;
         memcpy(&f, &bits, sizeof f);
         s += f;
@@ -418,53 +446,59 @@ int int4_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
   free(sums);
   return 0;
 #elif defined(AVX2_PATH)
+  const float* rows;
   float* sums;
-  float* f = rows_as_float(x, M, K, &sums);
+  float* f = rows_as_float(x, floats, M, K, &rows, &sums);
   if (f == NULL) return 2;
-  product_avx2(f, packed, scales, minimums, sums, y, M, N, K, 4);
+  product_avx2(rows, packed, scales, minimums, sums, y, M, N, K, 4, floats);
   free(f);
   return 0;
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
+  (void)floats;
   return 1;
 #endif
 }
 
-/* int8: 0 done, 1 not available in this build, 2 out of memory */
-int int8_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales, uint16_t* y,
-                 int64_t M, int64_t N, int64_t K) {
+/* int8 */
+int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
+                 int64_t M, int64_t N, int64_t K, int floats) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (floats) return 1;
   product(x, packed, scales, NULL, NULL, y, M, N, K, 8);
   return 0;
 #elif defined(AVX2_PATH)
+  const float* rows;
   float* sums;
-  float* f = rows_as_float(x, M, K, &sums);
+  float* f = rows_as_float(x, floats, M, K, &rows, &sums);
   if (f == NULL) return 2;
-  product_avx2(f, packed, scales, NULL, NULL, y, M, N, K, 8);
+  product_avx2(rows, packed, scales, NULL, NULL, y, M, N, K, 8, floats);
   free(f);
   return 0;
 #else
-  (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K;
+  (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K, (void)floats;
   return 1;
 #endif
 }
 
-/* w4a8: the int4 layout times 8-bit activations; 0 done, 1 not available, 2 out of memory */
-int int4_a8_product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
-                    const uint16_t* minimums, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+/* w4a8: the int4 layout times 8-bit activations */
+int int4_a8_product(const void* x, const uint8_t* packed, const uint16_t* scales,
+                    const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K,
+                    int floats) {
 #if defined(A8_PATH)
   const int64_t G = K / 32;
   Rows8 r;
-  if (!rows_as_int8(x, M, K, &r)) return 2;
+  if (!rows_as_int8(x, floats, M, K, &r)) return 2;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < N / 16; b++) {
     const uint8_t* w = packed + b * G * 256;
     const uint16_t *s = scales + b * G * 16, *mn = minimums + b * G * 16;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS8) {
       const Rows8 rm = {r.a + m0 * K, r.d + m0 * G, r.sums + m0 * G};
-      uint16_t* ym = y + m0 * N + b * 16;
+      const int64_t at = m0 * N + b * 16;
+      void* ym = floats ? (void*)((float*)y + at) : (void*)((uint16_t*)y + at);
       switch (M - m0 < ROWS8 ? (int)(M - m0) : ROWS8) {
-#define ROWS_OF(n) case n: block_rows8(&rm, w, s, mn, ym, N, K, n); break;
+#define ROWS_OF(n) case n: block_rows8(&rm, w, s, mn, ym, N, K, n, floats); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
 #undef ROWS_OF
       }
@@ -474,6 +508,7 @@ int int4_a8_product(const uint16_t* x, const uint8_t* packed, const uint16_t* sc
   return 0;
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
+  (void)floats;
   return 1;
 #endif
 }

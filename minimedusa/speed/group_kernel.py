@@ -1,7 +1,9 @@
 """Products of weights quantized in groups of 32 inputs, in C: group_kernel.c, built at first
 use (c_kernels.py) and called through torch operators, as oneDNN's products are
 (packed_linear.OPERATORS). Two paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and
-AVX2 with FMA and F16C (Zen 2 and 3, Intel since Haswell), the rows in float32 there.
+AVX2 with FMA and F16C (Zen 2 and 3, Intel since Haswell), which multiplies in float32 and so
+takes float32 rows too (takes_float32: the int4 and w4a8 formats then keep float32 activations).
+And, in both builds, int4 weights times 8-bit activations (int4_a8_product, the w4a8 format).
 
 The int4 format's blocks (weight_formats.Int4KernelLinear: the GGUF's Q4_1) multiply through it
 where this CPU has either, else through torch's _weight_int4pack_mm_for_cpu
@@ -17,8 +19,8 @@ On the 2-core AVX2 EPYC (Zen 3), one run, the AVX2 path at 1 / 4 / 8 / 9 / 16 ro
 15.1 / 23.2 / 27.2 / 34.0 ms, torch's kernel 13.5 / 22.6 / 40.1 / 44.5 / 70.6, float32's
 (oneDNN) 51.0 / 44.7 / 49.4 / 46.1 / 74.8; the LM head 1.8 ms at 1 row (float32's 10.2). There
 a row costs ~2 ms of FMAs: each weight is converted to float32 and multiplied once per row, at
-~80% of the FMA units' rate in one thread, so rows are far from free (an 8-row step 2.05x a
-plain one, bench --profile), yet the whole step is 3.2x float32's.
+~80% of the FMA units' rate in one thread, so rows are far from free (an 8-row step ~2x a
+plain one, bench --profile), yet a plain step is ~4x cheaper than float32's.
 tests/test_weight_formats.py checks both formats against dequantize-then-multiply, and a row's
 bits whatever rows are beside it; tests/test_group_kernel_avx2.py the same of the AVX2 path,
 built for it on any CPU that has AVX2.
@@ -49,6 +51,7 @@ def kernel_problem() -> str | None:
             if not library.group_kernel_available():
                 raise RuntimeError("this CPU has neither AVX-512 BF16 nor AVX2 with FMA and F16C")
             _kernel.update(products(library))
+            _kernel["floats"] = bool(library.group_kernel_floats())
         except (OSError, RuntimeError) as e:
             _kernel["problem"] = why_not(e)
     return _kernel.get("problem")
@@ -56,16 +59,25 @@ def kernel_problem() -> str | None:
 
 def products(library: ctypes.CDLL) -> dict:
     """A built group_kernel.c's three functions, their arguments typed: int4_product(x, packed,
-    scales, minimums, y, M, N, K), int4_a8_product (the same arguments) and int8_product(x,
-    packed, scales, y, M, N, K), pointers to the tensors' data; each returns 0 when done (1: not
-    in this build, 2: out of memory)."""
+    scales, minimums, y, M, N, K, floats), int4_a8_product (the same arguments) and
+    int8_product(x, packed, scales, y, M, N, K, floats), pointers to the tensors' data, floats 1
+    for float32 rows (else bfloat16); each returns 0 when done (1: not in this build, 2: out of
+    memory)."""
     found = {}
     for name, pointers in (("int4_product", 5), ("int4_a8_product", 5), ("int8_product", 4)):
         product = getattr(library, name)
-        product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3
+        product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3 + [ctypes.c_int]
         product.restype = ctypes.c_int
         found[name] = product
     return found
+
+
+def takes_float32() -> bool:
+    """Whether the kernel multiplies float32 rows too (its AVX2 path, which works in float32
+    whatever the rows' dtype): there the int4 and w4a8 formats keep float32 activations, as
+    float32 decoding does, and lose nothing to bfloat16's rounding; elsewhere bfloat16 (AVX-512
+    BF16's dot products, torch's int4 kernel)."""
+    return kernel_problem() is None and _kernel["floats"]
 
 
 def expected_here() -> bool:
@@ -118,20 +130,37 @@ def by_block(t: torch.Tensor) -> torch.Tensor:
     return t.half().view(N // 16, 16, -1).permute(0, 2, 1).contiguous()
 
 
+def floats(rows: torch.Tensor) -> int:
+    """The kernel's `floats` argument for these rows: 1 for float32, 0 for bfloat16."""
+    if rows.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"group_kernel.c multiplies bfloat16 or float32 rows, not {rows.dtype}")
+    return int(rows.dtype == torch.float32)
+
+
+def check(done: int, what: str) -> None:
+    """Raise for a kernel call that did not multiply (its return code)."""
+    if done == 1:
+        raise RuntimeError("this build of group_kernel.c multiplies bfloat16 rows only "
+                           "(takes_float32)")
+    if done == 2:
+        raise MemoryError(f"group_kernel.c could not allocate {what}")
+
+
 OPERATORS.define("int4_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
                  "-> Tensor")
 
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                  minimums: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) bfloat16 times the packed weight: (M, N) bfloat16."""
+    """rows (M, K) bfloat16 (or float32, takes_float32) times the packed weight: (M, N), the
+    rows' dtype."""
     rows = rows.contiguous()
     M, K = rows.shape
     y = rows.new_empty(M, scales.shape[0] * 16)
     done = _kernel["int4_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                   minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K)
-    if done != 0:
-        raise MemoryError("group_kernel.c could not allocate its sums")
+                                   minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K,
+                                   floats(rows))
+    check(done, "its sums")
     return y
 
 
@@ -149,15 +178,15 @@ OPERATORS.define("int4_a8_product(Tensor rows, Tensor packed, Tensor scales, Ten
 
 def int4_a8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     minimums: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) bfloat16, quantized to 8 bits per group of 32 inside the kernel, times the
-    packed int4 weight (the w4a8 format): (M, N) bfloat16."""
+    """rows (M, K) bfloat16 (or float32, takes_float32), quantized to 8 bits per group of 32
+    inside the kernel, times the packed int4 weight (the w4a8 format): (M, N), the rows' dtype."""
     rows = rows.contiguous()
     M, K = rows.shape
     y = rows.new_empty(M, scales.shape[0] * 16)
     done = _kernel["int4_a8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                      minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K)
-    if done != 0:
-        raise MemoryError("group_kernel.c could not allocate the rows' 8-bit copy")
+                                      minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K,
+                                      floats(rows))
+    check(done, "the rows' 8-bit copy")
     return y
 
 
@@ -173,14 +202,14 @@ OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales) -> Ten
 
 
 def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) bfloat16 times the packed 8-bit weight: (M, N) bfloat16."""
+    """rows (M, K) bfloat16 (or float32, takes_float32) times the packed 8-bit weight: (M, N),
+    the rows' dtype."""
     rows = rows.contiguous()
     M, K = rows.shape
     y = rows.new_empty(M, scales.shape[0] * 16)
     done = _kernel["int8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                   y.data_ptr(), M, y.shape[1], K)
-    if done != 0:
-        raise MemoryError("group_kernel.c could not allocate its rows in float32")
+                                   y.data_ptr(), M, y.shape[1], K, floats(rows))
+    check(done, "its rows in float32")
     return y
 
 

@@ -155,7 +155,7 @@ class Int4Linear(nn.Module):
 class Int4KernelLinear(nn.Module):
     """Int4Linear's weights, multiplied by group_kernel.c (AVX-512 BF16 dot products, or AVX2
     FMAs; the weights read once for any number of rows) instead of torch's kernel: bfloat16
-    activations."""
+    activations, or float32 where the kernel takes them (group_kernel.takes_float32)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -233,9 +233,9 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
 
 # w4a8's products with 8-bit activations (model.py's names): all but wqkv, whose input, the
 # attention norm's output, has outlier channels that coarsen its groups' steps. Measured on 24
-# held-out chats (format_quality's), top-1 agreement with float32 and KL: all four 97.7%,
-# 0.0027; these three 97.9%, 0.0017; wo and down 98.0%, 0.0011; gate_up and down 97.9%, 0.0017
-# (gate_up holds half the blocks' weights: the speed is there)
+# held-out chats (format_quality's, bfloat16 activations), top-1 agreement with float32 and KL:
+# all four 97.7%, 0.0027; these three 97.9%, 0.0017; wo and down 98.0%, 0.0011; gate_up and
+# down 97.9%, 0.0017 (gate_up holds half the blocks' weights: the speed is there)
 EIGHT_BIT_INPUTS = ("wo", "gate_up", "down")
 
 

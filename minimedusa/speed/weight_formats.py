@@ -13,9 +13,10 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               rest of the model runs in bfloat16); the LM head and the heads' projections too.
     int4      the blocks' weights in 4 bits, a scale and a minimum per 32 input features (the
               GGUF's Q4_1 layout), through torch's _weight_int4pack_mm_for_cpu, bfloat16
-              activations; the heads stay bfloat16. Half a byte a weight, and for a model
-              whose weights came from a 4-bit file (the default model: a Q4_1 GGUF) no loss at
-              all in the weights: the 4-bit grid found again is theirs, to the bit
+              activations (float32 where group_kernel.c's AVX2 path multiplies: it works in
+              float32 anyway); the heads in the activations' dtype. Half a byte a weight, and
+              for a model whose weights came from a 4-bit file (the default model: a Q4_1 GGUF)
+              no loss at all in the weights: the 4-bit grid found again is theirs, to the bit
               (four_bit_checkpoint). Where the CPU has AVX-512 BF16, or AVX2 with FMA, the
               products are group_kernel.c's (Int4KernelLinear: the weights read once for any
               number of rows); elsewhere torch's kernel's, which reads them once per 4 rows (a
@@ -29,10 +30,9 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               but wqkv (quantized.EIGHT_BIT_INPUTS): integer products, cheaper than float ones,
               so a tree's rows cost less. group_kernel.c only (its AVX2 code, on any CPU that
               has it); the rest as int4. Measured (format_quality.py, 48 held-out chats, the
-              2-core AVX2 EPYC): top-1 agreement with float32 98.2%, KL 0.0018; int4's 98.4%,
-              0.0006; llama.cpp's Q4_1 decoding 97.8%, 0.0025; all of them 8-bit: 97.7%,
-              0.0028 (wqkv's input is the attention norm's output, whose outlier channels
-              coarsen its groups' steps).
+              2-core AVX2 EPYC, float32 activations): top-1 agreement with float32 98.3%, KL
+              0.0014; int4's 100%, 0.0; llama.cpp's Q4_1 decoding 97.8%, 0.0025. Not a default:
+              no faster end to end there (bench), and its answers part from float32's.
 
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 
 from minimedusa.model import Llama
+from minimedusa.speed import group_kernel
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, Int4Linear,
                                         Int8GroupLinear, Int8Linear, eight_bit_lm_heads,
@@ -55,7 +56,7 @@ from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, In
 
 DTYPE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = (*DTYPE_FORMATS, "int8", "int4", "w4a8")
-QUANTIZED = ("int8", "int4", "w4a8")  # the formats whose activations are bfloat16
+QUANTIZED = ("int8", "int4", "w4a8")  # the formats with quantized weights
 
 
 def bf16_is_native() -> bool:
@@ -95,4 +96,6 @@ def format_of(model: nn.Module) -> str:
 
 def activation_dtype(name: str) -> torch.dtype:
     """The dtype a format's activations, KV cache and heads run in."""
+    if name in ("int4", "w4a8") and group_kernel.takes_float32():
+        return torch.float32  # its AVX2 path multiplies in float32: bfloat16 would only round
     return torch.bfloat16 if name in QUANTIZED else DTYPE_FORMATS[name]
