@@ -270,6 +270,23 @@ static float* rows_as_float(const void* x, const int floats, int64_t M, int64_t 
   }
   return f;
 }
+
+/* an entry point's work on this path: the rows in float32, then the product of `bits`-bit
+   weights; 0 done, 2 out of memory */
+static int avx2_entry(const void* x, const int floats, const uint8_t* packed,
+                      const uint16_t* scales, const uint16_t* minimums, void* y, int64_t M,
+                      int64_t N, int64_t K, const int bits) {
+  const float* rows;
+  float* sums;
+  float* f = rows_as_float(x, floats, M, K, &rows, &sums);
+  if (f == NULL) return 2;
+  if (bits == 4)  /* each a copy with `bits` a constant */
+    product_avx2(rows, packed, scales, minimums, sums, y, M, N, K, 4, floats);
+  else
+    product_avx2(rows, packed, scales, NULL, NULL, y, M, N, K, 8, floats);
+  free(f);
+  return 0;
+}
 #endif
 
 
@@ -446,13 +463,7 @@ int int4_product(const void* x, const uint8_t* packed, const uint16_t* scales,
   free(sums);
   return 0;
 #elif defined(AVX2_PATH)
-  const float* rows;
-  float* sums;
-  float* f = rows_as_float(x, floats, M, K, &rows, &sums);
-  if (f == NULL) return 2;
-  product_avx2(rows, packed, scales, minimums, sums, y, M, N, K, 4, floats);
-  free(f);
-  return 0;
+  return avx2_entry(x, floats, packed, scales, minimums, y, M, N, K, 4);
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
   (void)floats;
@@ -468,13 +479,7 @@ int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, v
   product(x, packed, scales, NULL, NULL, y, M, N, K, 8);
   return 0;
 #elif defined(AVX2_PATH)
-  const float* rows;
-  float* sums;
-  float* f = rows_as_float(x, floats, M, K, &rows, &sums);
-  if (f == NULL) return 2;
-  product_avx2(rows, packed, scales, NULL, NULL, y, M, N, K, 8, floats);
-  free(f);
-  return 0;
+  return avx2_entry(x, floats, packed, scales, NULL, y, M, N, K, 8);
 #else
   (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K, (void)floats;
   return 1;

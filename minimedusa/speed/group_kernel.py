@@ -137,13 +137,21 @@ def floats(rows: torch.Tensor) -> int:
     return int(rows.dtype == torch.float32)
 
 
-def check(done: int, what: str) -> None:
-    """Raise for a kernel call that did not multiply (its return code)."""
+def multiply(name: str, rows: torch.Tensor, weights: tuple, what: str) -> torch.Tensor:
+    """rows (M, K) bfloat16 (or float32, takes_float32) times a packed weight, by the kernel's
+    function `name`: (M, N), the rows' dtype. weights: its tensors in the function's order, the
+    scales (B, G, 16) second; what: what it allocates, for the out-of-memory error."""
+    rows = rows.contiguous()
+    M, K = rows.shape
+    y = rows.new_empty(M, weights[1].shape[0] * 16)
+    done = _kernel[name](rows.data_ptr(), *(w.data_ptr() for w in weights), y.data_ptr(),
+                         M, y.shape[1], K, floats(rows))
     if done == 1:
         raise RuntimeError("this build of group_kernel.c multiplies bfloat16 rows only "
                            "(takes_float32)")
     if done == 2:
         raise MemoryError(f"group_kernel.c could not allocate {what}")
+    return y
 
 
 OPERATORS.define("int4_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
@@ -152,16 +160,8 @@ OPERATORS.define("int4_product(Tensor rows, Tensor packed, Tensor scales, Tensor
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                  minimums: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) bfloat16 (or float32, takes_float32) times the packed weight: (M, N), the
-    rows' dtype."""
-    rows = rows.contiguous()
-    M, K = rows.shape
-    y = rows.new_empty(M, scales.shape[0] * 16)
-    done = _kernel["int4_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                   minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K,
-                                   floats(rows))
-    check(done, "its sums")
-    return y
+    """rows (M, K) times the packed int4 weight: (M, N), the rows' dtype."""
+    return multiply("int4_product", rows, (packed, scales, minimums), "its sums")
 
 
 OPERATORS.impl("int4_product", int4_product, "CompositeExplicitAutograd")
@@ -178,16 +178,9 @@ OPERATORS.define("int4_a8_product(Tensor rows, Tensor packed, Tensor scales, Ten
 
 def int4_a8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     minimums: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) bfloat16 (or float32, takes_float32), quantized to 8 bits per group of 32
-    inside the kernel, times the packed int4 weight (the w4a8 format): (M, N), the rows' dtype."""
-    rows = rows.contiguous()
-    M, K = rows.shape
-    y = rows.new_empty(M, scales.shape[0] * 16)
-    done = _kernel["int4_a8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                      minimums.data_ptr(), y.data_ptr(), M, y.shape[1], K,
-                                      floats(rows))
-    check(done, "the rows' 8-bit copy")
-    return y
+    """rows (M, K), quantized to 8 bits per group of 32 inside the kernel, times the packed
+    int4 weight (the w4a8 format): (M, N), the rows' dtype."""
+    return multiply("int4_a8_product", rows, (packed, scales, minimums), "the rows' 8-bit copy")
 
 
 OPERATORS.impl("int4_a8_product", int4_a8_product, "CompositeExplicitAutograd")
@@ -202,15 +195,8 @@ OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales) -> Ten
 
 
 def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) bfloat16 (or float32, takes_float32) times the packed 8-bit weight: (M, N),
-    the rows' dtype."""
-    rows = rows.contiguous()
-    M, K = rows.shape
-    y = rows.new_empty(M, scales.shape[0] * 16)
-    done = _kernel["int8_product"](rows.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                   y.data_ptr(), M, y.shape[1], K, floats(rows))
-    check(done, "its rows in float32")
-    return y
+    """rows (M, K) times the packed 8-bit weight: (M, N), the rows' dtype."""
+    return multiply("int8_product", rows, (packed, scales), "its rows in float32")
 
 
 OPERATORS.impl("int8_product", int8_product, "CompositeExplicitAutograd")
