@@ -36,8 +36,8 @@ from minimedusa.bench.processes import report_generate_processes
 from minimedusa.bench.report import category_table, markdown, plot, summarize
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.flags.cli import (Parser, add_compile_argument, add_device_arguments,
-                                  add_quantize_argument, non_negative, non_negative_int,
-                                  positive_int)
+                                  add_quantize_argument, format_list, non_negative,
+                                  non_negative_int, positive_int)
 from minimedusa.flags.load import (decoding_heads, decoding_model, decoding_tree,
                                    device_and_format)
 from minimedusa.files.default_model import (DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR,
@@ -157,7 +157,7 @@ def add_engine_variants(p) -> None:
                    help="the engine that overhead and speedup are relative to (default: "
                    "%(default)s; e.g. '[float32] plain (eager)' with --formats float32 "
                    "--eager-too)")
-    p.add_argument("--formats", default="",
+    p.add_argument("--formats", type=format_list(FORMATS), default=[],
                    help="also time plain decoding and Medusa greedy with the model in these "
                    f"weight formats ({', '.join(FORMATS)}), e.g. float32,int8: engines named "
                    "'[int8] plain' and so on, each checked against its own format's plain "
@@ -202,10 +202,6 @@ def parse_args(argv=None):
         args.per_category, args.max_new_tokens, args.no_transformers = 1, 32, True
         args.no_llama_cpp = True
         args.sizes = args.ranked = ""
-    args.formats = [f for f in args.formats.split(",") if f]
-    unknown = [f for f in args.formats if f not in FORMATS]
-    if unknown:
-        p.error(f"--formats: unknown format {unknown[0]!r} (choose from {', '.join(FORMATS)})")
     args.sizes = [int(n) for n in args.sizes.split(",") if n]
     args.ranked = [int(n) for n in args.ranked.split(",") if n]
     args.temperature = 0.0 if args.no_sampling else args.temperature

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minimedusa.flags.cli import Parser, positive_int
+from minimedusa.flags.cli import Parser, format_list, positive_int
 from minimedusa.files.default_model import (DEFAULT_MODEL_DIR, ensure_default_gguf,
                                             ensure_default_model)
 from minimedusa.errors import entry_point
@@ -99,14 +99,11 @@ def main(argv=None):
     p.add_argument("--prompts", type=positive_int, default=48, help="held-out chats (default: 48)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128,
                    help="answer length (default: 128)")
-    p.add_argument("--formats", type=lambda s: s.split(","), default=None,
+    p.add_argument("--formats", type=format_list(CPU_FORMATS), default=None,
                    help="formats to score, e.g. int4,w4a8 (default: every CPU format: "
                    f"{', '.join(CPU_FORMATS)})")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    unknown = [f for f in args.formats or [] if f not in CPU_FORMATS]
-    if unknown:
-        p.error(f"--formats: unknown format {unknown[0]!r} (choose from {', '.join(CPU_FORMATS)})")
     folder = args.model or ensure_default_model()
     tokenizer = Tokenizer.from_folder(folder)
     float32 = load_model(folder)

@@ -25,6 +25,18 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def format_list(choices: tuple[str, ...]):
+    """An argparse type for a list of weight formats, "a,b" -> ["a", "b"], each of `choices`."""
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown format {unknown[0]!r} (choose from "
+                                             f"{', '.join(choices)})")
+        return names
+    return parse
+
+
 def positive(text: str) -> float:
     value = float(text)
     if not 0 < value < float("inf"):  # also refuses nan

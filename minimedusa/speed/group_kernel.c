@@ -30,8 +30,25 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+
+/* 8 sums stored as the caller's rows are: float32 where `floats`, else bfloat16 to nearest
+   even (no NaN here: the sums are finite); at: the first one's index in y */
+static inline void store8(void* y, int64_t at, __m256 v, const int floats) {
+  if (floats) {
+    _mm256_storeu_ps((float*)y + at, v);
+    return;
+  }
+  __m256i b = _mm256_castps_si256(v);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128((__m128i*)((uint16_t*)y + at), h);
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 enum { ROWS = 8 };  /* rows that share a pass: 2 accumulators each, in registers */
 
@@ -129,7 +146,6 @@ static inline __attribute__((always_inline)) void product(const uint16_t* x, con
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
 #define AVX2_PATH 1
 
 /* AVX2 (no bfloat16 dot product): bfloat16 rows go to float32 once per call (float32 rows are
@@ -182,19 +198,11 @@ static inline void group_sums8(const __m256 a[4], __m256 s[2]) {
         _mm256_castps_pd(_mm256_hadd_ps(a[2 * h], a[2 * h + 1])), 0xD8));
 }
 
-/* float32 -> bfloat16, to nearest even (no NaN here: the sums are finite) */
-static inline void store_bf16(uint16_t* y, __m256 v) {
-  __m256i b = _mm256_castps_si256(v);
-  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-  _mm_storeu_si128((__m128i*)y, h);
-}
-
-/* one block of 16 outputs for `n` rows from row m0 (x and sums already from m0) */
+/* one block of 16 outputs for `n` rows from row m0 (x and sums already from m0; y's first
+   element for them at `at`) */
 static inline __attribute__((always_inline)) void block_rows(
     const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
-    const float* sums, void* y, int64_t N, int64_t K, const int n, const int bits,
+    const float* sums, void* y, int64_t at, int64_t N, int64_t K, const int n, const int bits,
     const int floats) {
   const int64_t G = K / 32;
   __m256 out[ROWS][2];
@@ -222,11 +230,7 @@ static inline __attribute__((always_inline)) void block_rows(
     }
   }
   for (int i = 0; i < n; i++)
-    for (int h = 0; h < 2; h++)
-      if (floats)
-        _mm256_storeu_ps((float*)y + i * N + 8 * h, out[i][h]);
-      else
-        store_bf16((uint16_t*)y + i * N + 8 * h, out[i][h]);
+    for (int h = 0; h < 2; h++) store8(y, at + i * N + 8 * h, out[i][h], floats);
 }
 
 static inline __attribute__((always_inline)) void product_avx2(
@@ -241,9 +245,8 @@ static inline __attribute__((always_inline)) void product_avx2(
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
       const float *xm = x + m0 * K, *sm = bits == 4 ? sums + m0 * G : NULL;
       const int64_t at = m0 * N + b * 16;  /* y's first element for these rows and outputs */
-      void* ym = floats ? (void*)((float*)y + at) : (void*)((uint16_t*)y + at);
       switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
-#define ROWS_OF(n) case n: block_rows(xm, w, s, mn, sm, ym, N, K, n, bits, floats); break;
+#define ROWS_OF(n) case n: block_rows(xm, w, s, mn, sm, y, at, N, K, n, bits, floats); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
 #undef ROWS_OF
       }
@@ -291,7 +294,6 @@ static int avx2_entry(const void* x, const int floats, const uint8_t* packed,
 
 
 #if defined(__AVX2__)
-#include <immintrin.h>
 #define A8_PATH 1
 
 /* The w4a8 format: int4 weights times 8-bit activations, as llama.cpp multiplies Q4_1 by Q8_1.
@@ -375,10 +377,11 @@ static inline void quad_weights(const uint8_t* bytes, __m256i w[2]) {
   w[1] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpackhi_epi8(even, odd), 0xD8), order);
 }
 
-/* one block of 16 outputs for `n` rows (a, d and sums from the block's first row) */
+/* one block of 16 outputs for `n` rows (a, d and sums from the block's first row; y's first
+   element for them at `at`) */
 static inline __attribute__((always_inline)) void block_rows8(
     const Rows8* r, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
-    void* y, int64_t N, int64_t K, const int n, const int floats) {
+    void* y, int64_t at, int64_t N, int64_t K, const int n, const int floats) {
   const int64_t G = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   float out[ROWS8][16] = {{0}};
@@ -406,14 +409,8 @@ static inline __attribute__((always_inline)) void block_rows8(
     }
   }
   for (int i = 0; i < n; i++)
-    for (int o = 0; o < 16; o++) {  /* float32, or bfloat16 to nearest even (sums are finite) */
-      uint32_t bits;
-      memcpy(&bits, out[i] + o, sizeof bits);
-      if (floats)
-        ((float*)y)[i * N + o] = out[i][o];
-      else
-        ((uint16_t*)y)[i * N + o] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-    }
+    for (int h = 0; h < 2; h++)
+      store8(y, at + i * N + 8 * h, _mm256_loadu_ps(out[i] + 8 * h), floats);
 }
 #endif
 
@@ -500,10 +497,9 @@ int int4_a8_product(const void* x, const uint8_t* packed, const uint16_t* scales
     const uint16_t *s = scales + b * G * 16, *mn = minimums + b * G * 16;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS8) {
       const Rows8 rm = {r.a + m0 * K, r.d + m0 * G, r.sums + m0 * G};
-      const int64_t at = m0 * N + b * 16;
-      void* ym = floats ? (void*)((float*)y + at) : (void*)((uint16_t*)y + at);
+      const int64_t at = m0 * N + b * 16;  /* y's first element for these rows and outputs */
       switch (M - m0 < ROWS8 ? (int)(M - m0) : ROWS8) {
-#define ROWS_OF(n) case n: block_rows8(&rm, w, s, mn, ym, N, K, n, floats); break;
+#define ROWS_OF(n) case n: block_rows8(&rm, w, s, mn, y, at, N, K, n, floats); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
 #undef ROWS_OF
       }
