@@ -100,7 +100,7 @@ def tiny_setup(tmp_path_factory, default_model_dir):
 @pytest.fixture(scope="session")
 def built_kernels(tmp_path_factory) -> Path:
     """One folder of built C kernels for the whole run: each is built once (a build takes
-    seconds, ~11 s for the attention kernel on an AVX2 CPU), not once per test."""
+    about a second each on a 2-core CPU), not once per test."""
     return tmp_path_factory.mktemp("kernels")
 
 

@@ -3,103 +3,97 @@
 
    Why C: a step attends its few rows (1 for a plain step, n + 1 for a tree) to every cached key,
    in each of the model's blocks. In PyTorch that is a dozen operators around two float64
-   matrix products, ~150 us a block on a 2-core CPU; here it is one loop over the keys, a few us.
+   matrix products, ~150 us a block on a 2-core CPU; here it is a few passes over the keys.
+
+   One pass for many rows: a step's query rows that read the same key/value head (grouped-query
+   attention: H / G query heads, times T tokens) are taken LANES at a time, side by side in the
+   lanes of a vector, one lane a row. Each key is then read once for all of them, and every
+   operation below is one vector operation for LANES rows: a tree's rows cost little more than
+   a plain step's, whose 3 query heads of a group already fill 3 lanes.
 
    Why the same bits wherever the keys sit (what keeps greedy Medusa lossless): every number a
    row's output depends on is computed by a fixed sequence of float32 operations over that row's
    visible keys, taken in slot order, and masked keys add nothing:
-   - a score q . k is LANES-lane partial sums over the head dim then a fixed pairwise sum of the
-     lanes: the same operations for every (row, key) pair, whichever slot the key is in;
+   - a score q . k is a sum over the head dim in the order d = 0, 1, ..., D - 1, one madd
+     (multiply-add) a term, the same for every (row, key) pair;
    - exp is a polynomial of plain multiplies and adds (exp_lanes), the same bits in every lane;
    - the softmax denominator and the weighted sum of values run over the keys one after another
      in slot order, so a tree node, which sees its ancestors in later slots than a plain step
      does, adds the same terms in the same order as the plain step for the same token.
-   Built with -ffp-contract=off: the compiler may not fuse a multiply and an add in one place
-   and not in another.
+   A lane's arithmetic never mixes with another lane's, so a row's bits depend neither on the
+   rows beside it, nor on its lane. Built with -ffp-contract=off: the compiler may not fuse a
+   multiply and an add in one place and not in another; madd fuses them everywhere or nowhere.
 
    Shapes: H query heads, G key/value heads (H / G query heads read each), T rows (query tokens),
    S attended slots, D head dim (at most MAX_D). */
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* LANES floats a vector: one register. 16 with AVX-512; 8 elsewhere (AVX2), where a vector of
-   16 would take two registers and spill (measured on the 2-core AVX2 EPYC: 75 us a tree row a
-   block, slower than the float64 reference). The bits differ between the two widths (the lanes'
-   partial sums), never between rows: within a machine a row is computed one way. */
+/* LANES floats a vector, one register: 16 with AVX-512, 8 elsewhere (AVX2) */
 #if defined(__AVX512F__)
 #define LANES 16
-#define ROWS 4  /* rows a pass over the keys serves */
 #else
 #define LANES 8
-#define ROWS 8  /* 8 rows a pass: 264 against 355 us for 9 tree rows (27 query rows) a block */
 #endif
-typedef float fv __attribute__((vector_size(4 * LANES)));  /* LANES floats */
+typedef float fv __attribute__((vector_size(4 * LANES)));  /* LANES rows' floats */
 typedef int32_t iv __attribute__((vector_size(4 * LANES)));
-typedef uint32_t uv __attribute__((vector_size(4 * LANES)));
-typedef uint16_t hv __attribute__((vector_size(2 * LANES)));
-typedef float f8 __attribute__((vector_size(32)));
-typedef float f4 __attribute__((vector_size(16)));
 
-enum { MAX_D = 256 };
+/* a * b + c, one rounding where the CPU fuses them (FMA), else two: either way the same for
+   every lane and every call, which is all the bits of a row need */
+static inline fv madd(fv a, fv b, fv c) {
+#if defined(__AVX512F__)
+  return (fv)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (fv)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
 
-/* LANES values from p[i..i + n), bfloat16 (bf16 != 0) or float32, as floats; zeros past n
-   (the last chunk of a head dim that is not a multiple of LANES) */
-static inline fv load_lanes(const void* p, int64_t i, int64_t n, int bf16) {
-  fv f;
-  if (bf16) {
-    hv h;
-    if (n == LANES) {
-      memcpy(&h, (const uint16_t*)p + i, sizeof h);
-    } else {
-      memset(&h, 0, sizeof h);
-      memcpy(&h, (const uint16_t*)p + i, n * sizeof(uint16_t));
-    }
-    uv w = __builtin_convertvector(h, uv) << 16;  /* a bfloat16 is a float's top half */
-    memcpy(&f, &w, sizeof f);
-  } else if (n == LANES) {
-    memcpy(&f, (const float*)p + i, sizeof f);
-  } else {
-    memset(&f, 0, sizeof f);
-    memcpy(&f, (const float*)p + i, n * sizeof(float));
-  }
+/* LANES copies of x */
+static inline fv lanes_of(float x) { return x - (fv){0}; }
+
+enum {
+  MAX_D = 256,
+  KEYS = 8,  /* keys a score pass takes at once: eight sums in flight hide the adds' latency */
+  DIMS = 8,  /* head dims a values pass takes at once: eight sums in flight */
+};
+
+typedef struct {
+  const void *q, *k, *v;
+  const uint8_t* mask;  /* (T, S), 1 = may attend */
+  void* out;
+  int64_t H, G, T, S, D;
+  int64_t q_head, q_row;  /* q's strides (elements) between heads and between rows */
+  int64_t kv_head;  /* k's and v's stride between heads; keys are rows of D */
+  int64_t out_head, out_row;
+  int bf16;
+  float scale;  /* 1 / sqrt(D) */
+} Step;
+
+/* p[i], bfloat16 (bf16 != 0) or float32, as a float */
+static inline float value_at(const void* p, int64_t i, int bf16) {
+  if (!bf16) return ((const float*)p)[i];
+  uint32_t w = (uint32_t)((const uint16_t*)p)[i] << 16;  /* a bfloat16 is a float's top half */
+  float f;
+  memcpy(&f, &w, sizeof f);
   return f;
 }
 
-/* the first n of LANES floats into p[i..], rounded to bfloat16 (to nearest, ties to even, as
-   torch rounds) or kept as float32 */
-static inline void store_lanes(void* p, int64_t i, int64_t n, fv f, int bf16) {
-  if (bf16) {
-    uint32_t u[LANES];
-    memcpy(u, &f, sizeof u);
-    for (int64_t l = 0; l < n; l++)
-      ((uint16_t*)p)[i + l] = (uint16_t)((u[l] + 0x7FFF + ((u[l] >> 16) & 1)) >> 16);
-  } else {
-    memcpy((float*)p + i, &f, n * sizeof(float));
+/* f into p[i], rounded to bfloat16 (to nearest, ties to even, as torch rounds) or as float32 */
+static inline void store_value(void* p, int64_t i, float f, int bf16) {
+  if (!bf16) {
+    ((float*)p)[i] = f;
+    return;
   }
-}
-
-/* how many of a row of D values the c-th chunk of LANES holds (the last may hold fewer) */
-static inline int64_t chunk(int64_t D, int64_t c) {
-  return D - c * LANES < LANES ? D - c * LANES : LANES;
-}
-
-/* a row of D values from p[i..], as C chunks of LANES floats */
-static inline void load_row(fv* row, const void* p, int64_t i, int64_t D, int64_t C, int bf16) {
-  for (int64_t c = 0; c < C; c++) row[c] = load_lanes(p, i + c * LANES, chunk(D, c), bf16);
-}
-
-/* the sum of the lanes, always in this order: halves (of 16), then quarters, then pairs */
-static inline float lane_sum(fv a) {
-#if LANES == 16
-  f8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  f8 b = a;
-#endif
-  f4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  ((uint16_t*)p)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 /* exp(x) for x <= 0 (a softmax's x - max), LANES at a time: x = k ln2 + r with |r| <= ln2 / 2,
@@ -124,108 +118,130 @@ static inline fv exp_lanes(fv x) {
   return result;
 }
 
-typedef struct {
-  const void *q, *k, *v;
-  const uint8_t* mask;  /* (T, S), 1 = may attend */
-  void* out;
-  int64_t H, G, T, S, D;
-  int64_t q_head, q_row;  /* q's strides (elements) between heads and between rows */
-  int64_t kv_head;  /* k's and v's stride between heads; keys are rows of D */
-  int64_t out_head, out_row;
-  int bf16;
-  float scale;  /* 1 / sqrt(D) */
-} Step;
+/* the dot products of the block's queries q[d] (one vector a head dim) with keys j .. j + n of
+   k (rows of D floats): dot[t] (one vector of LANES rows' scores) for key j + t. n is a constant
+   where this is inlined (KEYS, or 1 for the last keys): the same arithmetic either way. */
+static inline __attribute__((always_inline)) void dot_keys(
+    const fv* q, const float* k, int64_t j, int n, int64_t D, fv* dot) {
+  for (int t = 0; t < n; t++) dot[t] = q[0] * k[(j + t) * D];
+  for (int64_t d = 1; d < D; d++)
+    for (int t = 0; t < n; t++) dot[t] = madd(q[d], lanes_of(k[(j + t) * D + d]), dot[t]);
+}
 
-/* `n` (<= ROWS) query rows that read key/value head g: rows[i] = (query head, token). C: the
-   head dim's chunks of LANES floats, a constant in each copy attend_rows makes (registers, unrolling). */
-static inline __attribute__((always_inline)) void attend_rows_of(
-    const Step* a, int64_t g, const int64_t (*rows)[2], int n, float* s, const int64_t C) {
+/* the larger of a and b, lane by lane */
+static inline fv max_lanes(fv a, fv b) {
+  iv a_larger = a > b;  /* all bits set where a is larger */
+  return (fv)(((iv)a & a_larger) | ((iv)b & ~a_larger));
+}
+
+/* the block's scores of key j (one vector of LANES rows) into s[j], scaled, and their running
+   max; -inf where a row's token may not attend the key (mask[i]: lane i's row of the mask),
+   checked only past `open`, the slots every lane's row may attend (the cache before a tree) */
+static inline void keep_score(fv* s, int64_t j, fv dot, const Step* a,
+                              const uint8_t* const* mask, int64_t open, fv* max) {
+  fv x = dot * a->scale;
+  if (j >= open)
+    for (int i = 0; i < LANES; i++)
+      if (!mask[i][j]) x[i] = -INFINITY;
+  *max = max_lanes(x, *max);
+  s[j] = x;
+}
+
+/* out[i][d .. d + n) for the block's rows: the values v (rows of D floats) weighted by the
+   softmax numerators p[j] (one vector of LANES rows), summed over the keys in slot order, then
+   divided by z. n is a constant where this is inlined (DIMS, or 1 for the last dims). */
+static inline __attribute__((always_inline)) void weigh_values(
+    const Step* a, const fv* p, fv z, const float* v, int64_t d, int n,
+    const int64_t (*rows)[2], int m) {
+  fv acc[DIMS];
+  for (int e = 0; e < n; e++) acc[e] = (fv){0};
+  for (int64_t j = 0; j < a->S; j++)
+    for (int e = 0; e < n; e++) acc[e] = madd(p[j], lanes_of(v[j * a->D + d + e]), acc[e]);
+  for (int e = 0; e < n; e++) {
+    fv o = acc[e] / z;
+    for (int i = 0; i < m; i++)
+      store_value(a->out, rows[i][0] * a->out_head + rows[i][1] * a->out_row + d + e, o[i],
+                  a->bf16);
+  }
+}
+
+/* The m (<= LANES) query rows rows[i] = (query head, token), which read key/value head g, whose
+   keys k and values v are S rows of D floats; s: S vectors of scratch for their scores. */
+static void attend_block(const Step* a, const float* k, const float* v,
+                         const int64_t (*rows)[2], int m, fv* s) {
   const int64_t D = a->D, S = a->S;
-  fv q[ROWS][C];
-  for (int i = 0; i < n; i++)
-    load_row(q[i], a->q, rows[i][0] * a->q_head + rows[i][1] * a->q_row, D, C, a->bf16);
-  /* scores, masked keys at -inf: each key's D values read once for the n rows */
-  const int64_t SL = (S + LANES - 1) / LANES * LANES;
-  for (int64_t j = 0; j < S; j++) {
-    fv k[C];
-    load_row(k, a->k, g * a->kv_head + j * D, D, C, a->bf16);
-    for (int i = 0; i < n; i++) {
-      fv dot = q[i][0] * k[0];
-      for (int64_t c = 1; c < C; c++) dot = dot + q[i][c] * k[c];
-      s[i * SL + j] = a->mask[rows[i][1] * S + j] ? lane_sum(dot) * a->scale : -INFINITY;
-    }
+  fv q[MAX_D];  /* q[d]: lane i holds row i's d-th query value, 0 in lanes past m */
+  const uint8_t* mask[LANES];  /* lane i's row of the mask; lanes past m repeat row 0's */
+  int64_t open = S;  /* slots before the first one some lane's row may not attend */
+  for (int i = 0; i < LANES; i++) {
+    const int64_t* row = rows[i < m ? i : 0];
+    mask[i] = a->mask + row[1] * S;
+    const uint8_t* shut = memchr(mask[i], 0, S);
+    open = shut != NULL && shut - mask[i] < open ? shut - mask[i] : open;
+    for (int64_t d = 0; d < D; d++)
+      q[d][i] = i < m ? value_at(a->q, row[0] * a->q_head + row[1] * a->q_row + d, a->bf16) : 0;
+  }
+  /* scores, masked keys at -inf, and each row's max */
+  fv max = lanes_of(-INFINITY), dot[KEYS];
+  int64_t j = 0;
+  for (; j + KEYS <= S; j += KEYS) {
+    dot_keys(q, k, j, KEYS, D, dot);
+    for (int t = 0; t < KEYS; t++) keep_score(s, j + t, dot[t], a, mask, open, &max);
+  }
+  for (; j < S; j++) {
+    dot_keys(q, k, j, 1, D, dot);
+    keep_score(s, j, dot[0], a, mask, open, &max);
   }
   /* softmax numerators exp(score - max), in place; the denominator summed in slot order */
-  float z[ROWS];
-  for (int i = 0; i < n; i++) {
-    float* si = s + i * SL;
-    float max = -INFINITY;
-    for (int64_t j = 0; j < S; j++) max = si[j] > max ? si[j] : max;
-    for (int64_t j = S; j < SL; j++) si[j] = -INFINITY;
-    for (int64_t j = 0; j < SL; j += LANES) {
-      fv x;
-      memcpy(&x, si + j, sizeof x);
-      x = exp_lanes(x - max);
-      memcpy(si + j, &x, sizeof x);
-    }
-    z[i] = 0.0f;
-    for (int64_t j = 0; j < S; j++) z[i] += si[j];
+  fv z = {0};
+  for (j = 0; j < S; j++) {
+    s[j] = exp_lanes(s[j] - max);
+    z = z + s[j];
   }
-  /* the values weighted by the numerators, summed in slot order; then divided by z */
-  fv acc[ROWS][C];
-  for (int i = 0; i < n; i++)
-    for (int64_t c = 0; c < C; c++) acc[i][c] = (fv){0};
-  for (int64_t j = 0; j < S; j++) {
-    fv v[C];
-    load_row(v, a->v, g * a->kv_head + j * D, D, C, a->bf16);
-    for (int i = 0; i < n; i++) {
-      float p = s[i * SL + j];
-      for (int64_t c = 0; c < C; c++) acc[i][c] = acc[i][c] + p * v[c];
-    }
-  }
-  for (int i = 0; i < n; i++)
-    for (int64_t c = 0; c < C; c++)
-      store_lanes(a->out, rows[i][0] * a->out_head + rows[i][1] * a->out_row + c * LANES,
-              chunk(D, c), acc[i][c] / z[i], a->bf16);
+  int64_t d = 0;
+  for (; d + DIMS <= D; d += DIMS) weigh_values(a, s, z, v, d, DIMS, rows, m);
+  for (; d < D; d++) weigh_values(a, s, z, v, d, 1, rows, m);
 }
 
-static void attend_rows(const Step* a, int64_t g, const int64_t (*rows)[2], int n, float* s) {
-  switch ((a->D + LANES - 1) / LANES) {
-#define CHUNKS(C) case C: attend_rows_of(a, g, rows, n, s, C); break;
-    CHUNKS(1) CHUNKS(2) CHUNKS(3) CHUNKS(4) CHUNKS(5) CHUNKS(6) CHUNKS(7) CHUNKS(8)
-    CHUNKS(9) CHUNKS(10) CHUNKS(11) CHUNKS(12) CHUNKS(13) CHUNKS(14) CHUNKS(15) CHUNKS(16)
-#if LANES == 8
-    CHUNKS(17) CHUNKS(18) CHUNKS(19) CHUNKS(20) CHUNKS(21) CHUNKS(22) CHUNKS(23) CHUNKS(24)
-    CHUNKS(25) CHUNKS(26) CHUNKS(27) CHUNKS(28) CHUNKS(29) CHUNKS(30) CHUNKS(31) CHUNKS(32)
-#endif
-#undef CHUNKS
-  }
+/* key/value head g's S rows of D values from p as floats: p itself (float32), else converted
+   into scratch (bfloat16) */
+static const float* head_floats(const Step* a, const void* p, int64_t g, float* scratch) {
+  const int64_t n = a->S * a->D, first = g * a->kv_head;
+  if (!a->bf16) return (const float*)p + first;
+  for (int64_t i = 0; i < n; i++) scratch[i] = value_at(p, first + i, 1);
+  return scratch;
 }
 
-/* Every query row, in blocks of ROWS rows that share a key/value head (grouped-query attention:
-   each key is read once per block); blocks run on OpenMP's threads when there are enough. */
+/* Every query row, in blocks of LANES rows that share a key/value head; blocks run on
+   OpenMP's threads when there are several. Returns 0, 1 (a head dim over MAX_D or heads that do
+   not group), or 2 (out of memory). */
 int attend(const Step* a) {
   if (a->D > MAX_D || a->H % a->G != 0) return 1;
-  const int64_t R = a->H / a->G, per_group = R * a->T, blocks = (per_group + ROWS - 1) / ROWS;
-  const int64_t SL = (a->S + LANES - 1) / LANES * LANES;
+  const int64_t R = a->H / a->G, per_group = R * a->T, blocks = (per_group + LANES - 1) / LANES;
+  const size_t scores = ((size_t)a->S * sizeof(fv) + 63) / 64 * 64;
+  const size_t floats = a->bf16 ? 2 * (size_t)a->S * a->D * sizeof(float) : 0;
   int failed = 0;
 #pragma omp parallel for schedule(static) if (a->G * blocks > 1)
   for (int64_t b = 0; b < a->G * blocks; b++) {
-    const int64_t g = b / blocks, first = b % blocks * ROWS;
-    const int n = per_group - first < ROWS ? (int)(per_group - first) : ROWS;
-    int64_t rows[ROWS][2];
-    for (int i = 0; i < n; i++) {
+    const int64_t g = b / blocks, first = b % blocks * LANES;
+    const int m = per_group - first < LANES ? (int)(per_group - first) : LANES;
+    int64_t rows[LANES][2];
+    for (int i = 0; i < m; i++) {
       rows[i][0] = g * R + (first + i) / a->T;  /* query head */
       rows[i][1] = (first + i) % a->T;  /* token */
     }
-    float* s = malloc(sizeof(float) * ROWS * SL);  /* the block's scores */
-    if (s == NULL) {
+    fv* s = aligned_alloc(64, scores);  /* the block's scores, one vector a key */
+    float* kv = floats ? malloc(floats) : NULL;  /* bfloat16 keys and values as floats */
+    if (s == NULL || (floats && kv == NULL)) {
 #pragma omp atomic write
       failed = 1;
-      continue;
+    } else {
+      const float* k = head_floats(a, a->k, g, kv);
+      const float* v = head_floats(a, a->v, g, kv ? kv + a->S * a->D : NULL);
+      attend_block(a, k, v, (const int64_t (*)[2])rows, m, s);
     }
-    attend_rows(a, g, (const int64_t (*)[2])rows, n, s);
     free(s);
+    free(kv);
   }
   return failed ? 2 : 0;
 }

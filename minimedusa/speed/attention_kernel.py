@@ -4,10 +4,13 @@ A decoding step attends its 1 (plain) or n + 1 (tree) rows to every cached key i
 model.exact_attention does it in float64 PyTorch so that a row's output never depends on where
 its keys sit in the cache (what keeps greedy Medusa lossless), at ~150 us a block on a 2-core
 CPU, converting the whole cache to float64 every time. The C twin gets the same guarantee from
-float32 arithmetic in a fixed order (the .c file says how), at a few us: 1 and 9 rows after 265
-keys took 20 and 88 us on the 2-core AVX-512 EPYC, against 97 and 243 for the reference; on
-the 2-core AVX2 EPYC, in vectors of 8 floats there, ~80 and ~265 us against ~300 and ~700 us
-(float32; with vectors of 16 it had taken ~100 and ~700: AVX2 has no 16-float registers).
+float32 arithmetic in a fixed order (the .c file says how), and reads each key once for up to
+8 (AVX2) or 16 (AVX-512) of the rows that share it, one row a vector lane. Measured on the
+2-core AVX2 EPYC (Zen 3), 9 query heads, 3 key/value heads, head dim 64, one run: after 256
+cached tokens 1 / 9 / 17 rows took 33 / 128 / 179 us a block, where the previous version (8
+rows a pass, a row's dot products along the head dim) took 36 / 231 / 370; after 1,536, 137 /
+522 / 878 against 159 / 1,048 / 1,850. A tree row then costs ~12 us a block at 256 cached
+tokens, 0.36 ms a step of 30 blocks (was 0.73).
 
 Built at first use (c_kernels.py: the C compiler torch.compile already needs, -march=native, the
 user's cache folder); called through ctypes from a torch operator, so that compiled graphs call

@@ -18,16 +18,6 @@ from pathlib import Path
 from minimedusa.speed.machine import cpu_features, cpu_model
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
-# note: without AVX-512 a 16-float vector of attention_kernel.c takes two registers, and gcc's
-# two redundancy passes spend minutes on the spills (117 s on a 2-core AVX2 EPYC, gcc 12);
-# without them it builds in ~11 s, ~5% slower, the same bits (they remove repeated loads and
-# expressions, no arithmetic changes)
-NO_AVX512_FLAGS = ["-fno-gcse", "-fno-gcse-after-reload"]
-
-
-def flags() -> list[str]:
-    """The compiler flags for this CPU."""
-    return FLAGS + ([] if "avx512f" in cpu_features().split("+") else NO_AVX512_FLAGS)
 
 
 def kernels_folder() -> Path:
@@ -41,7 +31,7 @@ def compile_kernel(source: Path, compiler: str) -> Path:
     """`source` built for this machine, or the copy built before. Written beside its final
     name, then renamed (processes building it at once never read half a file); a failed build
     leaves nothing behind."""
-    key = hashlib.sha256("\n".join([source.read_text(), compiler, *flags(), cpu_model(),
+    key = hashlib.sha256("\n".join([source.read_text(), compiler, *FLAGS, cpu_model(),
                                     cpu_features()]).encode()).hexdigest()[:16]
     path = kernels_folder() / f"{source.stem}-{key}.so"
     if not path.is_file():
@@ -60,7 +50,7 @@ def build(source: Path, compiler: str, out: Path, extra: tuple[str, ...] = ()) -
     flags after this CPU's (tests build a kernel's AVX2 path on an AVX-512 CPU with
     -march=haswell: the last -march wins)."""
     for openmp in (["-fopenmp"], []):
-        done = subprocess.run([compiler, *flags(), *extra, *openmp, str(source), "-o", str(out)],
+        done = subprocess.run([compiler, *FLAGS, *extra, *openmp, str(source), "-o", str(out)],
                               capture_output=True, text=True)
         if done.returncode == 0:
             return
