@@ -23,7 +23,7 @@ from pathlib import Path
 from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
-    from minimedusa.decoding import medusa_decode, plain_decode
+    from minimedusa.decoding import check_context, medusa_decode, plain_decode
     from minimedusa.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
     from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
@@ -33,9 +33,11 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
                                       add_quantize_argument, non_negative, positive_int,
                                       probability)
     from minimedusa.flags.load import (decoding_acceptance, decoding_heads, decoding_model,
-                                       decoding_trees, device_and_format, ranked_vocab_size)
+                                       decoding_tree, decoding_trees, device_and_format,
+                                       ranked_vocab_size)
     from minimedusa.flags.prompts import (answer_prompts, open_out, prompt_from_stdin,
                                           prompt_ids, prompts_summary, read_prompts)
+    from minimedusa.flags.trees import ranked_size
     from minimedusa.sampling import Sampling
     from minimedusa.speed.weight_formats import format_of
     from minimedusa.tokenizer import StreamDecoder, Tokenizer
@@ -154,11 +156,43 @@ def input_mode(args) -> str:
 
 def load(args):
     """(model, how its step runs, tokenizer) as the flags ask: the weight format, the compiled
-    step (speed/plug_in.py, through flags/load.py)."""
+    step (speed/plug_in.py, through flags/load.py), the flags that must fit the model checked
+    before them (check_flags)."""
     folder = args.model if args.model is not None else ensure_default_model()
     device, weight_format = device_and_format(args, folder)
-    model, step = decoding_model(folder, device, weight_format, args.compile)
-    return model, step, Tokenizer.from_folder(folder)
+    tokenizer = Tokenizer.from_folder(folder)
+    model, step = decoding_model(folder, device, weight_format, args.compile,
+                                 check=lambda model: check_flags(args, model, tokenizer))
+    return model, step, tokenizer
+
+
+def check_flags(args, model, tokenizer) -> None:
+    """Raise the one-line error of a flag that does not fit the model as read (acceptance flags
+    that contradict each other, heads made for another model, a malformed tree or one deeper
+    than the heads, a prompt past its context) before its speed is plugged in: the compiled
+    step's warm-up takes seconds to minutes, a mistake should not wait for it. The heads read
+    here are dropped; decoder() reads them again, in the model's final format."""
+    spec = heads_spec(args)
+    if spec is not None:
+        decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps, args.delta)
+        heads = decoding_heads(spec, model, args.draft_vocab)
+        if args.tree is not None and args.tree.startswith("ranked:"):
+            ranked_size(args.tree)
+        elif args.tree not in (None, "ranked"):
+            decoding_tree(args.tree, heads, model)
+    if args.prompts is None and args.prompt is not None:  # one prompt (input_mode)
+        ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system)
+        check_context(model, len(ids), args.max_new_tokens)
+
+
+def heads_spec(args) -> str | None:
+    """The heads to decode with: --heads, else the default model's trained heads; None for
+    plain decoding (--baseline, or a model without heads)."""
+    if args.baseline:
+        return None
+    if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
+        return str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
+    return args.heads
 
 
 def decoder(args, model) -> Decoder:
@@ -166,14 +200,12 @@ def decoder(args, model) -> Decoder:
     over the tokens each step yields, describe() names the mode (after the run: which tree sizes
     the budget used). The one-time work, the heads and the tree budget (its step latencies timed
     here at first use), is done here, the flags checked first."""
-    stops, n = model.config.stop_ids, args.max_new_tokens
-    if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
-        args.heads = str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
-    if args.baseline or args.heads is None:
+    stops, n, spec = model.config.stop_ids, args.max_new_tokens, heads_spec(args)
+    if spec is None:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         return Decoder(lambda ids, cache=None: plain_decode(model, ids, n, sampling, stops, cache),
                        lambda: "plain", 0)
-    heads = decoding_heads(args.heads, model, args.draft_vocab)
+    heads = decoding_heads(spec, model, args.draft_vocab)
     if args.chat and isinstance(heads, HydraPlusPlusHeads):
         raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
                         "cache is not kept between turns): use other heads or --baseline")
@@ -182,7 +214,7 @@ def decoder(args, model) -> Decoder:
     accept = decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps,
                                  args.delta)
     context = args.context and args.tree in (None, "ranked")  # with the adapted trees only
-    trees, budget, tree = decoding_trees(args.tree, heads, model, args.heads, context)
+    trees, budget, tree = decoding_trees(args.tree, heads, model, spec, context)
     return Decoder(lambda ids, cache=None: medusa_decode(model, heads, trees, budget, ids, n,
                                                          accept, stops, args.seed,
                                                          context=context, cache=cache),

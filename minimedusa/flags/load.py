@@ -61,15 +61,19 @@ def device_and_format(args, folder: Path) -> tuple[torch.device, str]:
     return device, name
 
 
-def decoding_model(folder: Path, device, weight_format: str,
-                   compile_flag: bool | None = False) -> tuple[Llama, str]:
+def decoding_model(folder: Path, device, weight_format: str, compile_flag: bool | None = False,
+                   check=None) -> tuple[Llama, str]:
     """(the model for decoding, how its step runs in words): loaded, then its speed plugged in
-    (speed/plug_in.py): the weight format's layers, the step compiled as --compile asks."""
+    (speed/plug_in.py): the weight format's layers, the step compiled as --compile asks.
+    check(model), if given, runs on the model as read, before its speed: flags that must fit
+    the model fail there in seconds, not after the compiler's warm-up."""
     if not Path(folder).is_dir():
         raise UserError(f"model folder {folder} does not exist")
     # int8 and int4 round the float32 weights; a dtype's weights are read straight into it, so
     # that no float32 copy of the model is ever held beside them (peak memory)
     model = load_model(folder, device, DTYPE_FORMATS.get(weight_format, torch.float32))
+    if check is not None:
+        check(model)
     return model, plug_in(model, weight_format, compile_flag)
 
 
