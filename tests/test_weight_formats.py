@@ -22,7 +22,8 @@ from minimedusa.speed.quantized import (GROUP, Int4KernelLinear, Int4Linear, Int
                                         Int8Linear, dequantize_int4, dequantize_int8,
                                         dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
                                         quantize_int4, quantize_int8, quantize_int8_groups)
-from minimedusa.speed.weight_formats import apply_format, bf16_is_native, format_of
+from minimedusa.speed.weight_formats import (activation_dtype, apply_format, bf16_is_native,
+                                            format_of)
 from minimedusa.files.weights import save_model
 from test_medusa_decoding import flat
 
@@ -218,6 +219,54 @@ def four_bit_model(seed: int, **overrides):
         model.embed.weight.copy_(eight_bit_weight(*model.embed.weight.shape, seed=seed) * 16)
     return model
 
+
+@needs_group_kernel
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
+def test_int8_group_product_with_a_bias_equals_dequantize_then_matmul_plus_bias(seed, rows):
+    """A heads' layer rounded to 8-bit groups: the product with its bias == the rounded
+    weight's, to float32's precision (float32 rows, where the kernel takes them) or
+    bfloat16's."""
+    g = torch.Generator().manual_seed(seed)
+    weight, bias = torch.randn(48, 96, generator=g), torch.randn(48, generator=g)
+    q, scales = quantize_int8_groups(weight)
+    layer = Int8GroupLinear(q, scales.half().float(), bias)
+    dtype = torch.float32 if group_kernel.takes_float32() else torch.bfloat16
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    expected = x.float() @ layer.weight.T + bias
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(layer.to(dtype)(x).float(), expected, **tolerance)
+
+
+@needs_group_kernel
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_int4_rounds_the_heads_layers_to_eight_bit_groups_and_keeps_their_guesses(kind):
+    """In int4 every layer of the heads the kernel fits is an Int8GroupLinear, its weight
+    within half a step of each group's grid (and float16's rounding of the step), and the
+    heads' logits stay those of float32
+    heads to within the rounding (what they guess; what is accepted is the model's)."""
+    model = apply_format(four_bit_model(0), "int4")
+    heads = (perturbed(MedusaHeads.for_model(model, 3, num_layers=1), 0, 0.05) if kind == "medusa"
+             else perturbed(HydraHeads.for_model(model, 3), 0, 0.05)).float().eval()
+    float32 = {name: m.weight.clone() for name, m in heads.named_modules()
+               if type(m) is nn.Linear}
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, model.config.vocab_size, (5, 3))
+    with torch.inference_mode():
+        before = (heads(hidden, model.lm_head) if kind == "medusa"
+                  else heads(hidden, tokens, model.embed, model.lm_head))
+        heads = apply_format(heads, "int4")
+        after = (heads(hidden.to(activation_dtype("int4")), model.lm_head) if kind == "medusa"
+                 else heads(hidden.to(activation_dtype("int4")), tokens, model.embed,
+                            model.lm_head))
+    rounded = {name: m for name, m in heads.named_modules() if isinstance(m, Int8GroupLinear)}
+    assert float32 and set(float32) <= set(rounded)
+    for name, w in float32.items():
+        step = w.abs().view(w.shape[0], -1, GROUP).amax(-1, keepdim=True) / 127
+        error = (rounded[name].weight - w).abs().view(w.shape[0], -1, GROUP)
+        assert (error <= step * (0.5 + 127 * 2 ** -11) + 1e-6).all(), name  # float16 scales
+    assert (after.float() - before.float()).abs().max() <= 0.02 * before.abs().max()  # ~0.5%
+    assert torch.equal(after.argmax(-1), before.argmax(-1))  # the same first guesses here
 
 @pytest.mark.parametrize("name", ["bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])

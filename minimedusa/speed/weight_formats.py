@@ -51,8 +51,9 @@ from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, Int4Linear,
-                                        Int8GroupLinear, Int8Linear, eight_bit_lm_heads,
-                                        four_bit_layers, quantize_linear_layers)
+                                        Int8GroupLinear, Int8Linear, eight_bit_head_layers,
+                                        eight_bit_lm_heads, four_bit_layers,
+                                        quantize_linear_layers)
 
 DTYPE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = (*DTYPE_FORMATS, "int8", "int4", "w4a8")
@@ -75,6 +76,8 @@ def apply_format(module: nn.Module, name: str) -> nn.Module:
         if isinstance(module, Llama):  # from the float32 weights: the file's grid, found again
             four_bit_layers(module, activations8=name == "w4a8")
         eight_bit_lm_heads(module)
+        if not isinstance(module, Llama):
+            eight_bit_head_layers(module)  # the heads' draft: a quarter of float32's bytes
     dtype = activation_dtype(name)
     module = module.to(dtype)
     if can_pack(next(module.parameters()).device, dtype):
