@@ -11,12 +11,14 @@ how_it_runs(model) then says in words what was plugged in: the key step latencie
 under (step_latency.py) names it, so a latency measured for one way of running is never used
 for another.
 """
+import hashlib
 import sys
 
 import torch.nn as nn
 
 from minimedusa.errors import UserError
 from minimedusa.model import Llama
+from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
@@ -66,4 +68,14 @@ def how_it_runs(model: Llama) -> str:
                                     Int4KernelLinear))]
     rows = (f", of >= {MIN_ROWS} rows" if any(isinstance(layer, PackedLinear) for layer in layers)
             else "")
-    return f"{weights}{step} | {len(layers)} products a block{rows}"
+    kernels = (f" | C kernels {kernels_version()}"
+               if "group_kernel.c" in weights or "C attention" in step else "")
+    return f"{weights}{step} | {len(layers)} products a block{rows}{kernels}"
+
+
+def kernels_version() -> str:
+    """A short hash of the C kernels' sources: what a step costs changes with them (a faster
+    attention makes a tree's rows cheaper), so latencies measured with other sources are not
+    reused."""
+    text = "".join(source.read_text() for source in (attention_kernel.SOURCE, group_kernel.SOURCE))
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
