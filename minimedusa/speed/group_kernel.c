@@ -152,27 +152,39 @@ static inline __attribute__((always_inline)) void product(const uint16_t* x, con
    taken as they are), each q to float32 as it is read, and FMA multiplies 8 outputs at a time. Same layouts, same order per row: one
    accumulator per 8 outputs, the group's pairs of inputs in order. 16 vector registers hold
    ROWS rows' 2 accumulators each, and a pair's weights. */
-enum { ROWS = 4 };
+enum {
+  ROWS = 4,
+  PAIRED = 2,  /* int4 blocks of outputs a one-row pass takes together (group_rows4): the
+                  default model's 120 block products at 1 row 10.2 / 8.5 / 10.8 -> 8.6 / 7.5 /
+                  9.1 ms in three side-by-side runs, the same bits; 2 rows together were slower
+                  (spills), 4 blocks no faster (their tasks split 36 blocks unevenly) */
+};
 
-/* int4: one group of 16 outputs for n rows: per pair of inputs 16 bytes, low nibbles input k
-   of the 16 outputs, high nibbles input k + 1 */
+/* int4: one group of nb blocks of 16 outputs (w: the first block's bytes, `stride` bytes to the
+   next) for n rows: per pair of inputs 16 bytes a block, low nibbles input k of the 16 outputs,
+   high nibbles input k + 1. Every output's sum is the same sequence of FMAs whatever n and nb:
+   nb only puts more independent sums in flight where rows are few (one row's 2 sums a block
+   wait on FMA's latency, 4 cycles, not on its rate) */
 static inline __attribute__((always_inline)) void group_rows4(
-    const float* x, const uint8_t* w, __m256 acc[][2], int64_t K, const int n) {
+    const float* x, const uint8_t* w, int64_t stride, __m256 acc[][2 * PAIRED], int64_t K,
+    const int n, const int nb) {
   const __m256i low = _mm256_set1_epi32(0x0F);
-  for (int p = 0; p < 16; p++, w += 16) {
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)w));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8)));
-    const __m256 k0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));  /* outputs 0-7, k */
-    const __m256 k1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));  /* 8-15, k */
-    const __m256 l0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));   /* 0-7, k + 1 */
-    const __m256 l1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));   /* 8-15, k + 1 */
-    for (int i = 0; i < n; i++) {
-      const __m256 xk = _mm256_broadcast_ss(x + i * K + 2 * p);
-      const __m256 xl = _mm256_broadcast_ss(x + i * K + 2 * p + 1);
-      acc[i][0] = _mm256_fmadd_ps(xl, l0, _mm256_fmadd_ps(xk, k0, acc[i][0]));
-      acc[i][1] = _mm256_fmadd_ps(xl, l1, _mm256_fmadd_ps(xk, k1, acc[i][1]));
+  for (int p = 0; p < 16; p++, w += 16)
+    for (int j = 0; j < nb; j++) {
+      const uint8_t* wj = w + j * stride;
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)wj));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(wj + 8)));
+      const __m256 k0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));  /* outputs 0-7, k */
+      const __m256 k1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));  /* 8-15, k */
+      const __m256 l0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));   /* 0-7, k + 1 */
+      const __m256 l1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));   /* 8-15, k + 1 */
+      for (int i = 0; i < n; i++) {
+        const __m256 xk = _mm256_broadcast_ss(x + i * K + 2 * p);
+        const __m256 xl = _mm256_broadcast_ss(x + i * K + 2 * p + 1);
+        acc[i][2 * j] = _mm256_fmadd_ps(xl, l0, _mm256_fmadd_ps(xk, k0, acc[i][2 * j]));
+        acc[i][2 * j + 1] = _mm256_fmadd_ps(xl, l1, _mm256_fmadd_ps(xk, k1, acc[i][2 * j + 1]));
+      }
     }
-  }
 }
 
 /* int8: per pair of inputs 32 bytes, output-major (q[o][k], q[o][k + 1], q[o + 1][k], ...):
@@ -198,30 +210,33 @@ static inline void group_sums8(const __m256 a[4], __m256 s[2]) {
         _mm256_castps_pd(_mm256_hadd_ps(a[2 * h], a[2 * h + 1])), 0xD8));
 }
 
-/* one block of 16 outputs for `n` rows from row m0 (x and sums already from m0; y's first
-   element for them at `at`) */
+/* nb (int4: up to PAIRED; int8: 1) blocks of 16 outputs for `n` rows from row m0 (x and sums
+   already from m0; y's first element for them at `at`) */
 static inline __attribute__((always_inline)) void block_rows(
     const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
-    const float* sums, void* y, int64_t at, int64_t N, int64_t K, const int n, const int bits,
-    const int floats) {
-  const int64_t G = K / 32;
-  __m256 out[ROWS][2];
-  for (int i = 0; i < n; i++) out[i][0] = out[i][1] = _mm256_setzero_ps();
+    const float* sums, void* y, int64_t at, int64_t N, int64_t K, const int n, const int nb,
+    const int bits, const int floats) {
+  const int64_t G = K / 32, stride = G * 64 * bits;  /* a block's bytes */
+  __m256 out[ROWS][2 * PAIRED];
+  for (int i = 0; i < n; i++)
+    for (int h = 0; h < 2 * nb; h++) out[i][h] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g++, w += 16 * 4 * bits) {
-    __m256 s[ROWS][2];
+    __m256 s[ROWS][2 * PAIRED];
     if (bits == 4) {
-      for (int i = 0; i < n; i++) s[i][0] = s[i][1] = _mm256_setzero_ps();
-      group_rows4(x + g * 32, w, s, K, n);
+      for (int i = 0; i < n; i++)
+        for (int h = 0; h < 2 * nb; h++) s[i][h] = _mm256_setzero_ps();
+      group_rows4(x + g * 32, w, stride, s, K, n, nb);
     } else {
       __m256 a[ROWS][4];
       for (int i = 0; i < n; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
       group_rows8(x + g * 32, w, a, K, n);
       for (int i = 0; i < n; i++) group_sums8(a[i], s[i]);
     }
-    for (int h = 0; h < 2; h++) {
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + g * 16 + 8 * h)));
+    for (int h = 0; h < 2 * nb; h++) {  /* block h / 2's outputs 8 (h % 2) .. 8 (h % 2) + 7 */
+      const int64_t at_g = (h / 2) * G * 16 + g * 16 + 8 * (h % 2);
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + at_g)));
       const __m256 minimum = bits == 4 ? _mm256_cvtph_ps(
-          _mm_loadu_si128((const __m128i*)(minimums + g * 16 + 8 * h))) : _mm256_setzero_ps();
+          _mm_loadu_si128((const __m128i*)(minimums + at_g))) : _mm256_setzero_ps();
       for (int i = 0; i < n; i++) {
         __m256 part = _mm256_mul_ps(s[i][h], scale);
         if (bits == 4) part = _mm256_add_ps(part, _mm256_mul_ps(minimum, _mm256_set1_ps(sums[i * G + g])));
@@ -230,23 +245,41 @@ static inline __attribute__((always_inline)) void block_rows(
     }
   }
   for (int i = 0; i < n; i++)
-    for (int h = 0; h < 2; h++) store8(y, at + i * N + 8 * h, out[i][h], floats);
+    for (int h = 0; h < 2 * nb; h++) store8(y, at + i * N + 8 * h, out[i][h], floats);
+}
+
+/* `blocks` (<= PAIRED) blocks of 16 outputs from w for `n` rows: together where int4 has one
+   row (more sums in flight), else one by one; the same sums either way */
+static inline __attribute__((always_inline)) void blocks_rows(
+    const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
+    const float* sums, void* y, int64_t at, int64_t N, int64_t K, const int n,
+    const int64_t blocks, const int bits, const int floats) {
+  const int64_t G = K / 32;
+  if (bits == 4 && n == 1 && blocks == PAIRED) {
+    block_rows(x, w, scales, minimums, sums, y, at, N, K, n, PAIRED, bits, floats);
+    return;
+  }
+  for (int64_t j = 0; j < blocks; j++)
+    block_rows(x, w + j * G * 64 * bits, scales + j * G * 16,
+               bits == 4 ? minimums + j * G * 16 : NULL, sums, y, at + j * 16, N, K, n, 1,
+               bits, floats);
 }
 
 static inline __attribute__((always_inline)) void product_avx2(
     const float* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* minimums,
     const float* sums, void* y, int64_t M, int64_t N, int64_t K, const int bits,
     const int floats) {
-  const int64_t G = K / 32;
+  const int64_t G = K / 32, B = N / 16, per_task = bits == 4 ? PAIRED : 1;
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < N / 16; b++) {
+  for (int64_t t = 0; t < (B + per_task - 1) / per_task; t++) {  /* a task: per_task blocks */
+    const int64_t b = t * per_task, blocks = B - b < per_task ? B - b : per_task;
     const uint8_t* w = packed + b * G * 64 * bits;
     const uint16_t *s = scales + b * G * 16, *mn = bits == 4 ? minimums + b * G * 16 : NULL;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
       const float *xm = x + m0 * K, *sm = bits == 4 ? sums + m0 * G : NULL;
       const int64_t at = m0 * N + b * 16;  /* y's first element for these rows and outputs */
       switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
-#define ROWS_OF(n) case n: block_rows(xm, w, s, mn, sm, y, at, N, K, n, bits, floats); break;
+#define ROWS_OF(n) case n: blocks_rows(xm, w, s, mn, sm, y, at, N, K, n, blocks, bits, floats); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
 #undef ROWS_OF
       }
