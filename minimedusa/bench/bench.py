@@ -192,8 +192,8 @@ def parse_args(argv=None):
                    help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
                    "the first question (torch.profiler, operators by their own time), then time "
                    "a forward (after 256 and 1,536 cached tokens) and the products alone at 1 to "
-                   "17 rows, and a whole step at each "
-                   "tree size grown from the heads' calibration against a plain step")
+                   "17 rows, and a whole step at each tree size grown from the heads' "
+                   "calibration against a plain step (after 256 and 1,536 cached tokens)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None,
                    help="write a PNG plot here (needs matplotlib, which is optional)")
@@ -321,8 +321,11 @@ def main(argv=None):
         print(forward_times(model, cached=1536))  # how a row's cost grows with the context
         print(product_times(model))
         accuracy = read_calibration(Path(args.heads[0])) if Path(args.heads[0]).is_dir() else None
-        print(step_times(model, heads, accuracy) if accuracy is not None else
-              "steps by tree size: the heads have no calibration.json to grow trees from")
+        if accuracy is None:
+            print("steps by tree size: the heads have no calibration.json to grow trees from")
+        else:
+            for cached in (256, 1536):  # how a row's cost grows with the context
+                print(step_times(model, heads, accuracy, cached))
         return
     engines = engines_to_time(args, model, folder, device, dtype)
     if args.reference not in engines.run:

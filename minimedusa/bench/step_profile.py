@@ -12,7 +12,7 @@ import torch
 
 from minimedusa.acceptance import greedy
 from minimedusa.budget import fixed, grow_tree, nested_trees
-from minimedusa.speed.step_latency import round_robin_medians, step_latency
+from minimedusa.speed.step_latency import cached_prefix, round_robin_medians, step_latency
 from minimedusa.flags.load import ranked_vocab_size
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.kv_cache import KVCache
@@ -93,16 +93,18 @@ def time_products(layers, M: int) -> float:
 STEP_SIZES = (1, 2, 3, 4, 7, 8, 15, 16)
 
 
-def step_times(model, heads, accuracy) -> str:
+def step_times(model, heads, accuracy, cached: int = 256) -> str:
     """A whole step at each tree size, as the Budget times it (budget.step_latency: the heads'
-    draft, the tree's forward, acceptance and compaction, after 256 cached tokens), against a
-    plain step: what a tree of n nodes costs on this machine, in this format."""
+    draft, the tree's forward, acceptance and compaction, after `cached` tokens: fewer for a
+    model whose context is short), against a plain step: what a tree of n nodes costs on this
+    machine, in this format."""
     nodes, _ = grow_tree(accuracy, max(STEP_SIZES))
     sizes = [n for n in STEP_SIZES if n <= len(nodes)]  # few heads and ranks: few nodes
     trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
                             ranked_vocab_size(heads, model), model.embed.weight.device)
-    seconds = step_latency(model, heads, trees)
-    return ("a whole step after 256 cached tokens, ms (x a plain step): plain "
+    seconds = step_latency(model, heads, trees, cached)
+    return (f"a whole step after {cached_prefix(model, cached)} cached tokens, ms (x a plain "
+            "step): plain "
             f"{1000 * seconds[0]:.1f}, " + ", ".join(
                 f"{n} nodes ({n + 1} rows) {1000 * seconds[n]:.1f} ({seconds[n] / seconds[0]:.2f}x)"
                 for n in trees))

@@ -28,13 +28,19 @@ from minimedusa.speed.weight_formats import format_of
 from minimedusa.tree import MedusaTree
 
 
+def cached_prefix(model, prompt_len: int) -> int:
+    """The prefix step_latency times steps after: prompt_len tokens, at most half the model's
+    context (a small model's steps still fit after it)."""
+    return min(prompt_len, model.config.max_position_embeddings // 2)
+
+
 def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 256,
                  repeats: int = 8) -> dict[int, float]:
     """Seconds per step for each tree of `trees` and for a plain step (size 0). Sizes are timed
     round-robin so that machine noise hits all of them alike; the median of `repeats` rounds is
     kept. Every step starts from the same cached prefix of prompt_len random tokens."""
     device = model.embed.weight.device
-    prompt_len = min(prompt_len, model.config.max_position_embeddings // 2)
+    prompt_len = cached_prefix(model, prompt_len)
     cache = new_cache(model, prompt_len, 1, margin=max(trees, default=0) + 1)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device,
                            generator=torch.Generator(device).manual_seed(0))
