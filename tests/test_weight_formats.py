@@ -25,6 +25,7 @@ from minimedusa.speed.quantized import (GROUP, Int4KernelLinear, Int4Linear, Int
 from minimedusa.speed.weight_formats import (activation_dtype, apply_format, bf16_is_native,
                                             format_of)
 from minimedusa.files.weights import save_model
+from test_draft_layer import perturbed_hydra_pp
 from test_medusa_decoding import flat
 
 
@@ -289,11 +290,16 @@ def test_medusa_greedy_equals_the_formats_plain_greedy(name, kind, seed):
 
 @needs_group_kernel
 @pytest.mark.parametrize("seed", [0, 1])
-def test_medusa_greedy_equals_int4s_plain_greedy_with_an_eight_bit_lm_head(seed):
-    """As above, the LM head (verifying every row) and the heads' drafts in 8-bit groups."""
+@pytest.mark.parametrize("kind", ["hydra", "hydra++"])
+def test_medusa_greedy_equals_int4s_plain_greedy_with_an_eight_bit_lm_head(seed, kind):
+    """As above, the LM head (verifying every row) and the heads' drafts in 8-bit groups (their
+    layers, a Hydra++ draft layer's too, rounded to them)."""
     model = apply_format(four_bit_model(seed), "int4")
     assert isinstance(model.lm_head, Int8GroupLinear)
-    heads = apply_format(HydraHeads.for_model(model, 4).float().eval(), "int4")
+    heads = (HydraHeads.for_model(model, 4) if kind == "hydra"
+             else perturbed_hydra_pp(model, 4, seed, 0.05))
+    heads = apply_format(heads.float().eval(), "int4")
+    assert any(isinstance(m, Int8GroupLinear) for m in heads.modules())
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
