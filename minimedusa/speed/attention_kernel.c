@@ -60,7 +60,7 @@ static inline fv lanes_of(float x) { return x - (fv){0}; }
 
 enum {
   MAX_D = 256,
-  KEYS = 8,  /* keys a score pass takes at once: eight sums in flight hide the adds' latency */
+  KEYS = 8,  /* keys a score pass takes at once: eight sums in flight hide the madds' latency */
   DIMS = 8,  /* head dims a values pass takes at once: eight sums in flight */
 };
 
