@@ -60,7 +60,7 @@ def test_model_written_prompts_are_finished_distinct_and_resume_to_the_same_turn
     write = lambda n, folder: model_written_prompts(smollm2, tokenizer, n, folder, 4, 0,  # noqa
                                                     lambda msg: None)
     (tmp_path / "once").mkdir(), (tmp_path / "resumed").mkdir()
-    once = write(5, tmp_path / "once")  # two batches (the first finishes 3 distinct turns)
+    once = write(5, tmp_path / "once")  # two batches here (the first finishes 3 turns)
     write(2, tmp_path / "resumed")  # a run stopped early, after one...
     assert write(5, tmp_path / "resumed") == once  # ...and resumed makes the same turns
     turns = [p["prompt"] for p in once]
