@@ -244,15 +244,16 @@ def test_int8_group_product_with_a_bias_equals_dequantize_then_matmul_plus_bias(
 def test_int4_rounds_the_heads_layers_to_eight_bit_groups_and_keeps_their_guesses(kind):
     """In int4 every layer of the heads the kernel fits is an Int8GroupLinear, its weight
     within half a step of each group's grid (and float16's rounding of the step), and the
-    heads' logits stay those of float32
-    heads to within the rounding (what they guess; what is accepted is the model's)."""
+    heads' logits stay those of float32 heads to within the rounding (what they guess; what is
+    accepted is the model's)."""
     model = apply_format(four_bit_model(0), "int4")
     heads = (perturbed(MedusaHeads.for_model(model, 3, num_layers=1), 0, 0.05) if kind == "medusa"
              else perturbed(HydraHeads.for_model(model, 3), 0, 0.05)).float().eval()
     float32 = {name: m.weight.clone() for name, m in heads.named_modules()
                if type(m) is nn.Linear}
-    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    tokens = torch.randint(0, model.config.vocab_size, (5, 3))
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, model.config.hidden_size, generator=g)
+    tokens = torch.randint(0, model.config.vocab_size, (5, 3), generator=g)
     with torch.inference_mode():
         before = (heads(hidden, model.lm_head) if kind == "medusa"
                   else heads(hidden, tokens, model.embed, model.lm_head))
@@ -268,6 +269,7 @@ def test_int4_rounds_the_heads_layers_to_eight_bit_groups_and_keeps_their_guesse
         assert (error <= step * (0.5 + 127 * 2 ** -11) + 1e-6).all(), name  # float16 scales
     assert (after.float() - before.float()).abs().max() <= 0.02 * before.abs().max()  # ~0.5%
     assert torch.equal(after.argmax(-1), before.argmax(-1))  # the same first guesses here
+
 
 @pytest.mark.parametrize("name", ["bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
