@@ -81,9 +81,10 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
 def add_quantize_argument(parser) -> None:
     parser.add_argument("--quantize", choices=("none", "int8", "int4", "w4a8"), default="none",
                         help="int4: the blocks' weights in 4 bits, a scale and a minimum per 32 "
-                        "(as the GGUF's Q4_1), the heads in bfloat16, the LM head in 8-bit "
-                        "groups if its weights already lie on them (as the GGUF's Q8_0), else "
-                        "bfloat16; lossless for a model whose weights came from such a file. "
+                        "(as the GGUF's Q4_1), the heads' layers rounded to 8-bit groups where "
+                        "group_kernel.c multiplies, the LM head in 8-bit groups if its weights "
+                        "already lie on them (as the GGUF's Q8_0), else bfloat16; lossless for a "
+                        "model whose weights came from such a file. "
                         "w4a8: int4's weights times 8-bit activations (a scale per row and "
                         "group of 32, as llama.cpp's Q4_1 decoding) in the blocks' products "
                         "but the attention's input one: integer products, cheaper tree rows, "

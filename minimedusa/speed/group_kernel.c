@@ -149,9 +149,9 @@ static inline __attribute__((always_inline)) void product(const uint16_t* x, con
 #define AVX2_PATH 1
 
 /* AVX2 (no bfloat16 dot product): bfloat16 rows go to float32 once per call (float32 rows are
-   taken as they are), each q to float32 as it is read, and FMA multiplies 8 outputs at a time. Same layouts, same order per row: one
-   accumulator per 8 outputs, the group's pairs of inputs in order. 16 vector registers hold
-   ROWS rows' 2 accumulators each, and a pair's weights. */
+   taken as they are), each q to float32 as it is read, and FMA multiplies 8 outputs at a time.
+   Same layouts, same order per row: one accumulator per 8 outputs, the group's pairs of inputs
+   in order. 16 vector registers hold ROWS rows' 2 accumulators each, and a pair's weights. */
 enum {
   ROWS = 4,
   PAIRED = 2,  /* int4 blocks of outputs a one-row pass takes together (group_rows4): the

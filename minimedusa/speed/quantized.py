@@ -173,9 +173,11 @@ class Int4KernelLinear(nn.Module):
             linear.bias.detach().to(torch.bfloat16))
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    product = torch.ops.minimedusa.int4_product  # the kernel's function that multiplies
+
     def forward(self, x):  # (..., K) -> (..., N)
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        y = torch.ops.minimedusa.int4_product(rows, self.packed, self.scales, self.minimums)
+        y = self.product(rows, self.packed, self.scales, self.minimums)  # (M, N)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -186,11 +188,7 @@ class Int4A8KernelLinear(Int4KernelLinear):
     group_kernel.c, whose integer products are cheaper than float ones on a CPU (VPMADDUBSW:
     32 byte pairs an instruction, 8 floats an FMA)."""
 
-    def forward(self, x):  # (..., K) -> (..., N)
-        rows = x.reshape(-1, self.in_features)  # (M, K)
-        y = torch.ops.minimedusa.int4_a8_product(rows, self.packed, self.scales, self.minimums)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    product = torch.ops.minimedusa.int4_a8_product
 
 
 class Int8GroupLinear(nn.Module):
@@ -278,9 +276,9 @@ def eight_bit_head_layers(heads: nn.Module) -> int:
     rounded to 8-bit groups, in place, where group_kernel.c multiplies on this CPU; how many.
     Why: the heads' draft reads their weights once a depth, in float32 4 bytes a weight (the
     default Hydra heads, 4 deep: 24 MB); 8-bit groups read a quarter of that (a 3-node draft
-    2.3 -> 1.1 ms on the 2-core AVX2 EPYC, records/heads-int8-draft-epyc-avx2.txt). Rounding the heads changes only their guesses
-    (within ~0.4% of each group's largest weight), never what the model accepts: greedy
-    Medusa stays lossless."""
+    2.3 -> 1.1 ms on the 2-core AVX2 EPYC, records/heads-int8-draft-epyc-avx2.txt). Rounding
+    the heads changes only their guesses (within ~0.4% of each group's largest weight), never
+    what the model accepts: greedy Medusa stays lossless."""
     if group_kernel.kernel_problem() is not None:
         return 0
     layers = [(parent, name, child) for parent in heads.modules()
@@ -289,7 +287,7 @@ def eight_bit_head_layers(heads: nn.Module) -> int:
               and child.in_features % GROUP == 0]
     for parent, name, child in layers:
         q, scales = quantize_int8_groups(child.weight)
-        setattr(parent, name, Int8GroupLinear(q, scales.half().float(), child.bias))
+        setattr(parent, name, Int8GroupLinear(q, scales, child.bias))  # scales: float16 there
     return len(layers)
 
 
