@@ -26,12 +26,25 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def avx2(tmp_path_factory) -> dict:
-    """The AVX2 build's two products (group_kernel.products)."""
+    """The AVX2 build's three products, called with ctypes: int4_product(x, packed, scales,
+    minimums, y, M, N, K, floats), int4_a8_product (the same arguments) and int8_product(x,
+    packed, scales, y, M, N, K, floats); pointers to the tensors' data, floats 1 for float32
+    rows (else bfloat16); each returns 0 when done."""
     out = tmp_path_factory.mktemp("avx2") / "group_kernel_avx2.so"
     build(group_kernel.SOURCE, COMPILER, out, ("-march=haswell",))
     library = ctypes.CDLL(str(out))
     assert library.group_kernel_available() == 1 and library.group_kernel_floats() == 1
-    return group_kernel.products(library)
+    found = {}
+    for name, pointers in (("int4_product", 5), ("int4_a8_product", 5), ("int8_product", 4)):
+        product = getattr(library, name)
+        product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        product.restype = ctypes.c_int
+        found[name] = product
+    return found
+
+
+def floats(x: torch.Tensor) -> int:
+    return int(x.dtype == torch.float32)
 
 
 def int4_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor, name="int4_product"):
@@ -40,7 +53,7 @@ def int4_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor, name="int4_p
     packed, scales, minimums = group_kernel.pack_int4(*quantize_int4(weight))
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     assert avx2[name](x.data_ptr(), packed.data_ptr(), scales.data_ptr(), minimums.data_ptr(),
-                      y.data_ptr(), *x.shape[:1], *weight.shape, group_kernel.floats(x)) == 0
+                      y.data_ptr(), *x.shape[:1], *weight.shape, floats(x)) == 0
     return y
 
 
@@ -54,7 +67,7 @@ def int8_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     assert avx2["int8_product"](x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                                 y.data_ptr(), *x.shape[:1], *weight.shape,
-                                group_kernel.floats(x)) == 0
+                                floats(x)) == 0
     return y
 
 

@@ -13,8 +13,9 @@ rows a pass, a row's dot products along the head dim) took 36 / 231 / 370; after
 tokens, 0.36 ms a step of 30 blocks (was 0.73).
 
 Built at first use (c_kernels.py: the C compiler torch.compile already needs, -march=native, the
-user's cache folder); called through ctypes from a torch operator, so that compiled graphs call
-it as they call oneDNN's products (packed_linear.OPERATORS). It serves bfloat16 and float32
+user's cache folder); called through a torch operator (its schema and shape here, what it runs in
+operators.cpp), so that compiled graphs call it as they call oneDNN's products
+(packed_linear.OPERATORS). It serves bfloat16 and float32
 rows of one sequence with a head dim up to 256; anything else (float64 test models, batches,
 long prompts) keeps the reference. Outside compiled graphs (the prompt's
 prefill, a compiled model run eagerly) the reference runs: eager decoding stays the reading path.
@@ -22,13 +23,12 @@ tests/test_attention_kernel.py checks it against the reference and the row prope
 
 Shapes: H query heads, G key/value heads, T rows, S attended slots, D head dim.
 """
-import ctypes
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from minimedusa.speed.c_kernels import load_library, why_not
+from minimedusa.speed.c_kernels import load_library, load_operators, why_not
 from minimedusa.model import exact_attention
 from minimedusa.speed.packed_linear import OPERATORS
 
@@ -36,49 +36,25 @@ SOURCE = Path(__file__).with_suffix(".c")
 MAX_D = 256  # attention_kernel.c's MAX_D
 
 
-class Step(ctypes.Structure):
-    """attention_kernel.c's Step: the tensors' addresses, sizes and strides (in elements)."""
-    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
-                ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                *[(name, ctypes.c_int64) for name in
-                  ("H", "G", "T", "S", "D", "q_head", "q_row", "kv_head", "out_head", "out_row")],
-                ("bf16", ctypes.c_int), ("scale", ctypes.c_float)]
-
-
-# the kernel, loaded at the first kernel_problem() of the process: "attend", the function, or
-# "problem", why there is none
+# set at the first kernel_problem() of the process: "problem", None or why there is no kernel
 _kernel: dict = {}
 
 
 def kernel_problem() -> str | None:
-    """None if the kernel is built and loaded (at the first call), else why not in one line."""
+    """None if the kernel is built and loaded and its operator runs (at the first call), else
+    why not in one line."""
     if not _kernel:
         try:
-            attend = load_library(SOURCE).attend
-            attend.argtypes, attend.restype = [ctypes.POINTER(Step)], ctypes.c_int
-            _kernel["attend"] = attend
+            load_library(SOURCE)  # built for this CPU and loaded
+            _kernel["problem"] = load_operators()
         except (OSError, RuntimeError) as e:
             _kernel["problem"] = why_not(e)
-    return _kernel.get("problem")
+    return _kernel["problem"]
 
 
+# exact_attention's output (1, H, T, D) from the C kernel; q (1, H, T, D), k and v (1, G, S, D)
+# with each key a contiguous row of D (cache slices), mask (1, 1, T, S) bool
 OPERATORS.define("step_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")
-
-
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor) -> torch.Tensor:
-    """exact_attention's output (1, H, T, D) from the C kernel; q (1, H, T, D), k and v
-    (1, G, S, D) with each key a contiguous row of D (cache slices), mask (1, 1, T, S) bool."""
-    _, H, T, D = q.shape
-    G, S = k.shape[1], k.shape[2]
-    out = new_output(q)
-    mask = mask.contiguous()
-    step = Step(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(),
-                H, G, T, S, D, q.stride(1), q.stride(2), k.stride(1), out.stride(1),
-                out.stride(2), q.dtype == torch.bfloat16, D ** -0.5)
-    if _kernel["attend"](ctypes.byref(step)) != 0:
-        raise MemoryError("attention_kernel.c could not allocate its scores")
-    return out
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -86,9 +62,6 @@ def new_output(q: torch.Tensor) -> torch.Tensor:
     a view, not a copy."""
     _, H, T, D = q.shape
     return q.new_empty(1, T, H, D).transpose(1, 2)
-
-
-OPERATORS.impl("step_attention", step_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("minimedusa::step_attention")

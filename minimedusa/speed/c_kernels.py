@@ -1,5 +1,6 @@
 """Building this project's C kernels (attention_kernel.c, group_kernel.c) on the machine that
-runs them, once, and loading them with ctypes.
+runs them, once, and loading them: with ctypes, and as torch operators (operators.cpp, linked
+with both kernels' libraries, loaded into torch by load_operators).
 
 The C compiler is the one torch.compile already needs (cc, or $CC), with -O3 -march=native:
 a kernel is built for this CPU's vector units, into the user's cache folder, under a name that
@@ -8,6 +9,8 @@ CPU's binary to another. OpenMP where the compiler has it, else one thread. Each
 loads its library at first use and keeps, for the process, the library or why there is none.
 A cache folder's accidents cost a build, never the kernel: a library that does not load is built
 again (once), and a failed build leaves nothing behind.
+The operators are C++ against torch's headers (the C++ compiler torch.compile needs too: c++, or
+$CXX): ~15 s to build on a 2-core CPU, once per machine, torch version and kernels' sources.
 """
 import ctypes
 import hashlib
@@ -15,9 +18,14 @@ import os
 import subprocess
 from pathlib import Path
 
+import torch
+
 from minimedusa.speed.machine import cpu_features, cpu_model
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+HERE = Path(__file__).parent
+KERNELS = (HERE / "group_kernel.c", HERE / "attention_kernel.c")  # what operators.cpp calls
+OPERATORS = HERE / "operators.cpp"
 
 
 def kernels_folder() -> Path:
@@ -28,17 +36,22 @@ def kernels_folder() -> Path:
 
 
 def compile_kernel(source: Path, compiler: str) -> Path:
-    """`source` built for this machine, or the copy built before. Written beside its final
-    name, then renamed (processes building it at once never read half a file); a failed build
-    leaves nothing behind."""
+    """`source` built for this machine, or the copy built before."""
     key = hashlib.sha256("\n".join([source.read_text(), compiler, *FLAGS, cpu_model(),
                                     cpu_features()]).encode()).hexdigest()[:16]
-    path = kernels_folder() / f"{source.stem}-{key}.so"
+    return built(kernels_folder() / f"{source.stem}-{key}.so",
+                 lambda out: build(source, compiler, out))
+
+
+def built(path: Path, build_into) -> Path:
+    """`path`, built by build_into(a file) unless it is there. Written beside its final name,
+    then renamed (processes building it at once never read half a file); a failed build leaves
+    nothing behind."""
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            build(source, compiler, tmp)
+            build_into(tmp)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -50,13 +63,12 @@ def build(source: Path, compiler: str, out: Path, extra: tuple[str, ...] = ()) -
     flags after this CPU's (tests build a kernel's AVX2 path on an AVX-512 CPU with
     -march=haswell: the last -march wins)."""
     for openmp in (["-fopenmp"], []):
-        done = subprocess.run([compiler, *FLAGS, *extra, *openmp, str(source), "-o", str(out)],
-                              capture_output=True, text=True)
-        if done.returncode == 0:
-            return
-    said = done.stderr.strip()[:300]
-    raise RuntimeError(f"{compiler} failed (exit status {done.returncode})"
-                       + (f": {said}" if said else ""))
+        try:
+            return run_compiler([compiler, *FLAGS, *extra, *openmp, str(source), "-o", str(out)],
+                                compiler)
+        except RuntimeError:
+            if not openmp:
+                raise
 
 
 def load_library(source: Path) -> ctypes.CDLL:
@@ -70,6 +82,49 @@ def load_library(source: Path) -> ctypes.CDLL:
     except OSError:
         path.unlink(missing_ok=True)
         return ctypes.CDLL(str(compile_kernel(source, compiler)))
+
+
+# set by the first load_operators() of the process: "problem", None or why they did not load
+_operators: dict = {}
+
+
+def load_operators() -> str | None:
+    """Load operators.cpp's torch operators (built, with both kernels, at the first call of
+    the process); None if they run, else why not in one line. The operators' schemas are
+    Python's (group_kernel.py, attention_kernel.py): the library registers what they run."""
+    if not _operators:
+        try:
+            torch.ops.load_library(str(compile_operators()))
+            _operators["problem"] = None
+        except (OSError, RuntimeError) as e:
+            _operators["problem"] = why_not(e)
+    return _operators["problem"]
+
+
+def compile_operators() -> Path:
+    """operators.cpp built against this torch and linked with the kernels' libraries, found
+    beside it by name (their names hold their hashes: one built from other sources is another
+    file), or the copy built before."""
+    kernels = [compile_kernel(source, os.environ.get("CC", "cc")) for source in KERNELS]
+    compiler = os.environ.get("CXX", "c++")
+    torch_folder = Path(torch.__file__).parent
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-I{torch_folder / 'include'}",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    links = [f"-L{torch_folder / 'lib'}", "-ltorch_cpu", "-lc10", f"-L{kernels_folder()}",
+             *(f"-l:{kernel.name}" for kernel in kernels), "-Wl,-rpath,$ORIGIN"]
+    key = hashlib.sha256("\n".join([OPERATORS.read_text(), compiler, *flags, torch.__version__,
+                                    *(kernel.name for kernel in kernels)]).encode()
+                         ).hexdigest()[:16]
+    return built(kernels_folder() / f"operators-{key}.so", lambda out: run_compiler(
+        [compiler, *flags, str(OPERATORS), *links, "-o", str(out)], compiler))
+
+
+def run_compiler(command: list[str], compiler: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        said = done.stderr.strip()[:300]
+        raise RuntimeError(f"{compiler} failed (exit status {done.returncode})"
+                           + (f": {said}" if said else ""))
 
 
 def why_not(error: Exception) -> str:

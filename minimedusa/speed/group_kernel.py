@@ -1,6 +1,6 @@
 """Products of weights quantized in groups of 32 inputs, in C: group_kernel.c, built at first
 use (c_kernels.py) and called through torch operators, as oneDNN's products are
-(packed_linear.OPERATORS). Two paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and
+(packed_linear.OPERATORS): their schemas and shapes here, what they run in operators.cpp. Two paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and
 AVX2 with FMA and F16C (Zen 2 and 3, Intel since Haswell), which multiplies in float32 and so
 takes float32 rows too (takes_float32: the int4 and w4a8 formats then keep float32 activations).
 And, in both builds, int4 weights times 8-bit activations (int4_a8_product, the w4a8 format).
@@ -27,49 +27,34 @@ built for it on any CPU that has AVX2.
 
 Shapes: M rows, N outputs, K inputs, G = K / 32 groups, B = N / 16 blocks of outputs.
 """
-import ctypes
 from pathlib import Path
 
 import torch
 
-from minimedusa.speed.c_kernels import load_library, why_not
+from minimedusa.speed.c_kernels import load_library, load_operators, why_not
 from minimedusa.speed.machine import cpu_features
 from minimedusa.speed.packed_linear import OPERATORS
 
 SOURCE = Path(__file__).with_suffix(".c")
 
-# the kernel, loaded at the first kernel_problem() of the process (require_kernel() asks it):
-# "int4_product" and "int8_product", its functions, or "problem", why there are none
+# set at the first kernel_problem() of the process (require_kernel() asks it): "floats",
+# whether it takes float32 rows, and "problem", None or why the kernel does not multiply here
 _kernel: dict = {}
 
 
 def kernel_problem() -> str | None:
-    """None if the kernel is built, loaded and multiplies on this CPU, else why not."""
+    """None if the kernel is built, loaded and multiplies on this CPU, and its operators run
+    (c_kernels.load_operators), else why not."""
     if not _kernel:
         try:
             library = load_library(SOURCE)
             if not library.group_kernel_available():
                 raise RuntimeError("this CPU has neither AVX-512 BF16 nor AVX2 with FMA and F16C")
-            _kernel.update(products(library))
             _kernel["floats"] = bool(library.group_kernel_floats())
+            _kernel["problem"] = load_operators()
         except (OSError, RuntimeError) as e:
             _kernel["problem"] = why_not(e)
-    return _kernel.get("problem")
-
-
-def products(library: ctypes.CDLL) -> dict:
-    """A built group_kernel.c's three functions, their arguments typed: int4_product(x, packed,
-    scales, minimums, y, M, N, K, floats), int4_a8_product (the same arguments) and
-    int8_product(x, packed, scales, y, M, N, K, floats), pointers to the tensors' data, floats 1
-    for float32 rows (else bfloat16); each returns 0 when done (1: not in this build, 2: out of
-    memory)."""
-    found = {}
-    for name, pointers in (("int4_product", 5), ("int4_a8_product", 5), ("int8_product", 4)):
-        product = getattr(library, name)
-        product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        product.restype = ctypes.c_int
-        found[name] = product
-    return found
+    return _kernel["problem"]
 
 
 def takes_float32() -> bool:
@@ -130,76 +115,25 @@ def by_block(t: torch.Tensor) -> torch.Tensor:
     return t.half().view(N // 16, 16, -1).permute(0, 2, 1).contiguous()
 
 
-def floats(rows: torch.Tensor) -> int:
-    """The kernel's `floats` argument for these rows: 1 for float32, 0 for bfloat16."""
-    if rows.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"group_kernel.c multiplies bfloat16 or float32 rows, not {rows.dtype}")
-    return int(rows.dtype == torch.float32)
-
-
-def multiply(name: str, rows: torch.Tensor, weights: tuple, what: str) -> torch.Tensor:
-    """rows (M, K) bfloat16 (or float32, takes_float32) times a packed weight, by the kernel's
-    function `name`: (M, N), the rows' dtype. weights: its tensors in the function's order, the
-    scales (B, G, 16) second; what: what it allocates, for the out-of-memory error."""
-    rows = rows.contiguous()
-    M, K = rows.shape
-    y = rows.new_empty(M, weights[1].shape[0] * 16)
-    done = _kernel[name](rows.data_ptr(), *(w.data_ptr() for w in weights), y.data_ptr(),
-                         M, y.shape[1], K, floats(rows))
-    if done == 1:
-        raise RuntimeError("this build of group_kernel.c multiplies bfloat16 rows only "
-                           "(takes_float32)")
-    if done == 2:
-        raise MemoryError(f"group_kernel.c could not allocate {what}")
-    return y
-
-
+# rows (M, K) bfloat16 (or float32, takes_float32) times a packed weight: (M, N), the rows'
+# dtype. int4_a8_product quantizes the rows to 8 bits a group of 32 inside the kernel (w4a8).
+# Each operator's fake (its output's shape, for the compiler's tracing) is here, what it runs
+# on a CPU in operators.cpp.
 OPERATORS.define("int4_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
                  "-> Tensor")
-
-
-def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                 minimums: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) times the packed int4 weight: (M, N), the rows' dtype."""
-    return multiply("int4_product", rows, (packed, scales, minimums), "its sums")
-
-
-OPERATORS.impl("int4_product", int4_product, "CompositeExplicitAutograd")
+OPERATORS.define("int4_a8_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
+                 "-> Tensor")
+OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales) -> Tensor")
 
 
 @torch.library.register_fake("minimedusa::int4_product")
-def _(rows, packed, scales, minimums):  # its output's shape, for the compiler's tracing
+def _(rows, packed, scales, minimums):
     return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
-
-
-OPERATORS.define("int4_a8_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
-                 "-> Tensor")
-
-
-def int4_a8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                    minimums: torch.Tensor) -> torch.Tensor:
-    """rows (M, K), quantized to 8 bits per group of 32 inside the kernel, times the packed
-    int4 weight (the w4a8 format): (M, N), the rows' dtype."""
-    return multiply("int4_a8_product", rows, (packed, scales, minimums), "the rows' 8-bit copy")
-
-
-OPERATORS.impl("int4_a8_product", int4_a8_product, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("minimedusa::int4_a8_product")
 def _(rows, packed, scales, minimums):
     return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
-
-
-OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales) -> Tensor")
-
-
-def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) times the packed 8-bit weight: (M, N), the rows' dtype."""
-    return multiply("int8_product", rows, (packed, scales), "its rows in float32")
-
-
-OPERATORS.impl("int8_product", int8_product, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("minimedusa::int8_product")

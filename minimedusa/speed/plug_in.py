@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from minimedusa.errors import UserError
 from minimedusa.model import Llama
-from minimedusa.speed import attention_kernel, group_kernel
+from minimedusa.speed import c_kernels
 from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
@@ -74,8 +74,8 @@ def how_it_runs(model: Llama) -> str:
 
 
 def kernels_version() -> str:
-    """A short hash of the C kernels' sources: what a step costs changes with them (a faster
-    attention makes a tree's rows cheaper), so latencies measured with other sources are not
-    reused."""
-    text = "".join(source.read_text() for source in (attention_kernel.SOURCE, group_kernel.SOURCE))
+    """A short hash of the C kernels' and their operators' sources: what a step costs changes
+    with them (a faster attention makes a tree's rows cheaper), so latencies measured with other
+    sources are not reused."""
+    text = "".join(source.read_text() for source in (*c_kernels.KERNELS, c_kernels.OPERATORS))
     return hashlib.sha256(text.encode()).hexdigest()[:8]
