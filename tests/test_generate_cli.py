@@ -55,6 +55,29 @@ def test_generate_streams_text_on_the_tiny_model(tiny_folder):
     assert "5 tokens" in done.stderr
 
 
+def main_output(capsys, *args) -> tuple[str, str]:
+    """(stdout, stderr) of generate.py's main run in this process: a test that checks what a
+    run prints, not how the process starts, skips a process's ~3 s of imports."""
+    generate_main(list(args))
+    done = capsys.readouterr()
+    return done.out, done.err
+
+
+def assert_main_error(capsys, args, *needles):
+    """generate.py's main, run in this process on bad input, ends in one line naming the
+    problem (its exception a SystemExit, not a traceback); the line printed by an argparse
+    error or carried by the SystemExit. A whole process doing so:
+    test_missing_weights_file_gives_one_clear_line."""
+    with pytest.raises(SystemExit) as stop:
+        generate_main(list(args))
+    code = stop.value.code
+    lines = capsys.readouterr().err.strip().splitlines() + (
+        [] if code is None or isinstance(code, int) else str(code).splitlines())
+    assert code not in (0, None) and len(lines) == 1, lines
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
 def assert_one_line_error(done, *needles):
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
@@ -73,14 +96,14 @@ def assert_one_line_error(done, *needles):
     (["--temperature", "-1"], "--temperature"),
     (["--model", "/no/such/folder"], "/no/such/folder"),
 ])
-def test_bad_flags_give_one_clear_line(tiny_folder, flags, needle):
+def test_bad_flags_give_one_clear_line(tiny_folder, flags, needle, capsys):
     model = [] if "--model" in flags else ["--model", str(tiny_folder)]
-    assert_one_line_error(generate("--prompt", "Hi", *model, *flags), needle)
+    assert_main_error(capsys, ["--prompt", "Hi", *model, *flags], needle)
 
 
-def test_prompt_longer_than_the_context_gives_one_clear_line(tiny_folder):
-    done = generate("--model", str(tiny_folder), "--raw", "--prompt", "word " * 100)
-    assert_one_line_error(done, "context is 64 tokens")
+def test_prompt_longer_than_the_context_gives_one_clear_line(tiny_folder, capsys):
+    assert_main_error(capsys, ["--model", str(tiny_folder), "--raw", "--prompt", "word " * 100],
+                      "context is 64 tokens")
 
 
 def test_missing_weights_file_gives_one_clear_line(tiny_folder):
@@ -89,21 +112,21 @@ def test_missing_weights_file_gives_one_clear_line(tiny_folder):
                           "missing weights file")
 
 
-def test_truncated_weights_file_gives_one_clear_line(tiny_folder):
+def test_truncated_weights_file_gives_one_clear_line(tiny_folder, capsys):
     path = tiny_folder / "model.safetensors"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    assert_one_line_error(generate("--model", str(tiny_folder), "--prompt", "Hi"), "truncated")
+    assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi"], "truncated")
 
 
 @pytest.mark.parametrize("edit, needle", [
     (lambda c: c.pop("num_hidden_layers"), "num_hidden_layers"),
     (lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "only runs Llama"),
 ])
-def test_bad_config_gives_one_clear_line(tiny_folder, edit, needle):
+def test_bad_config_gives_one_clear_line(tiny_folder, edit, needle, capsys):
     config = json.loads((tiny_folder / "config.json").read_text())
     edit(config)
     (tiny_folder / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(generate("--model", str(tiny_folder), "--prompt", "Hi"), needle)
+    assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi"], needle)
 
 
 def test_generate_peak_memory_stays_below_1_5_gb(default_model_dir):
@@ -126,22 +149,23 @@ def test_generate_peak_memory_stays_below_1_5_gb(default_model_dir):
 # test_compiled_step.py; the default flags: the tests around these): each process then skips
 # its ~5 s of torch.compile start-up and warm-up
 
-def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder):
-    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "12",
-                    "--heads", "untrained:3", "--tree", "chain3", "--json", "--no-compile")
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder, capsys):
+    out, _ = main_output(capsys, "--model", str(tiny_folder), "--prompt", "Hi",
+                         "--max-new-tokens", "12", "--heads", "untrained:3", "--tree", "chain3",
+                         "--json", "--no-compile")
+    result = json.loads(out)
     assert result["mode"].startswith("medusa heads, tree chain3 (3 nodes, --tree)")
     assert result["new_tokens"] == 12
     assert sum(int(n) * c for n, c in result["accepted_histogram"].items()) == 12
     assert result["acceleration_rate"] == pytest.approx(12 / result["steps"], abs=1e-3)
 
 
-def test_medusa_greedy_cli_output_equals_baseline(tiny_folder):
+def test_medusa_greedy_cli_output_equals_baseline(tiny_folder, capsys):
     args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json",
             "--no-compile"]
-    medusa = json.loads(generate(*args, "--heads", "untrained:4", "--tree", "cpu_8").stdout)
-    plain = json.loads(generate(*args, "--heads", "untrained:4", "--baseline").stdout)
+    medusa = json.loads(main_output(capsys, *args, "--heads", "untrained:4", "--tree",
+                                    "cpu_8")[0])
+    plain = json.loads(main_output(capsys, *args, "--heads", "untrained:4", "--baseline")[0])
     assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
 
 
@@ -182,22 +206,22 @@ def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder
 
 
 @pytest.mark.parametrize("tree", ["ranked:5", "ranked"])
-def test_confidence_ranked_trees_decode_as_the_baseline(tiny_folder, tree):
+def test_confidence_ranked_trees_decode_as_the_baseline(tiny_folder, tree, capsys):
     """ranked:N, each step's N most probable nodes; ranked, N chosen by the budget."""
     args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json",
             "--heads", "untrained-hydra:3", "--no-compile"]
-    ranked = json.loads(generate(*args, "--tree", tree).stdout)
-    plain = json.loads(generate(*args, "--baseline").stdout)
+    ranked = json.loads(main_output(capsys, *args, "--tree", tree)[0])
+    plain = json.loads(main_output(capsys, *args, "--baseline")[0])
     assert ranked["output_ids"] == plain["output_ids"]
     assert ranked["mode"].startswith("hydra heads, confidence-ranked tree of ")
-    assert_one_line_error(generate(*args, "--tree", "ranked:0"), "use ranked:N with N >= 1")
+    assert_main_error(capsys, [*args, "--tree", "ranked:0"], "use ranked:N with N >= 1")
 
 
 @pytest.mark.parametrize("tree", ["ranked:100000", "dense:100,100,100"])
-def test_a_tree_past_the_bound_gives_one_clear_line(tiny_folder, tree):
-    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads", "untrained:3",
-                    "--tree", tree, "--no-compile")
-    assert_one_line_error(done, tree, "at most 1024")
+def test_a_tree_past_the_bound_gives_one_clear_line(tiny_folder, tree, capsys):
+    assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi", "--heads",
+                               "untrained:3", "--tree", tree, "--no-compile"],
+                      tree, "at most 1024")
 
 
 def test_ctrl_c_while_torch_loads_ends_in_one_line():
@@ -217,26 +241,25 @@ def test_ctrl_c_while_torch_loads_ends_in_one_line():
     assert done.returncode != 0 and done.stderr.strip() == "interrupted", done.stderr
 
 
-def test_malformed_tree_file_gives_one_clear_line(tiny_folder, tmp_path):
+def test_malformed_tree_file_gives_one_clear_line(tiny_folder, tmp_path, capsys):
     tree = tmp_path / "tree.json"
     tree.write_text("[[0], [1, 0]]")
-    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads", "untrained:2",
-                    "--tree", str(tree))
-    assert_one_line_error(done, "node path [1, 0] has no parent")
+    assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi", "--heads",
+                               "untrained:2", "--tree", str(tree)],
+                      "node path [1, 0] has no parent")
 
 
-def test_tree_deeper_than_the_heads_gives_one_clear_line(tiny_folder):
-    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads", "untrained:2",
-                    "--tree", "chain5")
-    assert_one_line_error(done, "only 2 Medusa heads")
+def test_tree_deeper_than_the_heads_gives_one_clear_line(tiny_folder, capsys):
+    assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi", "--heads",
+                               "untrained:2", "--tree", "chain5"], "only 2 Medusa heads")
 
 
-def test_heads_for_another_model_give_one_clear_line(tiny_folder, tmp_path):
+def test_heads_for_another_model_give_one_clear_line(tiny_folder, tmp_path, capsys):
     other = tiny_model(dtype=torch.float32, hidden_size=48, vocab_size=49152)
     save_heads(MedusaHeads.for_model(other, 2), tmp_path / "heads")
-    done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--heads",
-                    str(tmp_path / "heads"))
-    assert_one_line_error(done, "hidden_size is 48 but the model's is 32")
+    assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi", "--heads",
+                               str(tmp_path / "heads")],
+                      "hidden_size is 48 but the model's is 32")
 
 
 def test_a_kernel_that_cannot_be_built_is_named_in_one_line(tiny_folder, monkeypatch, capsys):

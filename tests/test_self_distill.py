@@ -61,8 +61,11 @@ def test_model_written_prompts_are_finished_distinct_and_resume_to_the_same_turn
                                                     lambda msg: None)
     (tmp_path / "once").mkdir(), (tmp_path / "resumed").mkdir()
     once = write(5, tmp_path / "once")  # two batches here (the first finishes 3 turns)
-    write(2, tmp_path / "resumed")  # a run stopped early, after one...
-    assert write(5, tmp_path / "resumed") == once  # ...and resumed makes the same turns
+    # a run killed after its first batch leaves that batch's line (the file is replaced whole
+    # after each batch, and a batch's turns depend only on its index: the seed + its number)
+    first = (tmp_path / "once" / "user_turns.jsonl").read_text().splitlines(keepends=True)[0]
+    (tmp_path / "resumed" / "user_turns.jsonl").write_text(first)
+    assert write(5, tmp_path / "resumed") == once  # ...resumed, it makes the same turns
     turns = [p["prompt"] for p in once]
     assert len(turns) == 5 == len(set(turns))
     assert all(len(t.split()) >= 3 and "<|im_end|>" not in t for t in turns)
