@@ -50,7 +50,7 @@ def test_json_output_matches_the_reference_greedy_continuation(reference):
 
 def test_generate_streams_text_on_the_tiny_model(tiny_folder):
     done = generate("--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "5",
-                    "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
+                    "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--no-compile")
     assert done.returncode == 0, done.stderr
     assert "5 tokens" in done.stderr
 
@@ -187,21 +187,20 @@ def test_the_step_is_compiled_where_it_can_be_and_eager_otherwise(tiny_folder, t
     assert "torch.compile does not work here, decoding eagerly" in broken.stderr
 
 
-def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder):
+def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder, capsys):
     """Without --tree the budget picks each step's size (plain included) from latencies it
     measured here at load time, which is reported apart from the decoding's seconds; the
     output stays plain greedy's. (Eager steps: the compiled ones are
     test_the_step_is_compiled_where_it_can_be_and_eager_otherwise's.)"""
     args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json",
             "--heads", "untrained:4", "--no-compile"]
-    done = generate(*args)
-    assert done.returncode == 0, done.stderr
-    medusa, plain = json.loads(done.stdout), json.loads(generate(*args, "--baseline").stdout)
+    out, err = main_output(capsys, *args)
+    medusa, plain = json.loads(out), json.loads(main_output(capsys, *args, "--baseline")[0])
     assert medusa["output_ids"] == plain["output_ids"]
     assert medusa["mode"].startswith("medusa heads, tree of ")
     assert "steps by size: " in medusa["mode"] and "latencies measured here" in medusa["mode"]
-    assert medusa["load_seconds"] > 0 and "not counted" in done.stderr
-    again = json.loads(generate(*args).stdout)  # the second process reads the cache
+    assert medusa["load_seconds"] > 0 and "not counted" in err
+    again = json.loads(main_output(capsys, *args)[0])  # a second run reads the cache file
     assert "latencies cached" in again["mode"]
 
 
