@@ -70,26 +70,31 @@ const uint16_t* halves(const at::Tensor& t) {  /* float16 scales and minimums, a
   return static_cast<const uint16_t*>(t.const_data_ptr());
 }
 
-at::Tensor int4_op(const at::Tensor& rows_, const at::Tensor& packed, const at::Tensor& scales,
-                   const at::Tensor& minimums) {
+/* the int4 layout's two products: float rows (int4_product) or rows rounded to 8 bits inside
+   the kernel (int4_a8_product, the w4a8 format) */
+using Int4Product = int (*)(const void*, const uint8_t*, const uint16_t*, const uint16_t*, void*,
+                            int64_t, int64_t, int64_t, int);
+
+at::Tensor int4_layout(Int4Product product, const char* what, const at::Tensor& rows_,
+                       const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& minimums) {
   const at::Tensor rows = rows_.contiguous();
   at::Tensor y = output(rows, scales);
-  check(int4_product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(), halves(scales),
-                     halves(minimums), y.mutable_data_ptr(), rows.size(0), y.size(1),
-                     rows.size(1), floats(rows)),
-        "its sums");
+  check(product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(), halves(scales),
+                halves(minimums), y.mutable_data_ptr(), rows.size(0), y.size(1), rows.size(1),
+                floats(rows)),
+        what);
   return y;
 }
 
-at::Tensor int4_a8_op(const at::Tensor& rows_, const at::Tensor& packed,
+at::Tensor int4_op(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales,
+                   const at::Tensor& minimums) {
+  return int4_layout(int4_product, "its sums", rows, packed, scales, minimums);
+}
+
+at::Tensor int4_a8_op(const at::Tensor& rows, const at::Tensor& packed,
                       const at::Tensor& scales, const at::Tensor& minimums) {
-  const at::Tensor rows = rows_.contiguous();
-  at::Tensor y = output(rows, scales);
-  check(int4_a8_product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(), halves(scales),
-                        halves(minimums), y.mutable_data_ptr(), rows.size(0), y.size(1),
-                        rows.size(1), floats(rows)),
-        "the rows' 8-bit copy");
-  return y;
+  return int4_layout(int4_a8_product, "the rows' 8-bit copy", rows, packed, scales, minimums);
 }
 
 at::Tensor int8_op(const at::Tensor& rows_, const at::Tensor& packed, const at::Tensor& scales) {
