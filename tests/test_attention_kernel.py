@@ -13,6 +13,8 @@ from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask, exact_attention
 
+attend = torch.ops.minimedusa.step_attention  # the C kernel's operator (operators.cpp)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
@@ -41,7 +43,7 @@ def test_kernel_gives_the_reference_attention(dtype, H, G, D, T):
     rounding of the output). Head dims that are not a multiple of 16 included (80, 8)."""
     q, k, v, mask = step_inputs(H, G, T, 40 + 3 * T, D, dtype, seed=H * T + D)
     expected = exact_attention(q, k, v, mask)
-    got = torch.ops.minimedusa.step_attention(q, k, v, mask)
+    got = attend(q, k, v, mask)
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
     torch.testing.assert_close(got, expected, **tolerance)
@@ -77,13 +79,13 @@ def test_a_rows_output_is_the_same_wherever_its_keys_sit(tree, dtype, seed):
     mask[..., :n] = True
     for i in range(N):
         mask[0, 0, i, [n + a for a in path_of(parents, i)]] = True
-    tree_rows = torch.ops.minimedusa.step_attention(q, k, v, mask)  # (1, H, N, D)
+    tree_rows = attend(q, k, v, mask)  # (1, H, N, D)
     for i in range(N):
         path = path_of(parents, i)
         order = list(range(n)) + [n + a for a in path]  # the keys a plain step holds, in order
         S = len(order)
-        plain = torch.ops.minimedusa.step_attention(q[:, :, i:i + 1], k[:, :, order], v[:, :, order],
-                               torch.ones(1, 1, 1, S, dtype=torch.bool))
+        plain = attend(q[:, :, i:i + 1], k[:, :, order], v[:, :, order],
+                       torch.ones(1, 1, 1, S, dtype=torch.bool))
         assert torch.equal(plain[:, :, 0], tree_rows[:, :, i])
 
 

@@ -1,6 +1,7 @@
 """generate.py as a user runs it: the real model end to end, one clear line (no traceback,
 non-zero exit) for each kind of bad input, and one line where the machine falls short (a C
-kernel that does not build, a cache folder that cannot be written) while the decoding goes on."""
+kernel that does not build, a cache folder that cannot be written) while the decoding goes on.
+Whole processes where how it starts matters; its main in the test's process elsewhere."""
 import json
 import os
 import shutil

@@ -28,11 +28,15 @@ pytestmark = needs_group_kernel
 
 def w4a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (M, K) times a 4-bit grid's weight (N, K), the activations quantized per row and group
-    of 32 first (and dequantized), in float64: (M, N)."""
+    of 32 first (and dequantized), the product in float64: (M, N). The quantization is the
+    kernel's rule, in float32 as there: d = max |x| / 127, a = x * (1 / d) rounded to nearest
+    even (in float64, x / d lands on the other side of a .5 now and then: one a off by 1)."""
     (M, K), N = x.shape, weight.shape[0]
-    groups = x.double().view(M, K // GROUP, GROUP)  # (M, G, 32)
-    d = groups.abs().amax(-1, keepdim=True) / 127
-    a = torch.round(groups / d.clamp(min=1e-30))  # (M, G, 32), in -127..127
+    groups = x.float().view(M, K // GROUP, GROUP)  # (M, G, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127  # (M, G, 1)
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    a = torch.round(groups * inverse).double()  # (M, G, 32), in -127..127
+    d = d.double()
     q, scales, minimums = quantize_int4(weight)  # (N, K), (N, G), (N, G): float16 in the kernel
     w = dequantize_int4(q, scales.half().float(), minimums.half().float()).double()  # (N, K)
     return (a * d).view(M, K) @ w.T  # (M, N)

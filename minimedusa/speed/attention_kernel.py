@@ -15,10 +15,10 @@ tokens, 0.36 ms a step of 30 blocks (was 0.73).
 Built at first use (c_kernels.py: the C compiler torch.compile already needs, -march=native, the
 user's cache folder); called through a torch operator (its schema and shape here, what it runs in
 operators.cpp), so that compiled graphs call it as they call oneDNN's products
-(packed_linear.OPERATORS). It serves bfloat16 and float32
-rows of one sequence with a head dim up to 256; anything else (float64 test models, batches,
-long prompts) keeps the reference. Outside compiled graphs (the prompt's
-prefill, a compiled model run eagerly) the reference runs: eager decoding stays the reading path.
+(packed_linear.OPERATORS). It serves bfloat16 and float32 rows of one sequence with a head dim up
+to 256; anything else (float64 test models, batches, long prompts) keeps the reference. Outside
+compiled graphs (the prompt's prefill, a compiled model run eagerly) the reference runs: eager
+decoding stays the reading path.
 tests/test_attention_kernel.py checks it against the reference and the row property itself.
 
 Shapes: H query heads, G key/value heads, T rows, S attended slots, D head dim.

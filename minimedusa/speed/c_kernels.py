@@ -128,5 +128,5 @@ def run_compiler(command: list[str], compiler: str) -> None:
 
 
 def why_not(error: Exception) -> str:
-    """An error of load_library, in one line."""
+    """An error of load_library or load_operators, in one line."""
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"

@@ -1,8 +1,9 @@
 """Products of weights quantized in groups of 32 inputs, in C: group_kernel.c, built at first
 use (c_kernels.py) and called through torch operators, as oneDNN's products are
-(packed_linear.OPERATORS): their schemas and shapes here, what they run in operators.cpp. Two paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and
-AVX2 with FMA and F16C (Zen 2 and 3, Intel since Haswell), which multiplies in float32 and so
-takes float32 rows too (takes_float32: the int4 and w4a8 formats then keep float32 activations).
+(packed_linear.OPERATORS): their schemas and shapes here, what they run in operators.cpp. Two
+paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and AVX2 with FMA and F16C (Zen 2
+and 3, Intel since Haswell), which multiplies in float32 and so takes float32 rows too
+(takes_float32: the int4 and w4a8 formats then keep float32 activations).
 And, in both builds, int4 weights times 8-bit activations (int4_a8_product, the w4a8 format).
 
 The int4 format's blocks (weight_formats.Int4KernelLinear: the GGUF's Q4_1) multiply through it
