@@ -64,8 +64,9 @@ def build(source: Path, compiler: str, out: Path, extra: tuple[str, ...] = ()) -
     -march=haswell: the last -march wins)."""
     for openmp in (["-fopenmp"], []):
         try:
-            return run_compiler([compiler, *FLAGS, *extra, *openmp, str(source), "-o", str(out)],
-                                compiler)
+            run_compiler([compiler, *FLAGS, *extra, *openmp, str(source), "-o", str(out)],
+                         compiler)
+            return
         except RuntimeError:
             if not openmp:
                 raise
@@ -104,8 +105,9 @@ def load_operators() -> str | None:
 def compile_operators() -> Path:
     """operators.cpp built against this torch and linked with the kernels' libraries, found
     beside it by name (their names hold their hashes: one built from other sources is another
-    file), or the copy built before."""
-    kernels = [compile_kernel(source, os.environ.get("CC", "cc")) for source in KERNELS]
+    file), or the copy built before. The kernels are loaded first (load_library: a damaged one
+    is built again, not linked)."""
+    kernels = [Path(load_library(source)._name) for source in KERNELS]  # CDLL._name: its path
     compiler = os.environ.get("CXX", "c++")
     torch_folder = Path(torch.__file__).parent
     flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-I{torch_folder / 'include'}",
