@@ -16,6 +16,7 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.files.heads_files import save_heads
 from minimedusa.training.pipeline import CPU_PROMPTS
 from minimedusa.training.seed_prompts import seed_prompts
+from minimedusa.flags.device import pick_device
 from minimedusa.flags.load import default_format
 from minimedusa.files.weights import load_model, save_model
 
@@ -95,7 +96,8 @@ def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path
     assert result["totals"]["medusa greedy"]["identical"] == 8
     steps = result["steps_by_tree_size"]["medusa greedy"]
     assert sum(steps.values()) == result["totals"]["medusa greedy"]["steps"] - 8  # - prefills
-    assert result["machine"].startswith(f"cpu/{default_format(torch.device('cpu'), tiny_folder)}/")
+    device = pick_device("auto")  # the GPU where there is one
+    assert result["machine"].startswith(f"{device.type}/{default_format(device, tiny_folder)}/")
 
 
 def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):

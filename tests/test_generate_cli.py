@@ -39,7 +39,7 @@ def tiny_folder(tmp_path, default_model_dir):
 def test_json_output_matches_the_reference_greedy_continuation(reference):
     case = reference["greedy"]["cases"][0]
     done = generate("--prompt", case["messages"][0]["content"], "--max-new-tokens", "16",
-                    "--json", "--device", "cpu", "--baseline")
+                    "--json", "--device", "cpu", "--dtype", "float32", "--baseline")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["prompt_ids"] == case["prompt_ids"]
@@ -130,20 +130,22 @@ def test_bad_config_gives_one_clear_line(tiny_folder, edit, needle, capsys):
     assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi"], needle)
 
 
-def test_generate_peak_memory_stays_below_1_5_gb(default_model_dir):
+def test_generate_peak_memory_beyond_torch_stays_below_1_3_gb(default_model_dir):
     """Peak resident memory of a whole generate.py run on the default model (CPU, its default
-    format). Read from /proc (VmHWM, this process's own memory since exec): ru_maxrss would
-    also count the pytest process it was forked from, large after tests that loaded models."""
-    probe = ("import runpy, sys; sys.argv = ['generate.py', '--prompt', 'Hi', "
-             "'--max-new-tokens', '16', '--device', 'cpu']; "
-             "runpy.run_path('generate.py', run_name='__main__'); "
-             "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0], "
-             "file=sys.stderr)")
+    format), less what importing torch takes before it (218 MiB for the CPU wheel, 496 for a
+    CUDA build, measured: a build's libraries are not generate.py's to shrink). Read from
+    /proc (VmHWM, this process's own memory since exec): ru_maxrss would also count the pytest
+    process it was forked from, large after tests that loaded models."""
+    probe = ("import sys, torch; hwm = lambda: int(open('/proc/self/status').read()"
+             ".split('VmHWM:')[1].split()[0]); torch_kb = hwm(); import runpy; "
+             "sys.argv = ['generate.py', '--prompt', 'Hi', '--max-new-tokens', '16', "
+             "'--device', 'cpu']; runpy.run_path('generate.py', run_name='__main__'); "
+             "print(hwm() - torch_kb, file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    peak_kb = int(done.stderr.strip().splitlines()[-1])  # VmHWM is in kB
-    assert peak_kb < 1.5 * 1024 * 1024, f"peak RSS {peak_kb / 1024:.0f} MiB"
+    grown_kb = int(done.stderr.strip().splitlines()[-1])  # VmHWM is in kB
+    assert grown_kb < 1.3 * 1024 * 1024, f"{grown_kb / 1024:.0f} MiB beyond torch's own"
 
 
 # note: --no-compile where what a test checks does not depend on the step (compiled steps:
@@ -173,7 +175,8 @@ def test_medusa_greedy_cli_output_equals_baseline(tiny_folder, capsys):
 def test_the_step_is_compiled_where_it_can_be_and_eager_otherwise(tiny_folder, tmp_path):
     """By default the decoding step is compiled where torch.compile works; --no-compile keeps
     it eager; with no working C++ compiler it stays eager, with one line saying why."""
-    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4", "--json"]
+    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4", "--json",
+            "--device", "cpu"]
     compiles = compiler_problem() is None
     default = generate(*args)
     assert default.returncode == 0, default.stderr
@@ -269,7 +272,8 @@ def test_a_kernel_that_cannot_be_built_is_named_in_one_line(tiny_folder, monkeyp
         pytest.skip(f"torch.compile does not work here: {compiler_problem()}")
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setattr(attention_kernel, "_kernel", {})  # built anew, by that compiler
-    generate_main(["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4"])
+    generate_main(["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4",
+                   "--device", "cpu"])
     summary = capsys.readouterr().err.splitlines()[-1]
     assert ("compiled (warm-up" in summary and "; attention in PyTorch, no C kernel: "
             "RuntimeError: /bin/false failed (exit status 1))" in summary), summary

@@ -32,11 +32,13 @@ def chat_model(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(autouse=True)
 def short_answers(monkeypatch):
+    """Answers of 12 tokens, in batches of 64 on any device (a GPU's are 256)."""
     monkeypatch.setattr(pipeline, "MAX_NEW_TOKENS", 12)
+    monkeypatch.setattr(pipeline, "BATCH_SIZES", {"cpu": 64, "cuda": 64})
 
 
 def from_model(folder, out, *extra):
-    """65 prompts: two shards (batches of 64 on a CPU)."""
+    """65 prompts: two shards (batches of 64)."""
     train.main(["--frozen", "--model", str(folder), "--out", str(out), "--prompts", "65",
                 "--batch-size", "32", "--warmup", "2", "--save-every", "4", *extra])
 

@@ -254,9 +254,14 @@ def test_int4_rounds_the_heads_layers_to_eight_bit_groups_and_keeps_their_guesse
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(5, model.config.hidden_size, generator=g)
     tokens = torch.randint(0, model.config.vocab_size, (5, 3), generator=g)
+    # float32 heads read float32 embeddings and a float32 LM head: int4's are bfloat16 and
+    # 8-bit groups that take bfloat16 rows only, where its activations are bfloat16
+    embed = nn.Embedding.from_pretrained(model.embed.weight.float())
+    lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    lm_head.weight = nn.Parameter(model.lm_head.weight.float(), requires_grad=False)
     with torch.inference_mode():
-        before = (heads(hidden, model.lm_head) if kind == "medusa"
-                  else heads(hidden, tokens, model.embed, model.lm_head))
+        before = (heads(hidden, lm_head) if kind == "medusa"
+                  else heads(hidden, tokens, embed, lm_head))
         heads = apply_format(heads, "int4")
         after = (heads(hidden.to(activation_dtype("int4")), model.lm_head) if kind == "medusa"
                  else heads(hidden.to(activation_dtype("int4")), tokens, model.embed,

@@ -90,7 +90,8 @@ def add_quantize_argument(parser) -> None:
                         "but the attention's input one: integer products, cheaper tree rows, "
                         "answers a little further from float32's. int8: weight-only int8 (a "
                         "scale per output channel) for every linear layer, the LM head and the "
-                        "heads' included. All run bfloat16 activations on a CPU, but int4 and "
+                        "heads' included. All run on the CPU (--device auto picks it, also where "
+                        "a GPU is present), bfloat16 activations, but int4 and "
                         "w4a8 float32 where the CPU has AVX2 and no avx512_bf16 "
                         "(weight_formats.py). Default: none, the weights in --dtype (whose auto "
                         "may pick int4)")

@@ -62,8 +62,8 @@ def padded_mask(pad: torch.Tensor, n_query: int, n_slots: int) -> torch.Tensor:
     note: a padding token still sees itself; a row that sees nothing would make attention's
     softmax NaN, and NaN keys would poison every row through 0 * NaN.
     """
-    q = torch.arange(n_slots - n_query, n_slots).view(1, -1, 1)  # (1, T, 1) query slots
-    s = torch.arange(n_slots).view(1, 1, -1)  # (1, 1, S)
+    q = torch.arange(n_slots - n_query, n_slots, device=pad.device).view(1, -1, 1)  # (1, T, 1)
+    s = torch.arange(n_slots, device=pad.device).view(1, 1, -1)  # (1, 1, S)
     real = s >= pad.view(-1, 1, 1)  # (B, 1, S)
     return ((s <= q) & real) | (s == q)
 
