@@ -2,6 +2,7 @@
 non-zero exit) for each kind of bad input, and one line where the machine falls short (a C
 kernel that does not build, a cache folder that cannot be written) while the decoding goes on.
 Whole processes where how it starts matters; its main in the test's process elsewhere."""
+from argparse import Namespace
 import json
 import os
 import shutil
@@ -13,6 +14,8 @@ import torch
 
 from generate import main as generate_main
 from conftest import REPO, tiny_model
+from minimedusa.errors import UserError
+from minimedusa.flags.load import device_and_format
 from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.heads import MedusaHeads
@@ -304,6 +307,17 @@ def test_w4a8_without_the_kernel_is_one_line(tiny_folder, monkeypatch):
         generate_main(["--model", str(tiny_folder), "--prompt", "Hi", "--quantize", "w4a8"])
     assert str(stop.value) == ("error: --quantize w4a8 multiplies in group_kernel.c only, which "
                                "does not here: RuntimeError: no compiler")
+
+
+def test_the_cpu_formats_run_on_the_cpu_where_auto_would_pick_a_gpu(tiny_folder, monkeypatch):
+    """--quantize's formats multiply on a CPU: --device auto takes it on a GPU machine too
+    (first seen on one: it refused), and an explicit GPU is one line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as auto sees
+    flags = dict(threads=None, dtype="auto", quantize="int8")
+    device, weight_format = device_and_format(Namespace(device="auto", **flags), tiny_folder)
+    assert (device.type, weight_format) == ("cpu", "int8")
+    with pytest.raises(UserError, match="--quantize int8 runs on a CPU"):
+        device_and_format(Namespace(device="cuda", **flags), tiny_folder)
 
 
 def test_an_unwritable_latency_cache_still_decodes_and_says_so(tiny_folder, tmp_path,

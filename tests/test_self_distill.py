@@ -9,7 +9,8 @@ from minimedusa.model import causal_mask
 from minimedusa.decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.training.self_distill import answer_batch, model_written_prompts, same_settings
+from minimedusa.training.self_distill import (answer_batch, model_written_prompts, padded_mask,
+                                              same_settings)
 from minimedusa.tokenizer import Tokenizer
 
 
@@ -69,3 +70,12 @@ def test_model_written_prompts_are_finished_distinct_and_resume_to_the_same_turn
     turns = [p["prompt"] for p in once]
     assert len(turns) == 5 == len(set(turns))
     assert all(len(t.split()) >= 3 and "<|im_end|>" not in t for t in turns)
+
+
+def test_the_padded_mask_is_made_on_the_paddings_device():
+    """Made on the CPU, it failed every batch answered on a GPU (the suite's first CUDA run);
+    the meta device shows where it is made without one."""
+    pad = torch.tensor([0, 2], device="meta")  # (B,)
+    assert padded_mask(pad, 1, 5).device.type == "meta"
+    real = padded_mask(torch.tensor([0, 2]), 3, 5)  # (B, T, S): the last 3 of 5 slots
+    assert real.shape == (2, 3, 5) and not real[1, :, :2].any() and real[0, 0, :3].all()
