@@ -2,6 +2,7 @@
 stages (self-distillation, training, tree search). Ctrl-C in any stage, then the same command,
 ends with exactly what an uninterrupted run makes; a finished stage is skipped; a model it cannot
 run or prompt is refused in one line before any work."""
+from argparse import Namespace
 import json
 import shutil
 import signal
@@ -152,6 +153,18 @@ def test_the_one_command_training_finishes_in_every_format_and_its_heads_decode_
     medusa, plain = answers
     assert medusa["format"] == plain["format"] == fmt
     assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
+
+
+def test_a_cpu_format_is_calibrated_on_the_cpu_after_training_on_a_gpu(chat_model, tmp_path):
+    """Stage 3 in int4 runs where generate.py will decode in it, the CPU, whatever device
+    trained the heads: given the GPU, it never touches it (on a machine without one, a model
+    loaded there would fail)."""
+    out = tmp_path / "heads"
+    from_model(chat_model, out)  # stages 1 and 2 (and 3) here
+    (out / CALIBRATION).unlink()
+    args = Namespace(decode_format="int4", out=out, data=out / "data")
+    pipeline.tree_stage(args, chat_model, torch.device("cuda"), print)
+    assert (out / CALIBRATION).is_file()
 
 
 @pytest.mark.parametrize("flags, needle", [
