@@ -42,9 +42,9 @@ def device_and_format(args, folder: Path) -> tuple[torch.device, str]:
     (weight_formats.py): --quantize int8, int4 or w4a8, else --dtype, whose auto is the
     machine's and the model's default_format. Sets torch's CPU threads."""
     device, dtype = device_and_dtype(args)
-    if args.quantize != "none" and args.device == "auto":
-        device = torch.device("cpu")  # the quantized formats multiply on a CPU, GPU or not
     if args.quantize != "none":
+        if args.device == "auto":
+            device = torch.device("cpu")  # the quantized formats multiply on a CPU, GPU or not
         if device.type != "cpu" or args.dtype not in ("auto", "bfloat16", "bf16"):
             raise UserError(f"--quantize {args.quantize} runs on a CPU, its activations in the "
                             "dtype its kernels take (weight_formats.py): drop --dtype/--device")
