@@ -15,6 +15,7 @@ from minimedusa.model import Llama, LlamaConfig
 from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
+from minimedusa.speed.weight_formats import apply_format
 
 REPO = Path(__file__).resolve().parent.parent
 # Logits, greedy continuations, tokenizer ids and the chat template of the default model, made by
@@ -73,6 +74,16 @@ def default_model_dir() -> Path:
 def smollm2(request, default_model_dir):
     """SmolLM2-135M-Instruct in float32 on each available device, loaded once per device."""
     return load_model(default_model_dir, request.param, torch.float32)
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def smollm2_packed(request, default_model_dir):
+    """The same, as generate.py's float32 format and self-distillation run it: on a CPU its
+    products prepacked (speed/packed_linear.py), whose row bits are the same whatever rows
+    beside them; 1.5-1.9x faster eager steps than nn.Linear's on the 2-core AVX2 EPYC. The
+    real-model decoding checks run on it; the reference checks on the plain core (smollm2)."""
+    model = load_model(default_model_dir, request.param, torch.float32)
+    return apply_format(model, "float32")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
-"""Lossless greedy on the real default model: Medusa's output equals plain greedy decoding for
-the fixture's chat prompts, 64 new tokens each (32 with the paper's big tree), with untrained
-heads (the paper's initialisation: they guess repeats, so some candidates are accepted and some
-rejected) and with the heads shipped in weights/."""
+"""Lossless greedy on the real default model, in float32 as generate.py runs it (its products
+prepacked on a CPU): Medusa's output equals plain greedy decoding for the fixture's chat
+prompts, 64 new tokens each (32 with the paper's big tree), with untrained heads (the paper's
+initialisation: they guess repeats, so some candidates are accepted and some rejected) and with
+the heads shipped in weights/."""
 import functools
 
 import pytest
@@ -40,17 +41,18 @@ def plain_greedy_with_gaps(model, prompt: tuple[int, ...], n: int):
 # the paper's 64-node tree: 65 rows a step, so fewer tokens (each of its steps costs ~3 of cpu_8's)
 @pytest.mark.parametrize("tree_name, cases, new", [("cpu_8", [0, 2], NEW),
                                                    ("mc_sim_7b_63", [1], NEW // 2)])
-def test_medusa_greedy_equals_plain_greedy_on_the_default_model(smollm2, reference, tree_name,
-                                                                  cases, new):
-    device = smollm2.embed.weight.device
-    heads = MedusaHeads.for_model(smollm2, 4, shared_lm_head=True).requires_grad_(False)
-    tree = build_tree(tree_choices(tree_name), 4, smollm2.config.vocab_size, device)
+def test_medusa_greedy_equals_plain_greedy_on_the_default_model(smollm2_packed, reference,
+                                                                  tree_name, cases, new):
+    model = smollm2_packed
+    device = model.embed.weight.device
+    heads = MedusaHeads.for_model(model, 4, shared_lm_head=True).requires_grad_(False)
+    tree = build_tree(tree_choices(tree_name), 4, model.config.vocab_size, device)
     near_ties, stats = 0, StepStats()
     for i in cases:
         prompt = reference["greedy"]["cases"][i]["prompt_ids"]
-        plain, gaps = plain_greedy_with_gaps(smollm2, tuple(prompt), new)
+        plain, gaps = plain_greedy_with_gaps(model, tuple(prompt), new)
         medusa = []
-        for step in medusa_decode(smollm2, heads, *fixed(tree), prompt, new, greedy(), set()):
+        for step in medusa_decode(model, heads, *fixed(tree), prompt, new, greedy(), set()):
             medusa += step
             stats.record(len(step))
         if medusa != plain:  # allowed only at a numerical near-tie, and then counted
@@ -63,20 +65,21 @@ def test_medusa_greedy_equals_plain_greedy_on_the_default_model(smollm2, referen
 
 
 @pytest.mark.parametrize("folder", [DEFAULT_HEADS_DIR, PAPER_HEADS_DIR])
-def test_shipped_heads_decode_as_plain_greedy_and_accept(smollm2, reference, folder):
+def test_shipped_heads_decode_as_plain_greedy_and_accept(smollm2_packed, reference, folder):
     """The heads in weights/ (Hydra's, the default, and the paper's), loaded as generate.py
     loads them (their own draft vocabulary), on their own grown 8-node tree."""
-    device = smollm2.embed.weight.device
-    heads = decoding_heads(str(folder), smollm2)
+    model = smollm2_packed
+    device = model.embed.weight.device
+    heads = decoding_heads(str(folder), model)
     choices, _ = grow_tree(read_calibration(folder), 8)
-    tree = build_tree(choices, heads.config.medusa_num_heads, ranked_vocab_size(heads, smollm2),
+    tree = build_tree(choices, heads.config.medusa_num_heads, ranked_vocab_size(heads, model),
                       device)
     stats = StepStats()
     for case in reference["greedy"]["cases"][:2]:
         prompt = case["prompt_ids"]
-        plain, gaps = plain_greedy_with_gaps(smollm2, tuple(prompt), NEW)
+        plain, gaps = plain_greedy_with_gaps(model, tuple(prompt), NEW)
         medusa = []
-        for step in medusa_decode(smollm2, heads, *fixed(tree), prompt, NEW, greedy(), set()):
+        for step in medusa_decode(model, heads, *fixed(tree), prompt, NEW, greedy(), set()):
             medusa += step
             stats.record(len(step))
         if medusa != plain:  # allowed only at a numerical near-tie

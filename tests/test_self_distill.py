@@ -54,12 +54,12 @@ def test_a_finished_run_may_grow_only_by_whole_batches_with_the_same_settings():
 
 
 def test_model_written_prompts_are_finished_distinct_and_resume_to_the_same_turns(
-        smollm2, default_model_dir, tmp_path):
-    if smollm2.embed.weight.device.type != "cpu":
+        smollm2_packed, default_model_dir, tmp_path):
+    if smollm2_packed.embed.weight.device.type != "cpu":
         return  # one device is enough: this checks the bookkeeping, not the model
     tokenizer = Tokenizer.from_folder(default_model_dir)
-    write = lambda n, folder: model_written_prompts(smollm2, tokenizer, n, folder, 4, 0,  # noqa
-                                                    lambda msg: None)
+    write = lambda n, folder: model_written_prompts(smollm2_packed, tokenizer, n, folder, 4,  # noqa
+                                                    0, lambda msg: None)
     (tmp_path / "once").mkdir(), (tmp_path / "resumed").mkdir()
     once = write(5, tmp_path / "once")  # two batches here (the first finishes 3 turns)
     # a run killed after its first batch leaves that batch's line (the file is replaced whole

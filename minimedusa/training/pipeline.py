@@ -25,15 +25,15 @@ from minimedusa.training.progress import minutes, progress_bar, say
 from minimedusa.files.default_model import WEIGHTS_DIR, ensure_default_model
 from minimedusa.flags.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
-from minimedusa.training.self_distill import (Settings, batch_seconds, distill, open_folder,
-                                              pending_batches)
+from minimedusa.training.self_distill import (Settings, answering_model, batch_seconds, distill,
+                                              open_folder, pending_batches)
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.training.medusa1 import batch_rows, total_steps
 from minimedusa.flags.load import default_format
 from minimedusa.training.tree_search import (MAX_NODES, calibrate_on, held_out_rows, search_seconds,
                                     time_sizes)
-from minimedusa.files.weights import load_model, read_config
+from minimedusa.files.weights import read_config
 
 # The recipe of the shipped heads (weights/README.md): the defaults of these train.py flags
 # when the data comes from the model alone.
@@ -106,7 +106,7 @@ def distillation_stage(args, folder: Path, device, say) -> None:
     todo = pending_batches(args.data, prompts, settings.batch_size)
     if not todo:
         return say(f"stage 1/{STAGES}, self-distillation: done ({args.data})")
-    model, tokenizer = load_model(folder, device, dtype), Tokenizer.from_folder(folder)
+    model, tokenizer = answering_model(folder, device, dtype), Tokenizer.from_folder(folder)
     seconds = len(todo) * batch_seconds(model, tokenizer, todo[0][1], settings)
     say(f"stage 1/{STAGES}, self-distillation: the model answers {len(prompts)} seed prompts "
         f"(up to {settings.max_new_tokens} tokens each) in batches of {settings.batch_size}, "

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from minimedusa.files.checkpoint import write_atomically
 from minimedusa.flags.cli import Parser, add_device_arguments, non_negative, positive_int
 from minimedusa.flags.load import device_and_dtype
+from minimedusa.speed.weight_formats import apply_format
 from minimedusa.training.progress import progress_bar, say
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
@@ -132,6 +133,14 @@ def model_written_prompts(model, tokenizer: Tokenizer, n: int, folder: Path, bat
                                                                   for b in batches)))
         say(f"[user turns] {min(len(distinct()), n)}/{n} written")
     return [{"category": "model-written", "prompt": t} for t in distinct()[:n]]
+
+
+def answering_model(folder: Path, device, dtype):
+    """The model that answers, loaded, then its products prepacked where that pays on a CPU
+    (speed/packed_linear.py; answering never trains it, so the packed copy stays right). 64
+    seed prompts x 48 tokens on the 2-core AVX2 EPYC: 34.9 / 39.9 s -> 30.6 / 32.1 s, the
+    same 64 answers."""
+    return apply_format(load_model(folder, device, dtype), str(dtype).removeprefix("torch."))
 
 
 def tokenizer_fingerprint(folder: Path) -> str:
@@ -286,7 +295,7 @@ def main():
 
     device, dtype = device_and_dtype(args)
     folder = args.model or ensure_default_model()
-    model, tokenizer = load_model(folder, device, dtype), Tokenizer.from_folder(folder)
+    model, tokenizer = answering_model(folder, device, dtype), Tokenizer.from_folder(folder)
     settings = Settings(args.prompts, args.limit, args.batch_size, args.max_new_tokens,
                         args.temperature, args.seed)
     templated = seed_prompts(args.seed)[:args.limit] if args.prompts == "templates" else None
