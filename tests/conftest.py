@@ -116,6 +116,16 @@ def built_kernels(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def torch_threads():
+    """A command's main run in the test's process with --threads N (bench, generate) sets
+    torch's threads for the whole process: restored after each test, else every later test ran
+    on that one thread (the real-model tests after test_bench.py took 1.6x as long)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def latency_cache(tmp_path_factory, monkeypatch, built_kernels):
     """Step latencies measured by a test go to a fresh folder of its own, never to the user's
     cache (speed/step_latency.cache_file); its kernels folder is the run's (built_kernels)."""

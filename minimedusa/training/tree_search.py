@@ -182,7 +182,10 @@ def main(argv=None):
 
     folder = args.model or ensure_default_model()
     device, weight_format = device_and_format(args, folder)
-    model, step = decoding_model(folder, device, weight_format, args.compile)
+    # the heads are read once on the model as read, so that a missing or mismatched folder is
+    # one line in seconds, not after the compiled step's warm-up (dropped: read again below)
+    model, step = decoding_model(folder, device, weight_format, args.compile,
+                                 check=lambda model: decoding_heads(str(args.heads), model))
     print(f"decoding step: {step}", file=sys.stderr)
     heads = decoding_heads(str(args.heads), model)
     accuracy = calibrate(args.heads, args.data, heads, model, folder, args.ranks)
