@@ -66,19 +66,23 @@ def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, c
     assert "\nsteps by tree size: the heads have no calibration.json" in out  # untrained heads
 
 
-def test_profile_times_a_whole_step_at_each_tree_size(tiny_folder, tmp_path, capsys):
+def test_profile_times_a_whole_step_and_its_draft_at_each_tree_size(tiny_folder, tmp_path,
+                                                                    capsys):
     """With calibrated heads, --profile also times a step at each size grown from them, 8- and
-    16-row steps included, against a plain step, after a short and a long context."""
+    16-row steps included, against a plain step, after a short and a long context; and the
+    heads' draft alone at each size."""
     heads = MedusaHeads.for_model(load_model(tiny_folder), 3, shared_lm_head=True)
     save_heads(heads, tmp_path)
     (tmp_path / CALIBRATION).write_text(json.dumps({"accuracy": [[0.6, 0.2, 0.1]] * 3}))
     bench.main(["--profile", "--model", str(tiny_folder), "--heads", str(tmp_path),
                 "--tree", "chain3", "--threads", "1"])
-    lines = capsys.readouterr().out.splitlines()[-2:]
+    *lines, drafts = capsys.readouterr().out.splitlines()[-3:]
     assert lines[0].startswith("a whole step after 256 cached tokens, ms (x a plain step): plain ")
     # and after a long context: 1536 tokens, or half of a short one (this model's 2048)
     assert lines[1].startswith("a whole step after 1024 cached tokens, ms (x a plain step): ")
     assert all("7 nodes (8 rows)" in line and "16 nodes (17 rows)" in line for line in lines)
+    assert drafts.startswith("the heads' draft alone, ms (its depths): 1 nodes ")
+    assert " 7 nodes " in drafts and drafts.endswith("(3)")  # 16 nodes of 3 heads: depth 3
 
 
 def test_bad_tree_is_one_line_not_a_traceback(tiny_folder):

@@ -46,7 +46,8 @@ from minimedusa.speed.machine import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.speed.memory_bandwidth import implied_bandwidth, streaming_bandwidth
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.bench.step_profile import forward_times, product_times, profile_steps, step_times
+from minimedusa.bench.step_profile import (draft_times, forward_times, product_times,
+                                           profile_steps, step_times)
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.speed.weight_formats import FORMATS, activation_dtype
 
@@ -116,8 +117,8 @@ def add_engine_flags(p) -> None:
                    "repeat to compare several (default: the default model's trained heads)")
     p.add_argument("--draft-vocab", type=non_negative_int, nargs="+", default=[None], metavar="N",
                    help="the heads rank only their N most frequent tokens (0: the whole "
-                   "vocabulary; several values: one engine each; default: the heads' own "
-                   "draft_vocab_size, if set)")
+                   "vocabulary; several values: one engine each, --profile the first; "
+                   "default: the heads' own draft_vocab_size, if set)")
     p.add_argument("--tree", default=None,
                    help="a fixed candidate tree for the Medusa engines (default: as "
                    "generate.py, the tree's size adapted step by step on this machine)")
@@ -313,7 +314,7 @@ def main(argv=None):
     model, step = decoding_model(folder, device, weight_format, args.compile)
     print(f"decoding step: {step}", file=sys.stderr)
     if args.profile:
-        heads = decoding_heads(args.heads[0], model)
+        heads = decoding_heads(args.heads[0], model, args.draft_vocab[0])
         _, tree = decoding_tree(args.tree, heads, model)
         prompt = [{"role": "user", "content": questions[0]["prompt"]}]
         print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
@@ -326,6 +327,7 @@ def main(argv=None):
         else:
             for cached in (256, 1536):  # how a row's cost grows with the context
                 print(step_times(model, heads, accuracy, cached))
+            print(draft_times(model, heads, accuracy))
         return
     engines = engines_to_time(args, model, folder, device, dtype)
     if args.reference not in engines.run:

@@ -14,7 +14,8 @@ from minimedusa.acceptance import greedy
 from minimedusa.budget import fixed, grow_tree, nested_trees
 from minimedusa.speed.step_latency import cached_prefix, round_robin_medians, step_latency
 from minimedusa.flags.load import ranked_vocab_size
-from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.decoding import draft, medusa_decode, plain_decode
+from minimedusa.heads import as_features
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
 from minimedusa.speed.memory_bandwidth import weight_bytes
@@ -93,15 +94,21 @@ def time_products(layers, M: int) -> float:
 STEP_SIZES = (1, 2, 3, 4, 7, 8, 15, 16)
 
 
+def grown_trees(model, heads, accuracy) -> dict:
+    """{n: the tree of the n most probable nodes} for each of STEP_SIZES the heads grow to."""
+    nodes, _ = grow_tree(accuracy, max(STEP_SIZES))
+    sizes = [n for n in STEP_SIZES if n <= len(nodes)]  # few heads and ranks: few nodes
+    trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
+                            ranked_vocab_size(heads, model), model.embed.weight.device)
+    return trees
+
+
 def step_times(model, heads, accuracy, cached: int = 256) -> str:
     """A whole step at each tree size, as the Budget times it (budget.step_latency: the heads'
     draft, the tree's forward, acceptance and compaction, after `cached` tokens: fewer for a
     model whose context is short), against a plain step: what a tree of n nodes costs on this
     machine, in this format."""
-    nodes, _ = grow_tree(accuracy, max(STEP_SIZES))
-    sizes = [n for n in STEP_SIZES if n <= len(nodes)]  # few heads and ranks: few nodes
-    trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
-                            ranked_vocab_size(heads, model), model.embed.weight.device)
+    trees = grown_trees(model, heads, accuracy)
     seconds = step_latency(model, heads, trees, cached)
     return (f"a whole step after {cached_prefix(model, cached)} cached tokens, ms (x a plain "
             "step): plain "
@@ -130,4 +137,26 @@ def time_forward(model, cache: KVCache, cached: int, M: int) -> float:
     model(tokens, positions, causal_mask(cached, M, device), cache, cache.slots(cached, M))
     if device.type == "cuda":
         torch.cuda.synchronize()  # the forward is queued, not done, until then
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def draft_times(model, heads, accuracy, rounds: int = 9) -> str:
+    """The heads' draft alone at each tree size: the part of a whole step (step_times) that is
+    not the model's forward, beside acceptance and compaction. Medusa heads guess every depth in
+    one call; Hydra heads run depth by depth, so their draft grows with the tree's depth."""
+    trees = grown_trees(model, heads, accuracy)
+    features = as_features(heads, torch.randn(model.config.hidden_size,
+                                               device=model.embed.weight.device))  # (C,)
+    seconds = round_robin_medians({n: functools.partial(time_draft, model, heads, tree, features)
+                                   for n, tree in trees.items()}, rounds)
+    return ("the heads' draft alone, ms (its depths): " + ", ".join(
+        f"{n} nodes {1000 * seconds[n]:.2f} ({tree.depth.max().item()})"
+        for n, tree in trees.items()))
+
+
+def time_draft(model, heads, tree, features) -> float:
+    """Seconds of one draft of the tree's tokens from the features at one position."""
+    start = time.perf_counter()
+    draft(heads, model, tree, 0, features).tolist()  # the tokens on the host: the draft is done
     return time.perf_counter() - start
