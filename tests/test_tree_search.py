@@ -162,6 +162,9 @@ def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_
     assert set(cached) == {0, 1, 2, 3, 4}  # sizes up to --max-nodes 6, and plain
 
 
-def test_bad_input_is_one_line_not_a_traceback(tmp_path):
+def test_bad_input_is_one_line_not_a_traceback_before_the_warm_up(tmp_path, capsys):
+    """A missing heads folder is named on the model as read, before the compiled step's
+    warm-up (which prints "decoding step: ..." when done)."""
     with pytest.raises(SystemExit, match="^error: heads folder .* does not exist$"):
         tree_search.main(["--heads", str(tmp_path / "missing"), "--budget", "4"])
+    assert "decoding step" not in capsys.readouterr().err
