@@ -64,7 +64,9 @@ def test_model_written_prompts_are_finished_distinct_and_resume_to_the_same_turn
     once = write(5, tmp_path / "once")  # two batches here (the first finishes 3 turns)
     # a run killed after its first batch leaves that batch's line (the file is replaced whole
     # after each batch, and a batch's turns depend only on its index: the seed + its number)
-    first = (tmp_path / "once" / "user_turns.jsonl").read_text().splitlines(keepends=True)[0]
+    batches = (tmp_path / "once" / "user_turns.jsonl").read_text().splitlines(keepends=True)
+    assert len(batches) >= 2  # else the resume below would resume nothing
+    first = batches[0]
     (tmp_path / "resumed" / "user_turns.jsonl").write_text(first)
     assert write(5, tmp_path / "resumed") == once  # ...resumed, it makes the same turns
     turns = [p["prompt"] for p in once]
