@@ -36,8 +36,7 @@ from safetensors.torch import save_file
 
 from minimedusa.files.checkpoint import write_atomically
 from minimedusa.flags.cli import Parser, add_device_arguments, non_negative, positive_int
-from minimedusa.flags.load import device_and_dtype
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.flags.load import decoding_model, device_and_dtype
 from minimedusa.training.progress import progress_bar, say
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
@@ -45,7 +44,6 @@ from minimedusa.kv_cache import KVCache
 from minimedusa.sampling import Sampling, make_generator, next_token
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.tokenizer import Tokenizer
-from minimedusa.files.weights import load_model
 
 
 def left_pad(prompts: list[list[int]], pad_id: int):
@@ -136,11 +134,12 @@ def model_written_prompts(model, tokenizer: Tokenizer, n: int, folder: Path, bat
 
 
 def answering_model(folder: Path, device, dtype):
-    """The model that answers, loaded, then its products prepacked where that pays on a CPU
-    (speed/packed_linear.py; answering never trains it, so the packed copy stays right). 64
-    seed prompts x 48 tokens on the 2-core AVX2 EPYC: 34.9 / 39.9 s -> 30.6 / 32.1 s, the
-    same 64 answers."""
-    return apply_format(load_model(folder, device, dtype), str(dtype).removeprefix("torch."))
+    """The model that answers, loaded as generate.py loads it in that dtype, eager: its products
+    prepacked where that pays on a CPU (speed/packed_linear.py; answering never trains it, so
+    the packed copy stays right). 64 seed prompts x 48 tokens on the 2-core AVX2 EPYC: 34.9 /
+    39.9 s -> 30.6 / 32.1 s, the same 64 answers."""
+    model, _ = decoding_model(folder, device, str(dtype).removeprefix("torch."))
+    return model
 
 
 def tokenizer_fingerprint(folder: Path) -> str:
