@@ -15,7 +15,7 @@ from minimedusa.model import Llama, LlamaConfig
 from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.flags.load import decoding_model
 
 REPO = Path(__file__).resolve().parent.parent
 # Logits, greedy continuations, tokenizer ids and the chat template of the default model, made by
@@ -82,8 +82,8 @@ def smollm2_packed(request, default_model_dir):
     products prepacked (speed/packed_linear.py), whose row bits are the same whatever rows
     beside them. The real-model decoding checks run on it (on the 2-core AVX2 EPYC 98 s where
     the plain core took 134); the reference checks on the plain core (smollm2)."""
-    model = load_model(default_model_dir, request.param, torch.float32)
-    return apply_format(model, "float32")
+    model, _ = decoding_model(default_model_dir, request.param, "float32")  # eager
+    return model
 
 
 @pytest.fixture(scope="session")
