@@ -50,7 +50,8 @@ def floats(x: torch.Tensor) -> int:
 def int4_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor, name="int4_product"):
     """x (M, K) bfloat16 or float32 times a 4-bit grid's weight (N, K), by the AVX2 build: (M,
     N), x's dtype; name="int4_a8_product": x quantized to 8 bits first (w4a8)."""
-    packed, scales, minimums = group_kernel.pack_int4(*quantize_int4(weight))
+    pack = group_kernel.pack_int4_a8 if name == "int4_a8_product" else group_kernel.pack_int4
+    packed, scales, minimums = pack(*quantize_int4(weight))
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     assert avx2[name](x.data_ptr(), packed.data_ptr(), scales.data_ptr(), minimums.data_ptr(),
                       y.data_ptr(), *x.shape[:1], *weight.shape, floats(x)) == 0

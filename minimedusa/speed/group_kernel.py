@@ -94,6 +94,18 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
     return packed, by_block(scales), by_block(minimums)  # (B, G, 16) each
 
 
+def pack_int4_a8(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
+    """quantize_int4's (N, K) q, (N, G) scales and minimums -> the w4a8 kernel's layout, as
+    VPMADDUBSW pairs 8-bit activations with them: (B, K / 8, 64) bytes, per block and chunk of
+    8 inputs two halves of 8 outputs, in each output o's 4 bytes, byte j: q[o][k + j] | q[o][k +
+    4 + j] << 4; scales and minimums as pack_int4's."""
+    N, K = q.shape
+    q = q.view(N // 16, 2, 8, K // 8, 2, 4).to(torch.uint8)  # (B, half, o, chunk, k // 4, k % 4)
+    q = q.permute(0, 3, 1, 2, 5, 4)  # (B, chunk, half, o, k % 4, k // 4)
+    packed = (q[..., 0] | q[..., 1] << 4).reshape(N // 16, K // 8, 64).contiguous()
+    return packed, by_block(scales), by_block(minimums)  # (B, G, 16) each
+
+
 def pack_int8(q: torch.Tensor, scales: torch.Tensor):
     """weight_formats.quantize_int8_groups's (N, K) q and (N, G) scales -> the kernel's layout:
     (B, K / 2, 32) bytes, per pair of inputs the 16 outputs' two q side by side; (B, G, 16)

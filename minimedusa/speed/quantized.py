@@ -164,8 +164,8 @@ class Int4KernelLinear(nn.Module):
             raise UserError(f"int4 needs layers of a multiple of {GROUP} inputs and of 16 "
                             f"outputs: this model has one of {K} and {N}")
         group_kernel.require_kernel()
-        packed, scales, minimums = group_kernel.pack_int4(*quantize_int4(linear.weight))
-        self.register_buffer("packed", packed)  # (N / 16, K / 2, 16) uint8
+        packed, scales, minimums = self.pack(*quantize_int4(linear.weight))
+        self.register_buffer("packed", packed)  # (N / 16, K / 2, 16) uint8 (w4a8: (N/16, K/8, 64))
         # float16 whatever the activations' dtype (kept out of .to(bfloat16), which would round
         # them: plain attributes, not buffers)
         self.scales, self.minimums = scales, minimums  # (N / 16, K / GROUP, 16) each
@@ -173,6 +173,7 @@ class Int4KernelLinear(nn.Module):
             linear.bias.detach().to(torch.bfloat16))
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    pack = staticmethod(group_kernel.pack_int4)  # the kernel's layout of the weights
     product = torch.ops.minimedusa.int4_product  # the kernel's function that multiplies
 
     def forward(self, x):  # (..., K) -> (..., N)
@@ -188,6 +189,7 @@ class Int4A8KernelLinear(Int4KernelLinear):
     group_kernel.c, whose integer products are cheaper than float ones on a CPU (VPMADDUBSW:
     32 byte pairs an instruction, 8 floats an FMA)."""
 
+    pack = staticmethod(group_kernel.pack_int4_a8)
     product = torch.ops.minimedusa.int4_a8_product
 
 
