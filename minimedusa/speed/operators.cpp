@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 extern "C" {
 /* group_kernel.c's entry points: 0 done, 1 this build does not multiply so, 2 out of memory */
@@ -127,6 +128,103 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return out;
 }
 
+/* ---- a whole block in one call (fused_block.py): the decoding step's transformer block of a
+   model whose products are group_kernel.c's int4 (or w4a8) layers, float32 rows. model.Block is
+   the reference: x + attn(norm(x)), then + mlp(norm(.)), each elementwise step below a loop over
+   one row at a time, so that a row's bits depend on nothing beside it (the products' and the
+   attention's own property): greedy Medusa stays lossless with respect to plain decoding. */
+
+/* out[t] = weight * x[t] / sqrt(mean(x[t]^2) + eps), row by row: (T, C) */
+void rms_norm_rows(const float* x, const float* weight, float* out, int64_t T, int64_t C,
+                   double eps) {
+  for (int64_t t = 0; t < T; t++) {
+    double squares = 0.0;  /* in double: in order, and exact enough for any C */
+    for (int64_t c = 0; c < C; c++) squares += (double)x[t * C + c] * x[t * C + c];
+    const float inverse = (float)(1.0 / std::sqrt(squares / C + eps));
+    for (int64_t c = 0; c < C; c++) out[t * C + c] = weight[c] * (x[t * C + c] * inverse);
+  }
+}
+
+/* head of D values rotated as model.apply_rope: pairs (i, i + D/2) by the row's angles */
+void rope_head(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i++) {
+    out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+    out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+  }
+}
+
+/* one of the block's 4 products, y (T, N) = x (T, K) W^T: W's packed weights, scales and
+   minimums are products[3 i], [3 i + 1], [3 i + 2]; 8-bit activations where a8[i] */
+void block_product(const at::TensorList products, at::IntArrayRef a8, int i, const float* x,
+                   float* y, int64_t T, int64_t N, int64_t K) {
+  const auto product = a8[i] ? int4_a8_product : int4_product;
+  check(product(x, products[3 * i].const_data_ptr<uint8_t>(), halves(products[3 * i + 1]),
+                halves(products[3 * i + 2]), y, T, N, K, 1),
+        "its rows");
+}
+
+/* x (1, T, C) float32; cos, sin (1, 1, T, D); mask (1, 1, T, S) bool; the layer's cache k and v
+   (1, G, capacity, D), this step's keys and values written at slots (T,); the norms' weights
+   (C,); products: wqkv, wo, gate_up, down as (packed, scales, minimums) each -> (1, T, C) */
+at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_,
+                    const at::Tensor& mask_, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slots_, const at::Tensor& attn_norm,
+                    const at::Tensor& mlp_norm, at::TensorList products, at::IntArrayRef a8,
+                    int64_t H, double eps) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "block_step takes float32 rows and contiguous caches");
+  const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
+  const at::Tensor mask = mask_.contiguous(), slots = slots_.contiguous();
+  const int64_t T = x.size(1), C = x.size(2), G = k_cache.size(1), capacity = k_cache.size(2),
+                D = k_cache.size(3), S = mask.size(-1), I = products[10].size(1) * 32;  /* down's inputs: its groups of 32 */
+  const int64_t width = (H + 2 * G) * D;  /* wqkv's outputs: q, k, v side by side */
+  at::Tensor out = x.clone().view({T, C});  /* the residual stream */
+  at::Tensor h = at::empty({T, C}, x.options()), qkv = at::empty({T, width}, x.options());
+  at::Tensor q = at::empty({T, H, D}, x.options()), att = at::empty({T, H, D}, x.options());
+  at::Tensor wide = at::empty({T, 2 * I}, x.options()), mid = at::empty({T, I}, x.options());
+  at::Tensor part = at::empty({T, C}, x.options());
+  float *o = out.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+  const float *cp = cos.const_data_ptr<float>(), *sp = sin.const_data_ptr<float>();
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+
+  rms_norm_rows(o, attn_norm.const_data_ptr<float>(), hp, T, C, eps);
+  block_product(products, a8, 0, hp, qkvp, T, width, C);
+  for (int64_t t = 0; t < T; t++) {  /* q and k rotated; k and v into the cache at their slot */
+    const float *row = qkvp + t * width, *ct = cp + t * D, *st = sp + t * D;
+    for (int64_t n = 0; n < H; n++)
+      rope_head(row + n * D, ct, st, q.data_ptr<float>() + (t * H + n) * D, D);
+    for (int64_t g = 0; g < G; g++) {
+      float* key = kc + (g * capacity + slot[t]) * D;
+      rope_head(row + (H + g) * D, ct, st, key, D);
+      std::memcpy(vc + (g * capacity + slot[t]) * D, row + (H + G + g) * D, D * sizeof(float));
+    }
+  }
+  const Step step = {q.const_data_ptr(), kc, vc,
+                     reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()),
+                     att.mutable_data_ptr(), H, G, T, S, D, D, H * D, capacity * D, D, H * D,
+                     0, static_cast<float>(std::pow(D, -0.5))};
+  const int done = attend(&step);
+  TORCH_CHECK(done == 0, "attention_kernel.c did not attend (", done, ")");
+  block_product(products, a8, 1, att.const_data_ptr<float>(), part.data_ptr<float>(), T, C, H * D);
+  const float* pp = part.const_data_ptr<float>();
+  for (int64_t i = 0; i < T * C; i++) o[i] = o[i] + pp[i];
+  rms_norm_rows(o, mlp_norm.const_data_ptr<float>(), hp, T, C, eps);
+  block_product(products, a8, 2, hp, wide.data_ptr<float>(), T, 2 * I, C);
+  const float* w = wide.const_data_ptr<float>();
+  float* m = mid.data_ptr<float>();
+  for (int64_t t = 0; t < T; t++)  /* SwiGLU: silu(gate) * up */
+    for (int64_t i = 0; i < I; i++) {
+      const float gate = w[t * 2 * I + i];
+      m[t * I + i] = gate / (1.0f + std::exp(-gate)) * w[t * 2 * I + I + i];
+    }
+  block_product(products, a8, 3, m, part.data_ptr<float>(), T, C, I);
+  for (int64_t i = 0; i < T * C; i++) o[i] = o[i] + pp[i];
+  return out.view({1, T, C});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
@@ -134,4 +232,5 @@ TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
   m.impl("int4_a8_product", TORCH_FN(int4_a8_op));
   m.impl("int8_product", TORCH_FN(int8_op));
   m.impl("step_attention", TORCH_FN(attention_op));
+  m.impl("block_step", TORCH_FN(block_op));
 }

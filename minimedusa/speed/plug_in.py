@@ -5,8 +5,10 @@ compiled graph exists.
     step = plug_in(model, "int4", compile_flag=None)   # "compiled (warm-up 1.4 s)"
 
 1. the weight format (weight_formats.py): prepacked, quantized or 4-bit layers swapped in;
-2. the compiled step (compiled_step.py): each block swapped for a compiled one, its attention
-   for the C kernel (attention_kernel.py), where a C++ compiler works.
+2. the step: where the blocks' products are group_kernel.c's int4 layers in float32, each
+   block swapped for one C++ call (fused_block.py); elsewhere the compiled step
+   (compiled_step.py): each block swapped for a compiled one, its attention for the C kernel
+   (attention_kernel.py), where a C++ compiler works.
 how_it_runs(model) then says in words what was plugged in: the key step latencies are kept
 under (step_latency.py) names it, so a latency measured for one way of running is never used
 for another.
@@ -21,15 +23,17 @@ from minimedusa.model import Llama
 from minimedusa.speed import c_kernels
 from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
+from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
 from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
 
 
 def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
-    """Make a loaded model fast in place: its weight format, then its step compiled as
-    --compile asks (None: where a compiler works, on a CPU). Returns how the step runs, in
-    words: "compiled (warm-up 3.4 s)", or "eager" and why."""
+    """Make a loaded model fast in place: its weight format, then its step as --compile asks
+    (None: fused where fused_block.fusable, else compiled where a compiler works, on a CPU;
+    True: compiled). Returns how the step runs, in words: "fused (a block a C++ call)",
+    "compiled (warm-up 3.4 s)", or "eager" and why."""
     apply_format(model, weight_format)
     if model.embed.weight.device.type != "cpu":
         if compile_flag:
@@ -38,6 +42,9 @@ def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
         return "eager"
     if compile_flag is False:
         return "eager (--no-compile)"
+    if compile_flag is None and fusable(model) is None:  # int4 on an AVX2 CPU: nothing to compile
+        fuse_blocks(model)
+        return "fused (a block a C++ call)"
     problem = compiler_problem()
     if problem is not None:
         print(f"minimedusa: torch.compile does not work here, decoding eagerly ({problem})",
@@ -60,7 +67,7 @@ def how_it_runs(model: Llama) -> str:
         weights += " (group_kernel.c)"
     if isinstance(model.lm_head, Int8GroupLinear):
         weights += ", 8-bit LM head"
-    step = " | compiled step" if is_compiled(model) else ""
+    step = " | compiled step" if is_compiled(model) else " | fused step" if is_fused(model) else ""
     if any(isinstance(m, KernelAttention) for m in block.modules()):
         step += ", C attention"
     layers = [layer for layer in block.modules()

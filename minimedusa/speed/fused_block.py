@@ -1,0 +1,88 @@
+"""A fused decoding step: each transformer block of an int4 (or w4a8) model with float32 rows
+in ONE call of a C++ operator (operators.cpp's block_step), instead of a compiled graph.
+
+Why: on a 2-core CPU a compiled block spends about as long in Python as in its products. A
+plain int4 step of ~21 ms on the 2-core AVX2 EPYC (Zen 3) was ~44% Python and dispatch on the
+main thread (perf: Dynamo's guards, the graph's Python wrapper, ~12 operator calls a block, 30
+blocks), while the other thread waited; the products were ~40% of all samples. Here a block
+is one operator call: its norms, RoPE, cache write and SwiGLU are loops over one row at a time
+in C++, its 4 products group_kernel.c's and its attention attention_kernel.c's, called
+directly. And nothing is compiled: no warm-up in each process.
+A row's bits depend on nothing beside it (each step of the block is row by row, and so are the
+kernels), so greedy Medusa stays lossless with respect to plain decoding in this step; model.Block
+is the reference (tests/test_fused_block.py: the same outputs within float32's rounding).
+
+Where: the blocks of a model whose four products are group_kernel.c's int4 layers
+(quantized.Int4KernelLinear, or Int4A8KernelLinear for w4a8) without biases, in float32 (the
+AVX2 path's activations: group_kernel.takes_float32), its attention the C kernel's. The
+AVX-512 BF16 path's bfloat16 rows keep the compiled step (not written for them: no such CPU to
+measure on when this was written). Decoding's forwards only (one sequence in inference mode, a
+cache, at most model.EXACT_ATTENTION_TOKENS rows), as CompiledBlock; anything else runs the
+eager block.
+
+Shapes: T rows, C model dim, H query heads, G key/value heads, D head dim, S attended slots.
+"""
+import torch
+import torch.nn as nn
+
+from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Llama
+from minimedusa.speed import attention_kernel, group_kernel
+from minimedusa.speed.packed_linear import OPERATORS
+from minimedusa.speed.quantized import Int4A8KernelLinear, Int4KernelLinear
+
+# x (1, T, C), cos and sin (1, 1, T, D), mask (1, 1, T, S), the layer's cache k and v (1, G,
+# capacity, D) written at slots (T,), the norms' weights (C,), the 4 products' (packed, scales,
+# minimums) in the order wqkv, wo, gate_up, down, which of them take 8-bit activations, H, eps
+OPERATORS.define("block_step(Tensor x, Tensor cos, Tensor sin, Tensor mask, Tensor(a!) k_cache, "
+                 "Tensor(b!) v_cache, Tensor slots, Tensor attn_norm, Tensor mlp_norm, "
+                 "Tensor[] products, int[] a8, int heads, float eps) -> Tensor")
+
+
+def products(block: Block) -> list[nn.Module]:
+    """The block's 4 products, in block_step's order."""
+    return [block.attn.wqkv, block.attn.wo, block.mlp.gate_up, block.mlp.down]
+
+
+def fusable(model: Llama) -> str | None:
+    """None if every block can run as one block_step call, else why not, in words."""
+    block = model.layers[0]
+    if not all(type(layer) in (Int4KernelLinear, Int4A8KernelLinear) and layer.bias is None
+               for b in model.layers for layer in products(b)):
+        return "its products are not group_kernel.c's int4 layers without biases"
+    if block.attn_norm.weight.dtype != torch.float32:
+        return "its activations are not float32"
+    if attention_kernel.kernel_problem() is not None or group_kernel.kernel_problem() is not None:
+        return "the C kernels do not run here"
+    return None
+
+
+class FusedBlock(nn.Module):
+    """A block whose decoding forwards are one block_step call, and whose other forwards run
+    the eager block (as compiled_step.CompiledBlock)."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.block = block
+        layers = products(block)
+        self.products = [t for layer in layers
+                         for t in (layer.packed, layer.scales, layer.minimums)]
+        self.a8 = [int(isinstance(layer, Int4A8KernelLinear)) for layer in layers]
+
+    def forward(self, x, cos, sin, mask, cache, slots):
+        B, T, _ = x.shape
+        if (B == 1 and T <= EXACT_ATTENTION_TOKENS and cache is not None
+                and x.dtype == torch.float32 and torch.is_inference_mode_enabled()):
+            return torch.ops.minimedusa.block_step(
+                x, cos, sin, mask, cache.k, cache.v, slots, self.block.attn_norm.weight,
+                self.block.mlp_norm.weight, self.products, self.a8, self.block.attn.n_head,
+                self.block.attn_norm.eps)
+        return self.block(x, cos, sin, mask, cache, slots)
+
+
+def fuse_blocks(model: Llama) -> None:
+    """Swap every block of the model for a FusedBlock (fusable(model) must be None)."""
+    model.layers = nn.ModuleList([FusedBlock(block) for block in model.layers])
+
+
+def is_fused(model: Llama) -> bool:
+    return isinstance(model.layers[0], FusedBlock)

@@ -1,0 +1,96 @@
+"""The fused step (speed/fused_block.py): each block of an int4 (or w4a8) model with float32 rows
+in one C++ call. model.Block is its reference: the same logits within float32's rounding; a
+row's bits do not depend on the rows beside it nor on the slot it is written at (what keeps
+greedy Medusa lossless); and greedy Medusa on it equals its own plain greedy."""
+import pytest
+import torch
+
+from conftest import copycat_model, perturbed
+from minimedusa.acceptance import greedy
+from minimedusa.budget import fixed
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.heads import MedusaHeads
+from minimedusa.hydra import HydraHeads
+from minimedusa.kv_cache import KVCache
+from minimedusa.model import causal_mask
+from minimedusa.sampling import Sampling
+from minimedusa.speed import group_kernel
+from minimedusa.speed.fused_block import fusable, is_fused
+from minimedusa.speed.plug_in import how_it_runs, plug_in
+from minimedusa.speed.weight_formats import apply_format
+from minimedusa.tree import build_tree
+from test_medusa_decoding import flat
+from test_weight_formats import four_bit_model
+
+pytestmark = pytest.mark.skipif(
+    group_kernel.kernel_problem() is not None or not group_kernel.takes_float32(),
+    reason="the fused step serves float32 rows through group_kernel.c's AVX2 path")
+
+
+def fused(model, weight_format: str):
+    """The model in `weight_format`, its blocks fused by plug_in (as generate.py's default)."""
+    assert plug_in(model, weight_format, None) == "fused (a block a C++ call)"
+    assert is_fused(model) and "fused step" in how_it_runs(model)
+    return model
+
+
+def forward(model, tokens, start, mask, cache, eager: bool):
+    """Logits (T, V) of tokens (T,) written from slot `start`: the fused step in inference
+    mode, the eager blocks (the reference) outside it."""
+    T = tokens.numel()
+    positions = torch.arange(start, start + T)[None]
+    with torch.inference_mode(not eager):
+        logits, _ = model(tokens[None], positions, mask, cache, cache.slots(start, T))
+    return logits[0]
+
+
+@pytest.mark.parametrize("weight_format", ["int4", "w4a8"])
+def test_a_fused_step_gives_the_eager_blocks_logits(weight_format):
+    model = fused(four_bit_model(0), weight_format)
+    g = torch.Generator().manual_seed(0)
+    caches = {eager: KVCache.for_model(model, 32) for eager in (True, False)}
+    start = 0
+    for T in (7, 1, 4, 1):  # a prompt, then steps of 1 and 4 rows
+        tokens = torch.randint(0, 64, (T,), generator=g)
+        mask = causal_mask(start, T)
+        eager, step = (forward(model, tokens, start, mask, caches[e], e) for e in (True, False))
+        torch.testing.assert_close(step, eager, rtol=1e-4, atol=1e-4)
+        start += T
+
+
+def test_a_rows_bits_in_a_fused_step_depend_on_nothing_beside_it():
+    """A token after a cached prefix, alone at slot n, and as the 4th row of a 6-row step at
+    slot n + 3 that sees the prefix and itself only (a tree node's mask): the same bits."""
+    model = fused(four_bit_model(1), "int4")
+    cache = KVCache.for_model(model, 32)
+    n, token = 9, 5
+    forward(model, torch.arange(n) + 3, 0, causal_mask(0, n), cache, eager=False)
+    alone = forward(model, torch.tensor([token]), n, causal_mask(n, 1), cache, eager=False)
+    rows = torch.tensor([7, 8, 9, token, 11, 12])
+    mask = torch.zeros(1, 6, n + 6, dtype=torch.bool)
+    mask[0, :, :n] = True
+    mask[0, torch.arange(6), n + torch.arange(6)] = True  # each row sees itself
+    with torch.inference_mode():
+        logits, _ = model(rows[None], torch.full((1, 6), n), mask, cache, cache.slots(n, 6))
+    assert torch.equal(logits[0, 3], alone[0])
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed):
+    """On a model where candidates are accepted (copycat) and on a 4-bit one."""
+    for model in (copycat_model(seed, dtype=torch.float32, hidden_size=64, intermediate_size=128),
+                  four_bit_model(seed)):
+        model = fused(model, "int4")
+        heads = (perturbed(MedusaHeads.for_model(model, 4, num_layers=1), seed, 0.05)
+                 if kind == "medusa" else HydraHeads.for_model(model, 4))
+        heads = apply_format(heads.float().eval(), "int4")
+        tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
+        prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
+        assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain
+
+
+def test_a_model_the_fused_step_does_not_serve_says_why():
+    model = apply_format(four_bit_model(0), "float32")
+    assert fusable(model) == "its products are not group_kernel.c's int4 layers without biases"
