@@ -16,6 +16,7 @@ from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
 from minimedusa.flags.load import decoding_model
+from minimedusa.speed.c_kernels import kernels_folder
 
 REPO = Path(__file__).resolve().parent.parent
 # Logits, greedy continuations, tokenizer ids and the chat template of the default model, made by
@@ -109,10 +110,15 @@ def tiny_setup(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def built_kernels(tmp_path_factory) -> Path:
-    """One folder of built C kernels for the whole run: each is built once (a build takes
-    about a second each on a 2-core CPU), not once per test."""
-    return tmp_path_factory.mktemp("kernels")
+def built_kernels() -> Path:
+    """The folder of built C kernels every test and every process it starts shares: the one
+    the checks at collection (which kernels multiply here) already built into, the user's, as
+    generate.py would. A kernel's file is named by a hash of its source, compiler and CPU, so
+    sharing it is safe, and the kernels and their C++ operators (~15 s on a 2-core CPU) are
+    built once, not once at collection and once more for the run."""
+    folder = kernels_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 @pytest.fixture(autouse=True)

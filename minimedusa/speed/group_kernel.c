@@ -429,8 +429,9 @@ static inline __attribute__((always_inline)) void block_rows8(
         }
       }
     for (int h = 0; h < 2; h++) {
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + g * 16 + 8 * h)));
-      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(minimums + g * 16 + 8 * h)));
+      const int64_t at_g = g * 16 + 8 * h;  /* the group's scales of these 8 outputs */
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + at_g)));
+      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(minimums + at_g)));
       for (int i = 0; i < n; i++) {
         const __m256 qa = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][h], ones));
         out[i][h] = _mm256_fmadd_ps(qa, _mm256_mul_ps(scale, _mm256_set1_ps(r->d[i * G + g])),

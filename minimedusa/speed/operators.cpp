@@ -1,7 +1,8 @@
 /* The torch operators of this project's C kernels (minimedusa::int4_product, ::int4_a8_product,
    ::int8_product, ::step_attention), in C++: each checks its tensors, allocates its output and
    calls the kernel's C function, linked from the kernel's library (group_kernel.c,
-   attention_kernel.c; built by c_kernels.py).
+   attention_kernel.c; built by c_kernels.py). And ::block_step, a whole transformer block of
+   an int4 model in one call (the fused step, fused_block.py), at the end of the file.
 
    Why C++: a torch operator whose kernel is a Python function costs ~35 us a call on a 2-core
    CPU (the dispatcher calling back into Python, the tensors' sizes and addresses read there,
@@ -178,7 +179,8 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
   const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
   const at::Tensor mask = mask_.contiguous(), slots = slots_.contiguous();
   const int64_t T = x.size(1), C = x.size(2), G = k_cache.size(1), capacity = k_cache.size(2),
-                D = k_cache.size(3), S = mask.size(-1), I = products[10].size(1) * 32;  /* down's inputs: its groups of 32 */
+                D = k_cache.size(3), S = mask.size(-1),
+                I = products[10].size(1) * 32;  /* down's inputs: its scales' groups of 32 */
   const int64_t width = (H + 2 * G) * D;  /* wqkv's outputs: q, k, v side by side */
   at::Tensor out = x.clone().view({T, C});  /* the residual stream */
   at::Tensor h = at::empty({T, C}, x.options()), qkv = at::empty({T, width}, x.options());

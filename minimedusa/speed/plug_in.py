@@ -2,7 +2,7 @@
 layers after building the model: model.py and decoding.py never learn that a C kernel or a
 compiled graph exists.
 
-    step = plug_in(model, "int4", compile_flag=None)   # "compiled (warm-up 1.4 s)"
+    step = plug_in(model, "int4", compile_flag=None)   # "fused (a block a C++ call)" (AVX2)
 
 1. the weight format (weight_formats.py): prepacked, quantized or 4-bit layers swapped in;
 2. the step: where the blocks' products are group_kernel.c's int4 layers in float32, each
