@@ -94,3 +94,5 @@ def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed):
 def test_a_model_the_fused_step_does_not_serve_says_why():
     model = apply_format(four_bit_model(0), "float32")
     assert fusable(model) == "its products are not group_kernel.c's int4 layers without biases"
+    wide_heads = apply_format(four_bit_model(0, head_dim=288), "int4")
+    assert fusable(wide_heads) == "its head dim 288 is over the C attention's 256"

@@ -51,6 +51,9 @@ def fusable(model: Llama) -> str | None:
         return "its products are not group_kernel.c's int4 layers without biases"
     if block.attn_norm.weight.dtype != torch.float32:
         return "its activations are not float32"
+    if model.config.head_dim > attention_kernel.MAX_D:
+        return (f"its head dim {model.config.head_dim} is over the C attention's "
+                f"{attention_kernel.MAX_D}")
     if attention_kernel.kernel_problem() is not None or group_kernel.kernel_problem() is not None:
         return "the C kernels do not run here"
     return None
