@@ -165,6 +165,63 @@ void block_product(const at::TensorList products, at::IntArrayRef a8, int i, con
         "its rows");
 }
 
+/* a block's sizes: T rows, C model dim, H query heads, G key/value heads, D head dim, S attended
+   slots, the cache's capacity, I the MLP's inner dim */
+struct Sizes {
+  int64_t T, C, H, G, D, S, capacity, I;
+};
+
+/* out (T, C) += attn(norm(out)): q and k rotated, k and v written into the caches (G,
+   capacity, D) at slot[t], the rows attending slots [0, S) as mask (T, S) lets them */
+void attention_half(float* out, const float* norm, at::TensorList products, at::IntArrayRef a8,
+                    const float* cos, const float* sin, const uint8_t* mask,
+                    const int64_t* slot, float* kc, float* vc, const Sizes& z, double eps) {
+  const int64_t width = (z.H + 2 * z.G) * z.D;  /* wqkv's outputs: q, k, v side by side */
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor h = at::empty({z.T, z.C}, options), qkv = at::empty({z.T, width}, options);
+  at::Tensor q = at::empty({z.T, z.H, z.D}, options), att = at::empty({z.T, z.H, z.D}, options);
+  at::Tensor part = at::empty({z.T, z.C}, options);
+  float *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
+  rms_norm_rows(out, norm, hp, z.T, z.C, eps);
+  block_product(products, a8, 0, hp, qkvp, z.T, width, z.C);
+  for (int64_t t = 0; t < z.T; t++) {
+    const float *row = qkvp + t * width, *ct = cos + t * z.D, *st = sin + t * z.D;
+    for (int64_t n = 0; n < z.H; n++)
+      rope_head(row + n * z.D, ct, st, qp + (t * z.H + n) * z.D, z.D);
+    for (int64_t g = 0; g < z.G; g++) {
+      const int64_t at = (g * z.capacity + slot[t]) * z.D;
+      rope_head(row + (z.H + g) * z.D, ct, st, kc + at, z.D);
+      std::memcpy(vc + at, row + (z.H + z.G + g) * z.D, z.D * sizeof(float));
+    }
+  }
+  const Step step = {qp, kc, vc, mask, att.mutable_data_ptr(), z.H, z.G, z.T, z.S, z.D,
+                     z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D, 0,
+                     static_cast<float>(std::pow(z.D, -0.5))};
+  TORCH_CHECK(attend(&step) == 0, "attention_kernel.c did not attend");
+  float* pp = part.data_ptr<float>();
+  block_product(products, a8, 1, att.const_data_ptr<float>(), pp, z.T, z.C, z.H * z.D);
+  for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + pp[i];
+}
+
+/* out (T, C) += down(silu(gate) * up) of norm(out), gate and up side by side in gate_up's */
+void mlp_half(float* out, const float* norm, at::TensorList products, at::IntArrayRef a8,
+              const Sizes& z, double eps) {
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor h = at::empty({z.T, z.C}, options), wide = at::empty({z.T, 2 * z.I}, options);
+  at::Tensor mid = at::empty({z.T, z.I}, options), part = at::empty({z.T, z.C}, options);
+  float *hp = h.data_ptr<float>(), *w = wide.data_ptr<float>(), *m = mid.data_ptr<float>();
+  float* pp = part.data_ptr<float>();
+  rms_norm_rows(out, norm, hp, z.T, z.C, eps);
+  block_product(products, a8, 2, hp, w, z.T, 2 * z.I, z.C);
+  for (int64_t t = 0; t < z.T; t++)
+    for (int64_t i = 0; i < z.I; i++) {
+      const float gate = w[t * 2 * z.I + i];
+      m[t * z.I + i] = gate / (1.0f + std::exp(-gate)) * w[t * 2 * z.I + z.I + i];
+    }
+  block_product(products, a8, 3, m, pp, z.T, z.C, z.I);
+  for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + pp[i];
+}
+
 /* x (1, T, C) float32; cos, sin (1, 1, T, D); mask (1, 1, T, S) bool; the layer's cache k and v
    (1, G, capacity, D), this step's keys and values written at slots (T,); the norms' weights
    (C,); products: wqkv, wo, gate_up, down as (packed, scales, minimums) each -> (1, T, C) */
@@ -173,58 +230,27 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
                     const at::Tensor& slots_, const at::Tensor& attn_norm,
                     const at::Tensor& mlp_norm, at::TensorList products, at::IntArrayRef a8,
                     int64_t H, double eps) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "block_step takes float32 rows and contiguous caches");
   const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
   const at::Tensor mask = mask_.contiguous(), slots = slots_.contiguous();
-  const int64_t T = x.size(1), C = x.size(2), G = k_cache.size(1), capacity = k_cache.size(2),
-                D = k_cache.size(3), S = mask.size(-1),
-                I = products[10].size(1) * 32;  /* down's inputs: its scales' groups of 32 */
-  const int64_t width = (H + 2 * G) * D;  /* wqkv's outputs: q, k, v side by side */
-  at::Tensor out = x.clone().view({T, C});  /* the residual stream */
-  at::Tensor h = at::empty({T, C}, x.options()), qkv = at::empty({T, width}, x.options());
-  at::Tensor q = at::empty({T, H, D}, x.options()), att = at::empty({T, H, D}, x.options());
-  at::Tensor wide = at::empty({T, 2 * I}, x.options()), mid = at::empty({T, I}, x.options());
-  at::Tensor part = at::empty({T, C}, x.options());
-  float *o = out.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
-  const float *cp = cos.const_data_ptr<float>(), *sp = sin.const_data_ptr<float>();
+  const Sizes z = {x.size(1), x.size(2), H, k_cache.size(1), k_cache.size(3), mask.size(-1),
+                   k_cache.size(2), products[10].size(1) * 32};  /* I: down's groups of 32 */
+  TORCH_CHECK(x.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && products.size() == 12 && a8.size() == 4,
+              "block_step takes float32 rows, contiguous caches and 4 products");
+  TORCH_CHECK(cos.numel() == z.T * z.D && sin.numel() == z.T * z.D &&
+                  mask.numel() == z.T * z.S && slots.numel() == z.T && z.S <= z.capacity,
+              "block_step: the angles, mask or slots do not fit ", z.T, " rows");
   const int64_t* slot = slots.const_data_ptr<int64_t>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-
-  rms_norm_rows(o, attn_norm.const_data_ptr<float>(), hp, T, C, eps);
-  block_product(products, a8, 0, hp, qkvp, T, width, C);
-  for (int64_t t = 0; t < T; t++) {  /* q and k rotated; k and v into the cache at their slot */
-    const float *row = qkvp + t * width, *ct = cp + t * D, *st = sp + t * D;
-    for (int64_t n = 0; n < H; n++)
-      rope_head(row + n * D, ct, st, q.data_ptr<float>() + (t * H + n) * D, D);
-    for (int64_t g = 0; g < G; g++) {
-      float* key = kc + (g * capacity + slot[t]) * D;
-      rope_head(row + (H + g) * D, ct, st, key, D);
-      std::memcpy(vc + (g * capacity + slot[t]) * D, row + (H + G + g) * D, D * sizeof(float));
-    }
-  }
-  const Step step = {q.const_data_ptr(), kc, vc,
-                     reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()),
-                     att.mutable_data_ptr(), H, G, T, S, D, D, H * D, capacity * D, D, H * D,
-                     0, static_cast<float>(std::pow(D, -0.5))};
-  const int done = attend(&step);
-  TORCH_CHECK(done == 0, "attention_kernel.c did not attend (", done, ")");
-  block_product(products, a8, 1, att.const_data_ptr<float>(), part.data_ptr<float>(), T, C, H * D);
-  const float* pp = part.const_data_ptr<float>();
-  for (int64_t i = 0; i < T * C; i++) o[i] = o[i] + pp[i];
-  rms_norm_rows(o, mlp_norm.const_data_ptr<float>(), hp, T, C, eps);
-  block_product(products, a8, 2, hp, wide.data_ptr<float>(), T, 2 * I, C);
-  const float* w = wide.const_data_ptr<float>();
-  float* m = mid.data_ptr<float>();
-  for (int64_t t = 0; t < T; t++)  /* SwiGLU: silu(gate) * up */
-    for (int64_t i = 0; i < I; i++) {
-      const float gate = w[t * 2 * I + i];
-      m[t * I + i] = gate / (1.0f + std::exp(-gate)) * w[t * 2 * I + I + i];
-    }
-  block_product(products, a8, 3, m, part.data_ptr<float>(), T, C, I);
-  for (int64_t i = 0; i < T * C; i++) o[i] = o[i] + pp[i];
-  return out.view({1, T, C});
+  for (int64_t t = 0; t < z.T; t++)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < z.capacity, "block_step: slot ", slot[t],
+                " is outside the cache's ", z.capacity);
+  at::Tensor out = x.clone().view({z.T, z.C});  /* the residual stream */
+  attention_half(out.data_ptr<float>(), attn_norm.const_data_ptr<float>(), products, a8,
+                 cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
+                 reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()), slot,
+                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), z, eps);
+  mlp_half(out.data_ptr<float>(), mlp_norm.const_data_ptr<float>(), products, a8, z, eps);
+  return out.view({1, z.T, z.C});
 }
 
 }  // namespace
