@@ -69,7 +69,8 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
         return "products: this model's layers are not a CPU format's (weight_formats.py): not timed"
     parts = {"blocks": blocks, "LM head": [model.lm_head]}
     gigabytes = {name: weight_bytes(*layers) / 1e9 for name, layers in parts.items()}
-    seconds = round_robin_medians({(name, M): functools.partial(time_products, layers, M)
+    dtype = model.norm.weight.dtype  # the activations' (float32 where int4's kernel takes it)
+    seconds = round_robin_medians({(name, M): functools.partial(time_products, layers, M, dtype)
                                    for M in rows for name, layers in parts.items()}, rounds)
     lines = ["products alone, ms (GB/s of weights): M rows, the blocks' and the LM head's"]
     for M in rows:
@@ -79,10 +80,11 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
     return "\n".join(lines)
 
 
-def time_products(layers, M: int) -> float:
-    """Seconds to multiply M random rows by each layer's weight, one after another."""
+def time_products(layers, M: int, dtype: torch.dtype) -> float:
+    """Seconds to multiply M random rows (of `dtype`, a prepacked layer's own) by each layer's
+    weight, one after another."""
     inputs = [torch.randn(M, m.in_features, dtype=m.dtype if isinstance(m, PackedLinear)
-                          else torch.bfloat16) for m in layers]
+                          else dtype) for m in layers]
     start = time.perf_counter()
     for layer, x in zip(layers, inputs):
         layer.product(x) if isinstance(layer, PackedLinear) else layer(x)  # (M, O)
