@@ -172,16 +172,17 @@ struct Sizes {
 };
 
 /* out (T, C) += attn(norm(out)): q and k rotated, k and v written into the caches (G,
-   capacity, D) at slot[t], the rows attending slots [0, S) as mask (T, S) lets them */
+   capacity, D) at slot[t], the rows attending slots [0, S) as mask (T, S) lets them; hp and pp
+   (T, C) each: scratch for the norm's output and the product's */
 void attention_half(float* out, const float* norm, at::TensorList products, at::IntArrayRef a8,
                     const float* cos, const float* sin, const uint8_t* mask,
-                    const int64_t* slot, float* kc, float* vc, const Sizes& z, double eps) {
+                    const int64_t* slot, float* kc, float* vc, const Sizes& z, double eps,
+                    float* hp, float* pp) {
   const int64_t width = (z.H + 2 * z.G) * z.D;  /* wqkv's outputs: q, k, v side by side */
   const auto options = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor h = at::empty({z.T, z.C}, options), qkv = at::empty({z.T, width}, options);
-  at::Tensor q = at::empty({z.T, z.H, z.D}, options), att = at::empty({z.T, z.H, z.D}, options);
-  at::Tensor part = at::empty({z.T, z.C}, options);
-  float *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
+  at::Tensor qkv = at::empty({z.T, width}, options), q = at::empty({z.T, z.H, z.D}, options);
+  at::Tensor att = at::empty({z.T, z.H, z.D}, options);
+  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
   rms_norm_rows(out, norm, hp, z.T, z.C, eps);
   block_product(products, a8, 0, hp, qkvp, z.T, width, z.C);
   for (int64_t t = 0; t < z.T; t++) {
@@ -198,19 +199,17 @@ void attention_half(float* out, const float* norm, at::TensorList products, at::
                      z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D, 0,
                      static_cast<float>(std::pow(z.D, -0.5))};
   TORCH_CHECK(attend(&step) == 0, "attention_kernel.c did not attend");
-  float* pp = part.data_ptr<float>();
   block_product(products, a8, 1, att.const_data_ptr<float>(), pp, z.T, z.C, z.H * z.D);
   for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + pp[i];
 }
 
-/* out (T, C) += down(silu(gate) * up) of norm(out), gate and up side by side in gate_up's */
+/* out (T, C) += down(silu(gate) * up) of norm(out), gate and up side by side in gate_up's;
+   hp and pp as attention_half's */
 void mlp_half(float* out, const float* norm, at::TensorList products, at::IntArrayRef a8,
-              const Sizes& z, double eps) {
+              const Sizes& z, double eps, float* hp, float* pp) {
   const auto options = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor h = at::empty({z.T, z.C}, options), wide = at::empty({z.T, 2 * z.I}, options);
-  at::Tensor mid = at::empty({z.T, z.I}, options), part = at::empty({z.T, z.C}, options);
-  float *hp = h.data_ptr<float>(), *w = wide.data_ptr<float>(), *m = mid.data_ptr<float>();
-  float* pp = part.data_ptr<float>();
+  at::Tensor wide = at::empty({z.T, 2 * z.I}, options), mid = at::empty({z.T, z.I}, options);
+  float *w = wide.data_ptr<float>(), *m = mid.data_ptr<float>();
   rms_norm_rows(out, norm, hp, z.T, z.C, eps);
   block_product(products, a8, 2, hp, w, z.T, 2 * z.I, z.C);
   for (int64_t t = 0; t < z.T; t++)
@@ -245,11 +244,14 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
     TORCH_CHECK(slot[t] >= 0 && slot[t] < z.capacity, "block_step: slot ", slot[t],
                 " is outside the cache's ", z.capacity);
   at::Tensor out = x.clone().view({z.T, z.C});  /* the residual stream */
+  at::Tensor scratch = at::empty({2, z.T, z.C}, x.options());  /* both halves' norm, product */
+  float *hp = scratch[0].data_ptr<float>(), *pp = scratch[1].data_ptr<float>();
   attention_half(out.data_ptr<float>(), attn_norm.const_data_ptr<float>(), products, a8,
                  cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
                  reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()), slot,
-                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), z, eps);
-  mlp_half(out.data_ptr<float>(), mlp_norm.const_data_ptr<float>(), products, a8, z, eps);
+                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), z, eps, hp, pp);
+  mlp_half(out.data_ptr<float>(), mlp_norm.const_data_ptr<float>(), products, a8, z, eps, hp,
+           pp);
   return out.view({1, z.T, z.C});
 }
 

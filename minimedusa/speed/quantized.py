@@ -165,7 +165,8 @@ class Int4KernelLinear(nn.Module):
                             f"outputs: this model has one of {K} and {N}")
         group_kernel.require_kernel()
         packed, scales, minimums = self.pack(*quantize_int4(linear.weight))
-        self.register_buffer("packed", packed)  # (N / 16, K / 2, 16) uint8 (w4a8: (N/16, K/8, 64))
+        # (N / 16, K / 2, 16) uint8; w4a8's layout (N / 16, K / 8, 64)
+        self.register_buffer("packed", packed)
         # float16 whatever the activations' dtype (kept out of .to(bfloat16), which would round
         # them: plain attributes, not buffers)
         self.scales, self.minimums = scales, minimums  # (N / 16, K / GROUP, 16) each
