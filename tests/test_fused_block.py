@@ -1,7 +1,8 @@
-"""The fused step (speed/fused_block.py): each block of an int4 (or w4a8) model with float32 rows
-in one C++ call. model.Block is its reference: the same logits within float32's rounding; a
-row's bits do not depend on the rows beside it nor on the slot it is written at (what keeps
-greedy Medusa lossless); and greedy Medusa on it equals its own plain greedy."""
+"""The fused step (speed/fused_block.py): each block of an int4 (or w4a8) model in one C++ call,
+its activations in float32 or bfloat16. model.Block is its reference: the same logits within
+the activations' rounding; a row's bits do not depend on the rows beside it nor on the slot it
+is written at (what keeps greedy Medusa lossless); and greedy Medusa on it equals its own plain
+greedy."""
 import pytest
 import torch
 
@@ -15,23 +16,39 @@ from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
-from minimedusa.speed.fused_block import fusable, is_fused
+from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
 from minimedusa.speed.plug_in import how_it_runs, plug_in
 from minimedusa.speed.weight_formats import apply_format
 from minimedusa.tree import build_tree
 from test_medusa_decoding import flat
 from test_weight_formats import four_bit_model
 
-pytestmark = pytest.mark.skipif(
-    group_kernel.kernel_problem() is not None or not group_kernel.takes_float32(),
-    reason="the fused step serves float32 rows through group_kernel.c's AVX2 path")
+pytestmark = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                                reason="the fused step runs group_kernel.c's products")
+DTYPES = [torch.float32, torch.bfloat16]
 
 
-def fused(model, weight_format: str):
-    """The model in `weight_format`, its blocks fused by plug_in (as generate.py's default)."""
-    assert plug_in(model, weight_format, None) == "fused (a block a C++ call)"
-    assert is_fused(model) and "fused step" in how_it_runs(model)
+def fused(model, weight_format: str, dtype: torch.dtype):
+    """The model in `weight_format` with `dtype` activations, its blocks fused. float32 rows
+    only where group_kernel.c multiplies them (its AVX2 path); bfloat16 rows on any CPU."""
+    if dtype == torch.float32 and not group_kernel.takes_float32():
+        pytest.skip("this CPU's group_kernel.c multiplies bfloat16 rows only")
+    model = apply_format(model, weight_format).to(dtype)
+    assert fusable(model) is None
+    fuse_blocks(model)
     return model
+
+
+def within_rounding(dtype: torch.dtype) -> dict:
+    """float32's rounding, or bfloat16's (a rounding of a step's result that flips by one unit
+    between two orders of the same sums moves what follows by ~2**-8 of itself)."""
+    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+
+
+def test_plug_in_fuses_the_blocks_of_an_int4_model():
+    model = four_bit_model(0)
+    assert plug_in(model, "int4", None) == "fused (a block a C++ call)"
+    assert is_fused(model) and "fused step" in how_it_runs(model)
 
 
 def forward(model, tokens, start, mask, cache, eager: bool):
@@ -44,9 +61,10 @@ def forward(model, tokens, start, mask, cache, eager: bool):
     return logits[0]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_format", ["int4", "w4a8"])
-def test_a_fused_step_gives_the_eager_blocks_logits(weight_format):
-    model = fused(four_bit_model(0), weight_format)
+def test_a_fused_step_gives_the_eager_blocks_logits(weight_format, dtype):
+    model = fused(four_bit_model(0), weight_format, dtype)
     g = torch.Generator().manual_seed(0)
     caches = {eager: KVCache.for_model(model, 32) for eager in (True, False)}
     start = 0
@@ -54,14 +72,15 @@ def test_a_fused_step_gives_the_eager_blocks_logits(weight_format):
         tokens = torch.randint(0, 64, (T,), generator=g)
         mask = causal_mask(start, T)
         eager, step = (forward(model, tokens, start, mask, caches[e], e) for e in (True, False))
-        torch.testing.assert_close(step, eager, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step, eager, **within_rounding(dtype))
         start += T
 
 
-def test_a_rows_bits_in_a_fused_step_depend_on_nothing_beside_it():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_bits_in_a_fused_step_depend_on_nothing_beside_it(dtype):
     """A token after a cached prefix, alone at slot n, and as the 4th row of a 6-row step at
     slot n + 3 that sees the prefix and itself only (a tree node's mask): the same bits."""
-    model = fused(four_bit_model(1), "int4")
+    model = fused(four_bit_model(1), "int4", dtype)
     cache = KVCache.for_model(model, 32)
     n, token = 9, 5
     forward(model, torch.arange(n) + 3, 0, causal_mask(0, n), cache, eager=False)
@@ -75,16 +94,17 @@ def test_a_rows_bits_in_a_fused_step_depend_on_nothing_beside_it():
     assert torch.equal(logits[0, 3], alone[0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed):
+def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed, dtype):
     """On a model where candidates are accepted (copycat) and on a 4-bit one."""
     for model in (copycat_model(seed, dtype=torch.float32, hidden_size=64, intermediate_size=128),
                   four_bit_model(seed)):
-        model = fused(model, "int4")
+        model = fused(model, "int4", dtype)
         heads = (perturbed(MedusaHeads.for_model(model, 4, num_layers=1), seed, 0.05)
                  if kind == "medusa" else HydraHeads.for_model(model, 4))
-        heads = apply_format(heads.float().eval(), "int4")
+        heads = apply_format(heads.float().eval(), "int4").to(dtype)
         tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
         prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
@@ -94,5 +114,7 @@ def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed):
 def test_a_model_the_fused_step_does_not_serve_says_why():
     model = apply_format(four_bit_model(0), "float32")
     assert fusable(model) == "its products are not group_kernel.c's int4 layers without biases"
+    half = apply_format(four_bit_model(0), "int4").half()
+    assert fusable(half) == "its activations are float16, not float32 or bfloat16"
     wide_heads = apply_format(four_bit_model(0, head_dim=288), "int4")
     assert fusable(wide_heads) == "its head dim 288 is over the C attention's 256"

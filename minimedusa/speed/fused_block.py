@@ -1,5 +1,5 @@
-"""A fused decoding step: each transformer block of an int4 (or w4a8) model with float32 rows
-in ONE call of a C++ operator (operators.cpp's block_step), instead of a compiled graph.
+"""A fused decoding step: each transformer block of an int4 (or w4a8) model in ONE call of a
+C++ operator (operators.cpp's block_step), instead of a compiled graph.
 
 Why: on a 2-core CPU a compiled block spends about as long in Python as in its products. A
 plain int4 step of ~21 ms on the 2-core AVX2 EPYC (Zen 3) was ~44% Python and dispatch on the
@@ -12,15 +12,15 @@ one process: a forward of 1 / 8 rows 24.5 / 44.2 ms compiled, 16.2 / 35.4 fused;
 default 1.29x its own plain decoding and 1.26-1.33x llama.cpp's (weights/RESULTS.md).
 A row's bits depend on nothing beside it (each step of the block is row by row, and so are the
 kernels), so greedy Medusa stays lossless with respect to plain decoding in this step; model.Block
-is the reference (tests/test_fused_block.py: the same outputs within float32's rounding).
+is the reference (tests/test_fused_block.py: the same outputs within float32's rounding, and
+within bfloat16's for bfloat16 activations).
 
 Where: the blocks of a model whose four products are group_kernel.c's int4 layers
-(quantized.Int4KernelLinear, or Int4A8KernelLinear for w4a8) without biases, in float32 (the
-AVX2 path's activations: group_kernel.takes_float32), its attention the C kernel's. The
-AVX-512 BF16 path's bfloat16 rows keep the compiled step (not written for them: no such CPU to
-measure on when this was written). Decoding's forwards only (one sequence in inference mode, a
-cache, at most model.EXACT_ATTENTION_TOKENS rows), as CompiledBlock; anything else runs the
-eager block.
+(quantized.Int4KernelLinear, or Int4A8KernelLinear for w4a8) without biases, its activations in
+float32 (the AVX2 path's: group_kernel.takes_float32) or bfloat16 (the AVX-512 BF16 path's; the
+residual stream float32 as in model.py), its attention the C kernel's. Decoding's forwards only
+(one sequence in inference mode, a cache, at most model.EXACT_ATTENTION_TOKENS rows), as
+CompiledBlock; anything else runs the eager block.
 
 Shapes: T rows, C model dim, H query heads, G key/value heads, D head dim, S attended slots.
 """
@@ -32,9 +32,10 @@ from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import Int4A8KernelLinear, Int4KernelLinear
 
-# x (1, T, C), cos and sin (1, 1, T, D), mask (1, 1, T, S), the layer's cache k and v (1, G,
-# capacity, D) written at slots (T,), the norms' weights (C,), the 4 products' (packed, scales,
-# minimums) in the order wqkv, wo, gate_up, down, which of them take 8-bit activations, H, eps
+# x (1, T, C) float32, cos and sin (1, 1, T, D), mask (1, 1, T, S), the layer's cache k and v
+# (1, G, capacity, D) written at slots (T,) and the norms' weights (C,) in the activations'
+# dtype, the 4 products' (packed, scales, minimums) in the order wqkv, wo, gate_up, down, which
+# of them take 8-bit activations, H, eps
 OPERATORS.define("block_step(Tensor x, Tensor cos, Tensor sin, Tensor mask, Tensor(a!) k_cache, "
                  "Tensor(b!) v_cache, Tensor slots, Tensor attn_norm, Tensor mlp_norm, "
                  "Tensor[] products, int[] a8, int heads, float eps) -> Tensor")
@@ -51,8 +52,11 @@ def fusable(model: Llama) -> str | None:
     if not all(type(layer) in (Int4KernelLinear, Int4A8KernelLinear) and layer.bias is None
                for b in model.layers for layer in products(b)):
         return "its products are not group_kernel.c's int4 layers without biases"
-    if block.attn_norm.weight.dtype != torch.float32:
-        return "its activations are not float32"
+    dtype = block.attn_norm.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"its activations are {str(dtype).removeprefix('torch.')}, not float32 or bfloat16"
+    if dtype == torch.float32 and not group_kernel.takes_float32():
+        return "its activations are float32, which this CPU's group_kernel.c does not multiply"
     if model.config.head_dim > attention_kernel.MAX_D:
         return (f"its head dim {model.config.head_dim} is over the C attention's "
                 f"{attention_kernel.MAX_D}")

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 extern "C" {
 /* group_kernel.c's entry points: 0 done, 1 this build does not multiply so, 2 out of memory */
@@ -130,38 +131,51 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }
 
 /* ---- a whole block in one call (fused_block.py): the decoding step's transformer block of a
-   model whose products are group_kernel.c's int4 (or w4a8) layers, float32 rows. model.Block is
-   the reference: x + attn(norm(x)), then + mlp(norm(.)), each elementwise step below a loop over
-   one row at a time, so that a row's bits depend on nothing beside it (the products' and the
-   attention's own property): greedy Medusa stays lossless with respect to plain decoding. */
+   model whose products are group_kernel.c's int4 (or w4a8) layers. model.Block is the reference:
+   x + attn(norm(x)), then + mlp(norm(.)), each elementwise step below a loop over one row at a
+   time, so that a row's bits depend on nothing beside it (the products' and the attention's own
+   property): greedy Medusa stays lossless with respect to plain decoding.
+   E is the activations' dtype (the products' rows, the cache, the norms' weights): float32 (the
+   AVX2 path's) or bfloat16 (the AVX-512 BF16 path's). As model.py computes a bfloat16 block,
+   the residual stream stays float32, each step computes in float32 and rounds its result to E
+   once (the norm also before its weight, as RMSNorm casts first; SwiGLU after silu). */
 
-/* out[t] = weight * x[t] / sqrt(mean(x[t]^2) + eps), row by row: (T, C) */
-void rms_norm_rows(const float* x, const float* weight, float* out, int64_t T, int64_t C,
-                   double eps) {
+/* x as float32, and float32 rounded to E (to nearest even for bfloat16, as torch casts) */
+inline float wide(float x) { return x; }
+inline float wide(c10::BFloat16 x) { return static_cast<float>(x); }
+template <typename E> inline E narrow(float x) { return static_cast<E>(x); }
+
+/* out[t] = weight * E(x[t] / sqrt(mean(x[t]^2) + eps)), row by row: x float32 (T, C) */
+template <typename E>
+void rms_norm_rows(const float* x, const E* weight, E* out, int64_t T, int64_t C, double eps) {
   for (int64_t t = 0; t < T; t++) {
     double squares = 0.0;  /* in double: in order, and exact enough for any C */
     for (int64_t c = 0; c < C; c++) squares += (double)x[t * C + c] * x[t * C + c];
     const float inverse = (float)(1.0 / std::sqrt(squares / C + eps));
-    for (int64_t c = 0; c < C; c++) out[t * C + c] = weight[c] * (x[t * C + c] * inverse);
+    for (int64_t c = 0; c < C; c++)
+      out[t * C + c] = narrow<E>(wide(weight[c]) * wide(narrow<E>(x[t * C + c] * inverse)));
   }
 }
 
 /* head of D values rotated as model.apply_rope: pairs (i, i + D/2) by the row's angles */
-void rope_head(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
+template <typename E>
+void rope_head(const E* x, const float* cos, const float* sin, E* out, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; i++) {
-    out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
-    out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+    const float a = wide(x[i]), b = wide(x[i + half]);
+    out[i] = narrow<E>(a * cos[i] + (-b) * sin[i]);
+    out[i + half] = narrow<E>(b * cos[i + half] + a * sin[i + half]);
   }
 }
 
 /* one of the block's 4 products, y (T, N) = x (T, K) W^T: W's packed weights, scales and
    minimums are products[3 i], [3 i + 1], [3 i + 2]; 8-bit activations where a8[i] */
-void block_product(const at::TensorList products, at::IntArrayRef a8, int i, const float* x,
-                   float* y, int64_t T, int64_t N, int64_t K) {
+template <typename E>
+void block_product(const at::TensorList products, at::IntArrayRef a8, int i, const E* x, E* y,
+                   int64_t T, int64_t N, int64_t K) {
   const auto product = a8[i] ? int4_a8_product : int4_product;
   check(product(x, products[3 * i].const_data_ptr<uint8_t>(), halves(products[3 * i + 1]),
-                halves(products[3 * i + 2]), y, T, N, K, 1),
+                halves(products[3 * i + 2]), y, T, N, K, std::is_same_v<E, float>),
         "its rows");
 }
 
@@ -171,59 +185,79 @@ struct Sizes {
   int64_t T, C, H, G, D, S, capacity, I;
 };
 
-/* out (T, C) += attn(norm(out)): q and k rotated, k and v written into the caches (G,
+/* out (T, C) float32 += attn(norm(out)): q and k rotated, k and v written into the caches (G,
    capacity, D) at slot[t], the rows attending slots [0, S) as mask (T, S) lets them; hp and pp
    (T, C) each: scratch for the norm's output and the product's */
-void attention_half(float* out, const float* norm, at::TensorList products, at::IntArrayRef a8,
+template <typename E>
+void attention_half(float* out, const E* norm, at::TensorList products, at::IntArrayRef a8,
                     const float* cos, const float* sin, const uint8_t* mask,
-                    const int64_t* slot, float* kc, float* vc, const Sizes& z, double eps,
-                    float* hp, float* pp) {
+                    const int64_t* slot, E* kc, E* vc, const Sizes& z, double eps, E* hp,
+                    E* pp, const at::TensorOptions& options) {
   const int64_t width = (z.H + 2 * z.G) * z.D;  /* wqkv's outputs: q, k, v side by side */
-  const auto options = at::TensorOptions().dtype(at::kFloat);
   at::Tensor qkv = at::empty({z.T, width}, options), q = at::empty({z.T, z.H, z.D}, options);
   at::Tensor att = at::empty({z.T, z.H, z.D}, options);
-  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
+  E *qkvp = qkv.data_ptr<E>(), *qp = q.data_ptr<E>();
   rms_norm_rows(out, norm, hp, z.T, z.C, eps);
   block_product(products, a8, 0, hp, qkvp, z.T, width, z.C);
   for (int64_t t = 0; t < z.T; t++) {
-    const float *row = qkvp + t * width, *ct = cos + t * z.D, *st = sin + t * z.D;
+    const E* row = qkvp + t * width;
+    const float *ct = cos + t * z.D, *st = sin + t * z.D;
     for (int64_t n = 0; n < z.H; n++)
       rope_head(row + n * z.D, ct, st, qp + (t * z.H + n) * z.D, z.D);
     for (int64_t g = 0; g < z.G; g++) {
       const int64_t at = (g * z.capacity + slot[t]) * z.D;
       rope_head(row + (z.H + g) * z.D, ct, st, kc + at, z.D);
-      std::memcpy(vc + at, row + (z.H + z.G + g) * z.D, z.D * sizeof(float));
+      std::memcpy(vc + at, row + (z.H + z.G + g) * z.D, z.D * sizeof(E));
     }
   }
   const Step step = {qp, kc, vc, mask, att.mutable_data_ptr(), z.H, z.G, z.T, z.S, z.D,
-                     z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D, 0,
-                     static_cast<float>(std::pow(z.D, -0.5))};
+                     z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D,
+                     !std::is_same_v<E, float>, static_cast<float>(std::pow(z.D, -0.5))};
   TORCH_CHECK(attend(&step) == 0, "attention_kernel.c did not attend");
-  block_product(products, a8, 1, att.const_data_ptr<float>(), pp, z.T, z.C, z.H * z.D);
-  for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + pp[i];
+  block_product(products, a8, 1, att.const_data_ptr<E>(), pp, z.T, z.C, z.H * z.D);
+  for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + wide(pp[i]);
 }
 
-/* out (T, C) += down(silu(gate) * up) of norm(out), gate and up side by side in gate_up's;
-   hp and pp as attention_half's */
-void mlp_half(float* out, const float* norm, at::TensorList products, at::IntArrayRef a8,
-              const Sizes& z, double eps, float* hp, float* pp) {
-  const auto options = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor wide = at::empty({z.T, 2 * z.I}, options), mid = at::empty({z.T, z.I}, options);
-  float *w = wide.data_ptr<float>(), *m = mid.data_ptr<float>();
+/* out (T, C) float32 += down(silu(gate) * up) of norm(out), gate and up side by side in
+   gate_up's; hp and pp as attention_half's */
+template <typename E>
+void mlp_half(float* out, const E* norm, at::TensorList products, at::IntArrayRef a8,
+              const Sizes& z, double eps, E* hp, E* pp, const at::TensorOptions& options) {
+  at::Tensor both = at::empty({z.T, 2 * z.I}, options), mid = at::empty({z.T, z.I}, options);
+  E *w = both.data_ptr<E>(), *m = mid.data_ptr<E>();
   rms_norm_rows(out, norm, hp, z.T, z.C, eps);
   block_product(products, a8, 2, hp, w, z.T, 2 * z.I, z.C);
   for (int64_t t = 0; t < z.T; t++)
     for (int64_t i = 0; i < z.I; i++) {
-      const float gate = w[t * 2 * z.I + i];
-      m[t * z.I + i] = gate / (1.0f + std::exp(-gate)) * w[t * 2 * z.I + z.I + i];
+      const float gate = wide(w[t * 2 * z.I + i]);
+      const float silu = wide(narrow<E>(gate / (1.0f + std::exp(-gate))));
+      m[t * z.I + i] = narrow<E>(silu * wide(w[t * 2 * z.I + z.I + i]));
     }
   block_product(products, a8, 3, m, pp, z.T, z.C, z.I);
-  for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + pp[i];
+  for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + wide(pp[i]);
 }
 
-/* x (1, T, C) float32; cos, sin (1, 1, T, D); mask (1, 1, T, S) bool; the layer's cache k and v
-   (1, G, capacity, D), this step's keys and values written at slots (T,); the norms' weights
-   (C,); products: wqkv, wo, gate_up, down as (packed, scales, minimums) each -> (1, T, C) */
+/* the residual stream out (T, C) float32 through both halves, activations in E */
+template <typename E>
+void block_halves(float* out, const at::Tensor& cos, const at::Tensor& sin,
+                  const at::Tensor& mask, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const int64_t* slot, const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
+                  at::TensorList products, at::IntArrayRef a8, const Sizes& z, double eps) {
+  const auto options = k_cache.options();
+  at::Tensor scratch = at::empty({2, z.T, z.C}, options);  /* both halves' norm, product */
+  E *hp = scratch[0].data_ptr<E>(), *pp = scratch[1].data_ptr<E>();
+  attention_half(out, attn_norm.const_data_ptr<E>(), products, a8, cos.const_data_ptr<float>(),
+                 sin.const_data_ptr<float>(),
+                 reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()), slot,
+                 k_cache.data_ptr<E>(), v_cache.data_ptr<E>(), z, eps, hp, pp, options);
+  mlp_half(out, mlp_norm.const_data_ptr<E>(), products, a8, z, eps, hp, pp, options);
+}
+
+/* x (1, T, C) float32 (the residual stream); cos, sin (1, 1, T, D) float32; mask (1, 1, T, S)
+   bool; the layer's cache k and v (1, G, capacity, D) in the activations' dtype (float32 or
+   bfloat16), this step's keys and values written at slots (T,); the norms' weights (C,), the
+   cache's dtype; products: wqkv, wo, gate_up, down as (packed, scales, minimums) each -> (1, T,
+   C) float32 */
 at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_,
                     const at::Tensor& mask_, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slots_, const at::Tensor& attn_norm,
@@ -233,9 +267,14 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
   const at::Tensor mask = mask_.contiguous(), slots = slots_.contiguous();
   const Sizes z = {x.size(1), x.size(2), H, k_cache.size(1), k_cache.size(3), mask.size(-1),
                    k_cache.size(2), products[10].size(1) * 32};  /* I: down's groups of 32 */
-  TORCH_CHECK(x.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  v_cache.scalar_type() == dtype && attn_norm.scalar_type() == dtype &&
+                  mlp_norm.scalar_type() == dtype && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && products.size() == 12 && a8.size() == 4,
-              "block_step takes float32 rows, contiguous caches and 4 products");
+              "block_step takes float32 rows and angles, contiguous caches and norms in one "
+              "dtype (float32 or bfloat16), and 4 products");
   TORCH_CHECK(cos.numel() == z.T * z.D && sin.numel() == z.T * z.D &&
                   mask.numel() == z.T * z.S && slots.numel() == z.T && z.S <= z.capacity,
               "block_step: the angles, mask or slots do not fit ", z.T, " rows");
@@ -244,14 +283,12 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
     TORCH_CHECK(slot[t] >= 0 && slot[t] < z.capacity, "block_step: slot ", slot[t],
                 " is outside the cache's ", z.capacity);
   at::Tensor out = x.clone().view({z.T, z.C});  /* the residual stream */
-  at::Tensor scratch = at::empty({2, z.T, z.C}, x.options());  /* both halves' norm, product */
-  float *hp = scratch[0].data_ptr<float>(), *pp = scratch[1].data_ptr<float>();
-  attention_half(out.data_ptr<float>(), attn_norm.const_data_ptr<float>(), products, a8,
-                 cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
-                 reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()), slot,
-                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), z, eps, hp, pp);
-  mlp_half(out.data_ptr<float>(), mlp_norm.const_data_ptr<float>(), products, a8, z, eps, hp,
-           pp);
+  if (dtype == at::kFloat)
+    block_halves<float>(out.data_ptr<float>(), cos, sin, mask, k_cache, v_cache, slot,
+                        attn_norm, mlp_norm, products, a8, z, eps);
+  else
+    block_halves<c10::BFloat16>(out.data_ptr<float>(), cos, sin, mask, k_cache, v_cache, slot,
+                                attn_norm, mlp_norm, products, a8, z, eps);
   return out.view({1, z.T, z.C});
 }
 

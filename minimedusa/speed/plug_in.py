@@ -2,11 +2,11 @@
 layers after building the model: model.py and decoding.py never learn that a C kernel or a
 compiled graph exists.
 
-    step = plug_in(model, "int4", compile_flag=None)   # "fused (a block a C++ call)" (AVX2)
+    step = plug_in(model, "int4", compile_flag=None)   # "fused (a block a C++ call)"
 
 1. the weight format (weight_formats.py): prepacked, quantized or 4-bit layers swapped in;
-2. the step: where the blocks' products are group_kernel.c's int4 layers in float32, each
-   block swapped for one C++ call (fused_block.py); elsewhere the compiled step
+2. the step: where the blocks' products are group_kernel.c's int4 layers, each block swapped
+   for one C++ call (fused_block.py); elsewhere the compiled step
    (compiled_step.py): each block swapped for a compiled one, its attention for the C kernel
    (attention_kernel.py), where a C++ compiler works.
 how_it_runs(model) then says in words what was plugged in: the key step latencies are kept
@@ -42,7 +42,7 @@ def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
         return "eager"
     if compile_flag is False:
         return "eager (--no-compile)"
-    if compile_flag is None and fusable(model) is None:  # int4 on an AVX2 CPU: nothing to compile
+    if compile_flag is None and fusable(model) is None:  # int4 and w4a8: nothing to compile
         fuse_blocks(model)
         return "fused (a block a C++ call)"
     problem = compiler_problem()
