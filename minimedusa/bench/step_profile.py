@@ -18,6 +18,7 @@ from minimedusa.decoding import draft, medusa_decode, plain_decode
 from minimedusa.heads import as_features
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
+from minimedusa.speed.group_kernel import switch_tiles, uses_tiles
 from minimedusa.speed.memory_bandwidth import weight_bytes
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
@@ -63,26 +64,39 @@ FAST_LAYERS = (PackedLinear, Int4Linear, Int4KernelLinear, Int8GroupLinear, Int8
 def product_times(model, rows=ROWS, rounds: int = 5) -> str:
     """The blocks' products and the LM head at each number of rows M, as the format's layers run
     them (prepacked ones without their padding to MIN_ROWS), in ms and the GB/s of weights
-    that implies; medians, the row counts taking turns (budget.round_robin_medians)."""
+    that implies; medians, the row counts taking turns (budget.round_robin_medians). Where the
+    products run on AMX tiles, also with the tiles switched off (AVX-512 BF16's dot products),
+    taking turns with them: what the tiles save, side by side."""
     blocks = [m for m in model.layers.modules() if isinstance(m, FAST_LAYERS)]
     if not blocks or not isinstance(model.lm_head, FAST_LAYERS):
         return "products: this model's layers are not a CPU format's (weight_formats.py): not timed"
     parts = {"blocks": blocks, "LM head": [model.lm_head]}
     gigabytes = {name: weight_bytes(*layers) / 1e9 for name, layers in parts.items()}
     dtype = model.norm.weight.dtype  # the activations' (float32 where int4's kernel takes it)
-    seconds = round_robin_medians({(name, M): functools.partial(time_products, layers, M, dtype)
-                                   for M in rows for name, layers in parts.items()}, rounds)
-    lines = ["products alone, ms (GB/s of weights): M rows, the blocks' and the LM head's"]
-    for M in rows:
-        lines.append(f"  M = {M:2d}: " + ", ".join(
-            f"{name} {1000 * seconds[name, M]:.1f} ({gigabytes[name] / seconds[name, M]:.1f})"
-            for name in parts))
+    paths = ("AMX tiles", "dot products") if uses_tiles() else ("",)
+    try:
+        seconds = round_robin_medians(
+            {(name, M, path): functools.partial(time_products, layers, M, dtype, path)
+             for M in rows for name, layers in parts.items() for path in paths}, rounds)
+    finally:
+        switch_tiles(True)  # as the process had them
+    lines = []
+    for path in paths:
+        lines.append("products alone, ms (GB/s of weights): M rows, the blocks' and the LM "
+                     f"head's{', ' + path if path else ''}")
+        for M in rows:
+            lines.append(f"  M = {M:2d}: " + ", ".join(
+                f"{name} {1000 * seconds[name, M, path]:.1f} "
+                f"({gigabytes[name] / seconds[name, M, path]:.1f})" for name in parts))
     return "\n".join(lines)
 
 
-def time_products(layers, M: int, dtype: torch.dtype) -> float:
+def time_products(layers, M: int, dtype: torch.dtype, path: str = "") -> float:
     """Seconds to multiply M random rows (of `dtype`, a prepacked layer's own) by each layer's
-    weight, one after another."""
+    weight, one after another; path "AMX tiles" or "dot products" switches group_kernel.c's
+    tiles on or off first."""
+    if path:
+        switch_tiles(path == "AMX tiles")
     inputs = [torch.randn(M, m.in_features, dtype=m.dtype if isinstance(m, PackedLinear)
                           else dtype) for m in layers]
     start = time.perf_counter()

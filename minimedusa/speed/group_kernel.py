@@ -5,6 +5,10 @@ paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and AVX2 with FMA and
 and 3, Intel since Haswell), which multiplies in float32 and so takes float32 rows too
 (takes_float32: the int4 and w4a8 formats then keep float32 activations).
 And, in both builds, int4 weights times 8-bit activations (int4_a8_product, the w4a8 format).
+Where the CPU has AMX (Intel since Sapphire Rapids) and Linux grants the tiles' state, the
+AVX-512 path's bfloat16 products run on AMX tiles instead of VDPBF16PS (uses_tiles): up to 16
+rows a tile product, so a tree's rows cost little more than a plain step's one; where the
+kernel refuses them, the dot products run, and nothing else changes.
 
 The int4 format's blocks (weight_formats.Int4KernelLinear: the GGUF's Q4_1) multiply through it
 where this CPU has either, else through torch's _weight_int4pack_mm_for_cpu
@@ -52,6 +56,7 @@ def kernel_problem() -> str | None:
             if not library.group_kernel_available():
                 raise RuntimeError("this CPU has neither AVX-512 BF16 nor AVX2 with FMA and F16C")
             _kernel["floats"] = bool(library.group_kernel_floats())
+            _kernel["library"] = library
             _kernel["problem"] = load_operators()
         except (OSError, RuntimeError) as e:
             _kernel["problem"] = why_not(e)
@@ -64,6 +69,20 @@ def takes_float32() -> bool:
     float32 decoding does, and lose nothing to bfloat16's rounding; elsewhere bfloat16 (AVX-512
     BF16's dot products, torch's int4 kernel)."""
     return kernel_problem() is None and _kernel["floats"]
+
+
+def uses_tiles() -> bool:
+    """Whether this process multiplies bfloat16 rows with AMX tiles (group_kernel.c's tile path:
+    a CPU with AMX, whose Linux kernel granted their state; the first call asks for it) rather
+    than AVX-512 BF16's dot products: a tree's 16 rows then cost about what one row does."""
+    return kernel_problem() is None and bool(_kernel["library"].group_kernel_tiles(-1))
+
+
+def switch_tiles(on: bool) -> bool:
+    """Switch the AMX tiles off (or back on where granted) for this process, and say whether
+    they are in use: for side-by-side timings only (bench --profile), since a row's bits differ
+    between the two paths, and greedy Medusa is lossless only within one."""
+    return kernel_problem() is None and bool(_kernel["library"].group_kernel_tiles(int(on)))
 
 
 def expected_here() -> bool:

@@ -24,6 +24,7 @@ from minimedusa.speed import c_kernels
 from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
 from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
+from minimedusa.speed.group_kernel import uses_tiles
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
 from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
@@ -64,7 +65,7 @@ def how_it_runs(model: Llama) -> str:
     fmt = format_of(model)
     weights = f" | {fmt} weights" if fmt in QUANTIZED else ""  # the dtype says the rest
     if any(isinstance(layer, Int4KernelLinear) for layer in block.modules()):
-        weights += " (group_kernel.c)"
+        weights += " (group_kernel.c, AMX tiles)" if uses_tiles() else " (group_kernel.c)"
     if isinstance(model.lm_head, Int8GroupLinear):
         weights += ", 8-bit LM head"
     step = " | compiled step" if is_compiled(model) else " | fused step" if is_fused(model) else ""
