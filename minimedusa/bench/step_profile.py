@@ -79,7 +79,8 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
             {(name, M, path): functools.partial(time_products, layers, M, dtype, path)
              for M in rows for name, layers in parts.items() for path in paths}, rounds)
     finally:
-        switch_tiles(True)  # as the process had them
+        if paths[0]:
+            switch_tiles(True)  # as the process had them
     lines = []
     for path in paths:
         lines.append("products alone, ms (GB/s of weights): M rows, the blocks' and the LM "

@@ -132,7 +132,8 @@ static inline __attribute__((always_inline)) void block_rows(
     }
     for (int i = 0; i < n; i++)
       out[i] = add_group(out[i], _mm512_add_ps(even[i], odd[i]), scales + g * 16,
-                         minimums + g * 16, bits == 4 ? sums[(m0 + i) * G + g] : 0.0f, bits);
+                         bits == 4 ? minimums + g * 16 : NULL,
+                         bits == 4 ? sums[(m0 + i) * G + g] : 0.0f, bits);
   }
   store_rows(out, y, b, m0, N, n);
 }
@@ -229,7 +230,8 @@ static void block_tiles(const uint16_t* x, const uint8_t* w, const uint16_t* sca
     _tile_stored(0, c_rows, 64);
     for (int i = 0; i < n; i++)
       out[i] = add_group(out[i], _mm512_load_ps(c_rows + 16 * i), scales + g * 16,
-                         minimums + g * 16, bits == 4 ? sums[(m0 + i) * G + g] : 0.0f, bits);
+                         bits == 4 ? minimums + g * 16 : NULL,
+                         bits == 4 ? sums[(m0 + i) * G + g] : 0.0f, bits);
   }
   store_rows(out, y, b, m0, N, n);
 }
