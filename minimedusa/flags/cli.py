@@ -102,10 +102,10 @@ def add_compile_argument(parser) -> None:
                         help="compile the decoding step with torch.compile (compiled_step.py): "
                         "~20 s the first time on a machine, a few seconds in later runs "
                         "(cached on disk), then faster steps. Default: on a CPU where a C++ "
-                        "compiler works, except int4 and w4a8 with float32 rows (AVX2 CPUs), "
-                        "whose blocks are each one C++ call (fused_block.py, faster, nothing "
-                        "to compile); --compile compiles those too; --no-compile: eager, the "
-                        "reading path")
+                        "compiler works, except int4 and w4a8 where group_kernel.c multiplies "
+                        "(AVX2 or AVX-512 BF16 CPUs), whose blocks are each one C++ call "
+                        "(fused_block.py, faster, nothing to compile); --compile compiles those "
+                        "too; --no-compile: eager, the reading path")
 
 
 def add_context_argument(parser) -> None:

@@ -23,7 +23,7 @@ a branch the graph would be traced again for; batches; training), so model.py ne
 that a graph exists. Eager stays the reading path and the reference: compiled steps give its
 logits (tested).
 Left out: CUDA (CUDA graphs would be its way: mode="reduce-overhead"), the heads' drafting.
-Where a block's products are group_kernel.c's int4 layers with float32 rows (AVX2 CPUs), a whole
+Where a block's products are group_kernel.c's int4 layers (AVX2 or AVX-512 BF16 CPUs), a whole
 block in one C++ call is faster still and compiles nothing (fused_block.py): plug_in uses that
 there unless --compile is asked for."""
 import time

@@ -1,8 +1,7 @@
 /* Products of weights quantized in groups of 32 inputs, in C, for CPUs with AVX-512 BF16 (on
    AMX tiles where the CPU has them), and (second half of the file) for CPUs with AVX2, FMA and
-   F16C only (group_kernel.py builds this
-   file and calls it; dequantize-then-multiply is the reference: quantized.dequantize_int4 and
-   dequantize_int8_groups).
+   F16C only (group_kernel.py builds this file and calls it; dequantize-then-multiply is the
+   reference: quantized.dequantize_int4 and dequantize_int8_groups).
 
    y (M, N) = x (M, K) W^T, x and y bfloat16, W in groups of 32 inputs, two formats (the GGUF's):
        int4 (Q4_1): w = q * scale + minimum, q in 0..15     (the blocks' weights)
