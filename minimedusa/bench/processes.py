@@ -18,8 +18,9 @@ from minimedusa.bench.llama_cpp import EngineDied, load_llama_cpp
 
 
 def model_flags(args) -> list[str]:
-    """The benchmark's model, device, dtype and threads, as generate.py's flags."""
-    flags = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    """The benchmark's model, device, dtype, threads and weight format, as generate.py's flags."""
+    flags = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads),
+             "--quantize", args.quantize]
     return flags + (["--model", str(args.model)] if args.model is not None else [])
 
 
