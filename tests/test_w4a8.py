@@ -18,6 +18,7 @@ from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.speed.quantized import (GROUP, Int4A8KernelLinear, Int8GroupLinear,
                                         dequantize_int4, quantize_int4)
+from minimedusa.speed.plug_in import how_it_runs
 from minimedusa.speed.weight_formats import apply_format, format_of
 from minimedusa.tree import build_tree
 from test_medusa_decoding import flat
@@ -73,8 +74,11 @@ def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():
         w4a8 = apply_format(model, "w4a8")
         logits, _ = w4a8(tokens, positions, mask)
     assert format_of(w4a8) == "w4a8" and isinstance(w4a8.lm_head, Int8GroupLinear)
-    assert all(isinstance(block.mlp.down, Int4A8KernelLinear) for block in w4a8.layers)
-    assert not any(isinstance(block.attn.wqkv, Int4A8KernelLinear) for block in w4a8.layers)
+    assert all(isinstance(block.attn.wo, Int4A8KernelLinear) and
+               isinstance(block.mlp.gate_up, Int4A8KernelLinear) for block in w4a8.layers)
+    assert not any(isinstance(layer, Int4A8KernelLinear) for block in w4a8.layers
+                   for layer in (block.attn.wqkv, block.mlp.down))
+    assert "8-bit activations in wo gate_up" in how_it_runs(w4a8)  # and so in its latencies' key
     assert (logits.float() - reference).abs().max() / reference.abs().max() <= 3e-2
 
 

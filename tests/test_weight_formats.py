@@ -17,6 +17,7 @@ from minimedusa.model import causal_mask
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
+from minimedusa.flags import load
 from minimedusa.flags.load import four_bit_checkpoint
 from minimedusa.speed.quantized import (GROUP, Int4KernelLinear, Int4Linear, Int8GroupLinear,
                                         Int8Linear, dequantize_int4, dequantize_int8,
@@ -181,6 +182,21 @@ def test_a_checkpoint_is_four_bit_when_all_its_blocks_weights_are(tmp_path):
                 m.weight.copy_(four_bit_weight(*m.weight.shape, seed=i))
     save_model(model, tmp_path / "four-bit")
     assert four_bit_checkpoint(tmp_path / "four-bit")
+
+
+@pytest.mark.parametrize("floats, bf16, expected", [(True, False, "w4a8"), (False, True, "int4")])
+def test_a_four_bit_checkpoint_decodes_with_8_bit_activations_only_where_rows_are_float32(
+        monkeypatch, floats, bf16, expected):
+    """The CPU default for a 4-bit checkpoint where group_kernel.c multiplies: w4a8 on its AVX2
+    path (float32 rows), int4 on its AVX-512 BF16 one; a model off the grid keeps its dtype."""
+    monkeypatch.setattr(load.group_kernel, "kernel_problem", lambda: None)
+    monkeypatch.setattr(load.group_kernel, "takes_float32", lambda: floats)
+    monkeypatch.setattr(load, "bf16_is_native", lambda: bf16)
+    monkeypatch.setattr(load, "four_bit_checkpoint", lambda folder: folder == "four-bit")
+    cpu = torch.device("cpu")
+    assert load.default_format(cpu, "four-bit") == expected
+    assert load.default_format(cpu, "other") == ("bfloat16" if bf16 else "float32")
+    assert load.default_format(torch.device("cuda"), "four-bit") == "bfloat16"
 
 
 @pytest.mark.skipif(not bf16_is_native(), reason="this CPU has no native bfloat16 (oneDNN)")

@@ -203,19 +203,26 @@ def decoding_acceptance(kind: str, temperature: float, top_p: float = 1.0, eps: 
 
 def default_format(device: torch.device, folder=None) -> str:
     """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA.
-    On a CPU, int4 for a model whose weights came from a 4-bit file (four_bit_checkpoint: int4
-    then loses nothing in the weights) where group_kernel.c multiplies it (AVX-512 BF16, with
-    bfloat16 activations: top-1 agreement with float32 98.5%, format_quality.py; or AVX2, with
-    float32 activations) or oneDNN multiplies bfloat16 natively (torch's int4 kernel then).
+    On a CPU, for a model whose weights came from a 4-bit file (four_bit_checkpoint: its 4-bit
+    weights then lose nothing), where group_kernel.c multiplies them:
+    - on AVX2 without avx512_bf16 (the kernel takes float32 rows), w4a8: 8-bit activations in
+      the wo and gate_up products (quantized.EIGHT_BIT_INPUTS), float32 elsewhere. On the 2-core
+      AVX2 EPYC, interleaved question by question (8 MT-Bench first turns), its plain decoding
+      1.19x int4's and Medusa with a 1-node tree 1.10x; top-1 agreement with float32 98.9%, mean
+      KL 0.0008 (format_quality.py, 48 held-out chats), where llama.cpp's own decoding of the
+      same GGUF, with 8-bit activations in every product, is 97.8%, 0.0025: the issue's bar
+      for a default with 8-bit activations. int4 (--quantize int4) keeps float32's answers;
+    - on AVX-512 BF16, int4 with bfloat16 activations (top-1 98.5%; w4a8 is unmeasured there);
+    - where oneDNN multiplies bfloat16 natively, int4 through torch's kernel.
     Otherwise bfloat16 where that is native (half float32's bytes, a step as flat in the
-    tree's size), else float32. Not w4a8, whose 8-bit activations make products cheaper but
-    turn answers (top-1 agreement with float32 98.3%, int4's with float32 activations 100%, on
-    the 2-core AVX2 EPYC): it answers "What is the capital of France?" as llama.cpp does
-    ("L'Etoile, la Marseillaise"), not as float32 and int4 do ("Paris")."""
+    tree's size), else float32."""
     if device.type == "cuda":
         return "bfloat16"
     four_bit = folder is not None and four_bit_checkpoint(folder)
-    if four_bit and (bf16_is_native() or group_kernel.kernel_problem() is None):
+    kernel = group_kernel.kernel_problem() is None
+    if four_bit and kernel and group_kernel.takes_float32():
+        return "w4a8"
+    if four_bit and (bf16_is_native() or kernel):
         return "int4"
     return "bfloat16" if bf16_is_native() else "float32"
 

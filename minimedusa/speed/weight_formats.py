@@ -29,13 +29,15 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               byte a weight, half of bfloat16's, and the file's own values, which bfloat16
               rounds); any other stays bfloat16.
     w4a8      int4's weights times 8-bit activations (each row's groups of 32 quantized
-              with a scale, as llama.cpp does in its own Q4_1 decoding) in the blocks' products
-              but wqkv (quantized.EIGHT_BIT_INPUTS): integer products, cheaper than float ones,
-              so a tree's rows cost less. group_kernel.c only (its AVX2 code, on any CPU that
-              has it); the rest as int4. Measured (format_quality.py, 48 held-out chats, the
-              2-core AVX2 EPYC, float32 activations): top-1 agreement with float32 98.3%, KL
-              0.0014; int4's 100%, 0.0; llama.cpp's Q4_1 decoding 97.8%, 0.0025. Not a default:
-              no faster end to end there (bench), and its answers part from float32's.
+              with a scale, as llama.cpp does in its own Q4_1 decoding) in the attention's
+              output and the MLP's input products (quantized.EIGHT_BIT_INPUTS): integer
+              products, cheaper than float ones, so a step and its tree's rows cost less.
+              group_kernel.c only (its AVX2 code, on any CPU that has it); the rest as int4.
+              Measured (format_quality.py, 48 held-out chats, the 2-core AVX2 EPYC, float32
+              activations elsewhere): top-1 agreement with float32 98.9%, KL 0.0008; int4's
+              100%, 0.0; llama.cpp's Q4_1 decoding 97.8%, 0.0025. The default for a 4-bit
+              checkpoint where the kernel takes float32 rows (AVX2 CPUs: flags/load.py's
+              default_format), whose plain decoding it makes 1.19x faster there.
 
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
