@@ -37,7 +37,7 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               activations elsewhere): top-1 agreement with float32 98.9%, KL 0.0008; int4's
               100%, 0.0; llama.cpp's Q4_1 decoding 97.8%, 0.0025. The default for a 4-bit
               checkpoint where the kernel takes float32 rows (AVX2 CPUs: flags/load.py's
-              default_format), whose plain decoding it makes 1.19x faster there.
+              default_format), whose plain decoding it makes 1.20x faster there (bench --formats).
 
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
