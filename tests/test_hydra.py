@@ -3,6 +3,7 @@ answer up to the token before its target, which is what drafting feeds it; decod
 lossless over random trees (greedy == plain greedy, also with a draft vocabulary); their files
 name their kind; they learn."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from minimedusa.draft_layer import HydraPlusPlusHeads
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import tokenizer_fingerprint
-from minimedusa.flags.load import decoding_heads
+from minimedusa.flags.load import CPU_DRAFT_VOCAB, cpu_draft_vocab, decoding_heads
 from minimedusa.training.medusa1 import IGNORE, draft_columns, head_inputs, head_targets, read_rows
 from minimedusa.tree import build_tree
 from minimedusa.files.export_v1 import export_v1
@@ -182,6 +183,15 @@ def test_train_frozen_hydra_learns_and_saves_its_draft_vocabulary(tiny_setup, tm
         assert torch.equal(heads.vocabulary.ids, ids[:draft_vocab].sort().values)
     else:
         assert heads.vocabulary is None
+
+
+def test_a_cpu_ranks_at_most_cpu_draft_vocab_tokens_unless_asked():
+    """On a CPU the heads' own draft vocabulary is cut to CPU_DRAFT_VOCAB (none stays none);
+    elsewhere it is kept; --draft-vocab N is taken as given (decoding_heads)."""
+    cpu, other = tiny_model(), SimpleNamespace(embed=SimpleNamespace(
+        weight=torch.empty(0, device="meta")))
+    assert cpu_draft_vocab(8192, cpu) == CPU_DRAFT_VOCAB and cpu_draft_vocab(24, cpu) == 24
+    assert cpu_draft_vocab(0, cpu) == 0 and cpu_draft_vocab(8192, other) == 8192
 
 
 def test_draft_columns_map_tokens_outside_the_vocabulary_to_no_target():

@@ -118,7 +118,7 @@ def add_engine_flags(p) -> None:
     p.add_argument("--draft-vocab", type=non_negative_int, nargs="+", default=[None], metavar="N",
                    help="the heads rank only their N most frequent tokens (0: the whole "
                    "vocabulary; several values: one engine each, --profile the first; "
-                   "default: the heads' own draft_vocab_size, if set)")
+                   "default: the heads' own draft_vocab_size, if set, at most 2048 on a CPU)")
     p.add_argument("--tree", default=None,
                    help="a fixed candidate tree for the Medusa engines (default: as "
                    "generate.py, the tree's size adapted step by step on this machine)")

@@ -124,4 +124,4 @@ def add_draft_vocab_argument(parser) -> None:
                         "answers, reading N rows of the LM head instead of all (output "
                         "unchanged: the model still verifies over the whole vocabulary); 0 = "
                         "the whole vocabulary (default: the heads' draft_vocab_size, if their "
-                        "config.json sets one)")
+                        "config.json sets one, at most 2048 on a CPU)")

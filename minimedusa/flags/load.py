@@ -99,10 +99,28 @@ def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
             raise HeadsError(f"heads folder {spec} does not exist")
         heads = load_heads(spec, model)
         config = json.loads((Path(spec) / "config.json").read_text())
-    size = config.get("draft_vocab_size", 0) if draft_vocab is None else draft_vocab
+    size = (cpu_draft_vocab(config.get("draft_vocab_size", 0), model) if draft_vocab is None
+            else draft_vocab)
     if size:
         heads.vocabulary = draft_vocabulary(spec, heads, model, size)
     return apply_format(heads.float(), format_of(model))
+
+
+# On a CPU the heads rank at most this many tokens by default: the draft's LM head reads V' x C
+# bytes a depth, mostly from memory (the model's weights have just streamed through the caches).
+# Interleaved in one process on the 2-core AVX2 EPYC (bench --draft-vocab 8192 2048, the
+# default model's Hydra heads, whose own is 8,192): Hydra greedy 1.06x -> 1.13x plain decoding
+# in w4a8, 1.61 tokens a step against 1.48 (the cheaper draft made the Budget run fewer plain
+# steps); in int4 earlier, two runs, 1.23x -> 1.31x and 1.23x -> 1.30x, no fewer tokens a step
+# (weights/RESULTS.md). The 2,048 most frequent cover 91.6% of their training answers' tokens.
+# Not on a GPU, whose larger trees reach further down the heads' ranks (unmeasured there).
+CPU_DRAFT_VOCAB = 2048
+
+
+def cpu_draft_vocab(size: int, model: Llama) -> int:
+    """The heads' own draft vocabulary size (0: none), cut to CPU_DRAFT_VOCAB on a CPU."""
+    on_cpu = model.embed.weight.device.type == "cpu"
+    return min(size, CPU_DRAFT_VOCAB) if size and on_cpu else size
 
 
 def draft_vocabulary(spec: str, heads, model: Llama, size: int) -> DraftVocabulary:
