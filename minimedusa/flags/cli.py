@@ -69,11 +69,11 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
     """--device, --dtype and --threads, the same in every command line."""
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
-                        "bfloat16 on CUDA; decoding on a CPU, for a model whose weights came from a "
-                        "4-bit file, as the default model's: w4a8 where the CPU has AVX2 and FMA "
-                        "but no avx512_bf16, int4 where it has avx512_bf16 or AMX; for other "
-                        "models bfloat16 where the CPU multiplies it natively, else float32), "
-                        "float32, bfloat16, float16")
+                        "bfloat16 on CUDA; decoding on a CPU, for a model whose weights came "
+                        "from a 4-bit file, as the default model's: w4a8 where the CPU has AVX2 "
+                        "and FMA but no avx512_bf16, int4 where it has avx512_bf16 or AMX; for "
+                        "other models bfloat16 where the CPU multiplies it natively, else "
+                        "float32), float32, bfloat16, float16")
     default = threads_default or "torch's choice, one per core"
     parser.add_argument("--threads", type=positive_int, default=threads_default,
                         help=f"CPU threads for torch (default: {default})")

@@ -226,7 +226,7 @@ def default_format(device: torch.device, folder=None) -> str:
     - on AVX2 without avx512_bf16 (the kernel takes float32 rows), w4a8: 8-bit activations in
       the wo and gate_up products (quantized.EIGHT_BIT_INPUTS), float32 elsewhere. On the 2-core
       AVX2 EPYC, in one process (bench --formats int4,w4a8, 8 MT-Bench first turns), its plain
-      decoding 1.20x int4's and Hydra greedy 1.17x; top-1 agreement with float32 98.9%, mean
+      decoding 1.20x int4's and Hydra greedy 1.13-1.17x; top-1 agreement with float32 98.9%, mean
       KL 0.0008 (format_quality.py, 48 held-out chats), where llama.cpp's own decoding of the
       same GGUF, with 8-bit activations in every product, is 97.8%, 0.0025 (the bar for 8-bit
       activations in a default: what llama.cpp's users already accept). int4 (--quantize int4)
