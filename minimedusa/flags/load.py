@@ -109,10 +109,10 @@ def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
 # On a CPU the heads rank at most this many tokens by default: the draft's LM head reads V' x C
 # bytes a depth, mostly from memory (the model's weights have just streamed through the caches).
 # Interleaved in one process on the 2-core AVX2 EPYC (bench --draft-vocab 8192 2048, the
-# default model's Hydra heads, whose own is 8,192): Hydra greedy 1.06x -> 1.13x plain decoding
-# in w4a8, 1.61 tokens a step against 1.48 (the cheaper draft made the Budget run fewer plain
-# steps); in int4 earlier, two runs, 1.23x -> 1.31x and 1.23x -> 1.30x, no fewer tokens a step
-# (weights/RESULTS.md). The 2,048 most frequent cover 91.6% of their training answers' tokens.
+# default model's Hydra heads, whose own is 8,192), Hydra greedy against plain decoding: in
+# w4a8 1.06x -> 1.13x, then 1.16x -> 1.14x (1024: 1.15x); in int4 earlier 1.23x -> 1.31x and
+# 1.23x -> 1.30x (weights/RESULTS.md): faster in three runs of four, within the machine's noise
+# in the fourth. The 2,048 most frequent cover 91.6% of their training answers' tokens.
 # Not on a GPU, whose larger trees reach further down the heads' ranks (unmeasured there).
 CPU_DRAFT_VOCAB = 2048
 
