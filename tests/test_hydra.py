@@ -185,9 +185,9 @@ def test_train_frozen_hydra_learns_and_saves_its_draft_vocabulary(tiny_setup, tm
         assert heads.vocabulary is None
 
 
-def test_a_cpu_ranks_at_most_cpu_draft_vocab_tokens_unless_asked():
+def test_a_cpu_ranks_at_most_cpu_draft_vocab_tokens_by_default():
     """On a CPU the heads' own draft vocabulary is cut to CPU_DRAFT_VOCAB (none stays none);
-    elsewhere it is kept; --draft-vocab N is taken as given (decoding_heads)."""
+    elsewhere (here a meta-device stand-in for a GPU) it is kept."""
     cpu, other = tiny_model(), SimpleNamespace(embed=SimpleNamespace(
         weight=torch.empty(0, device="meta")))
     assert cpu_draft_vocab(8192, cpu) == CPU_DRAFT_VOCAB and cpu_draft_vocab(24, cpu) == 24
