@@ -22,10 +22,10 @@ from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
-from minimedusa.speed.plug_in import plug_in
+from minimedusa.speed.plug_in import plug_in, plug_in_heads
 from minimedusa.speed.quantized import on_four_bit_grid
 from minimedusa.speed.step_latency import machine_latency
-from minimedusa.speed.weight_formats import DTYPE_FORMATS, apply_format, bf16_is_native, format_of
+from minimedusa.speed.weight_formats import DTYPE_FORMATS, bf16_is_native
 from minimedusa.tree import MedusaTree, build_tree
 
 
@@ -103,7 +103,7 @@ def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
             else draft_vocab)
     if size:
         heads.vocabulary = draft_vocabulary(spec, heads, model, size)
-    return apply_format(heads.float(), format_of(model))
+    return plug_in_heads(heads.float(), model)
 
 
 # On a CPU the heads rank at most this many tokens by default: the draft's LM head reads V' x C

@@ -15,12 +15,14 @@
    heads, G key/value heads, T rows, S attended slots, D head dim. */
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 extern "C" {
 /* group_kernel.c's entry points: 0 done, 1 this build does not multiply so, 2 out of memory */
@@ -292,6 +294,128 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
   return out.view({1, z.T, z.C});
 }
 
+/* ---- the Hydra heads' whole draft in one call (fused_draft.py): hydra.hydra_candidates is the
+   reference, step for step. Per depth d = 1..D, head d reads, for each of the M nodes of depth
+   d - 1 that have children, the embeddings of its path's d tokens (root .. the node) side by
+   side: z = h + U (M, d C); then each residual block z + silu(W z + b); then the LM head's
+   logits (M, V') and their top_k columns, which become the next depth's tokens. Every product
+   is group_kernel.c's int8 one (the heads' layers and the LM head in 8-bit groups), every
+   elementwise step computed in float32 and rounded to E once, as torch computes it in E: the
+   same logits as the reference but for silu's exp (std::exp against torch's vectorised one,
+   an ulp apart at most), so the same tokens but where two logits all but tie. Only the guesses
+   could differ, never what is accepted: greedy Medusa stays lossless whatever they are. */
+
+/* the top_k columns of row (V,), largest first, ties to the lower column (torch.topk's order
+   for distinct values) */
+template <typename E>
+void top_columns(const E* row, int64_t V, int64_t top_k, int64_t* out) {
+  std::vector<float> best(top_k, -INFINITY);
+  std::fill(out, out + top_k, 0);
+  for (int64_t v = 0; v < V; v++) {
+    const float x = wide(row[v]);
+    if (!(x > best[top_k - 1])) continue;  /* not above the k-th (NaN never is) */
+    int64_t i = top_k - 1;
+    for (; i > 0 && x > best[i - 1]; i--) best[i] = best[i - 1], out[i] = out[i - 1];
+    best[i] = x, out[i] = v;
+  }
+}
+
+/* one Hydra head's depth: hidden (C,), the path embeddings x (M, d C) -> logits (M, V); heads'
+   tensors for this head from `at`: read (packed, scales), then per block (packed, scales,
+   bias) */
+template <typename E>
+void head_logits(const E* hidden, const E* x, at::TensorList heads, int64_t at, int64_t layers,
+                 const at::Tensor& lm_packed, const at::Tensor& lm_scales, E* z, E* y,
+                 E* logits, int64_t M, int64_t C, int64_t d, int64_t V) {
+  const int f = std::is_same_v<E, float>;
+  check(int8_product(x, heads[at].const_data_ptr<uint8_t>(), halves(heads[at + 1]), y, M, C,
+                     d * C, f), "its rows in float32");
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t c = 0; c < C; c++) z[m * C + c] = narrow<E>(wide(hidden[c]) + wide(y[m * C + c]));
+  for (int64_t l = 0; l < layers; l++) {
+    const int64_t w = at + 2 + 3 * l;
+    const E* bias = heads[w + 2].const_data_ptr<E>();
+    check(int8_product(z, heads[w].const_data_ptr<uint8_t>(), halves(heads[w + 1]), y, M, C, C,
+                       f), "its rows in float32");
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t c = 0; c < C; c++) {
+        const float linear = wide(narrow<E>(wide(y[m * C + c]) + wide(bias[c])));
+        const float silu = wide(narrow<E>(linear / (1.0f + std::exp(-linear))));
+        z[m * C + c] = narrow<E>(wide(z[m * C + c]) + silu);
+      }
+  }
+  check(int8_product(z, lm_packed.const_data_ptr<uint8_t>(), halves(lm_scales), logits, M, V, C,
+                     f), "its rows in float32");
+}
+
+/* the tree's tokens (N,), root first, filled in depth by depth */
+template <typename E>
+at::Tensor draft_tokens(const at::Tensor& hidden, int64_t root, const at::Tensor& ancestors,
+                        at::TensorList drafting, const at::Tensor& embed, at::TensorList heads,
+                        int64_t layers, const at::Tensor& lm_packed,
+                        const at::Tensor& lm_scales, const at::Tensor& ids, int64_t top_k) {
+  const int64_t N = ancestors.size(0), width = ancestors.size(1), C = hidden.numel();
+  const int64_t V = lm_scales.size(0) * 16, D = drafting.size() / 4, per_head = 2 + 3 * layers;
+  at::Tensor tokens = at::full({N}, root, ancestors.options());
+  int64_t* t = tokens.data_ptr<int64_t>();
+  const int64_t* up = ancestors.const_data_ptr<int64_t>();
+  const E *h = hidden.const_data_ptr<E>(), *table = embed.const_data_ptr<E>();
+  const int64_t* column_id = ids.numel() ? ids.const_data_ptr<int64_t>() : nullptr;
+  for (int64_t d = 1; d <= D; d++) {
+    const at::Tensor &parents = drafting[4 * (d - 1)], &children = drafting[4 * (d - 1) + 1];
+    const int64_t *p = parents.const_data_ptr<int64_t>(), *child = children.const_data_ptr<int64_t>();
+    const int64_t *slot = drafting[4 * (d - 1) + 2].const_data_ptr<int64_t>();
+    const int64_t *rank = drafting[4 * (d - 1) + 3].const_data_ptr<int64_t>();
+    const int64_t M = parents.numel();
+    at::Tensor x = at::empty({M, d * C}, hidden.options()), z = at::empty({M, C}, hidden.options());
+    at::Tensor y = at::empty({M, C}, hidden.options()), logits = at::empty({M, V}, hidden.options());
+    at::Tensor top = at::empty({M, top_k}, ancestors.options());
+    E* xp = x.data_ptr<E>();
+    for (int64_t m = 0; m < M; m++)  /* the path's tokens root .. parent, embedded side by side */
+      for (int64_t j = 0; j < d; j++)
+        std::memcpy(xp + (m * d + j) * C, table + t[up[p[m] * width + j]] * C, C * sizeof(E));
+    head_logits<E>(h, xp, heads, (d - 1) * per_head, layers, lm_packed, lm_scales,
+                   z.data_ptr<E>(), y.data_ptr<E>(), logits.data_ptr<E>(), M, C, d, V);
+    int64_t* tp = top.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; m++) top_columns(logits.const_data_ptr<E>() + m * V, V, top_k, tp + m * top_k);
+    for (int64_t c = 0; c < children.numel(); c++) {
+      const int64_t column = tp[slot[c] * top_k + rank[c]];
+      t[child[c]] = column_id ? column_id[column] : column;
+    }
+  }
+  return tokens;
+}
+
+/* hidden (C,) in the heads' dtype E (float32 or bfloat16), the root token, the tree's ancestors
+   (N, D + 1) and drafting order (4 int64 tensors a depth: parents, children, slot, rank; tree.py),
+   the embedding table (vocab, C) in E, the heads' layers (per head: read's packed and scales,
+   then `layers` blocks' packed, scales and bias (C,) in E), the LM head's packed and scales (V'
+   outputs), the draft vocabulary's token ids (V',), or none, and how many guesses a node keeps
+   -> the tree's tokens (N,) */
+at::Tensor hydra_draft_op(const at::Tensor& hidden_, int64_t root, const at::Tensor& ancestors_,
+                          at::TensorList drafting, const at::Tensor& embed_, at::TensorList heads,
+                          int64_t layers, const at::Tensor& lm_packed,
+                          const at::Tensor& lm_scales, const at::Tensor& ids_, int64_t top_k) {
+  const at::Tensor hidden = hidden_.contiguous(), ancestors = ancestors_.contiguous();
+  const at::Tensor embed = embed_.contiguous(), ids = ids_.contiguous();
+  const auto dtype = hidden.scalar_type();
+  const int64_t D = drafting.size() / 4, C = hidden.numel(), V = lm_scales.size(0) * 16;
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && embed.scalar_type() == dtype &&
+                  embed.size(1) == C && ancestors.scalar_type() == at::kLong &&
+                  drafting.size() % 4 == 0 && ancestors.size(1) > D && top_k >= 1 &&
+                  top_k <= V && (int64_t)heads.size() >= D * (2 + 3 * layers) &&
+                  (ids.numel() == 0 || (ids.numel() == V && ids.scalar_type() == at::kLong)),
+              "hydra_draft: the hidden state, embeddings, tree or heads do not fit");
+  for (const at::Tensor& t : drafting)
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(),
+                "hydra_draft: the drafting order is contiguous int64 tensors");
+  if (dtype == at::kFloat)
+    return draft_tokens<float>(hidden, root, ancestors, drafting, embed, heads, layers,
+                               lm_packed, lm_scales, ids, top_k);
+  return draft_tokens<c10::BFloat16>(hidden, root, ancestors, drafting, embed, heads, layers,
+                                     lm_packed, lm_scales, ids, top_k);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
@@ -300,4 +424,5 @@ TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
   m.impl("int8_product", TORCH_FN(int8_op));
   m.impl("step_attention", TORCH_FN(attention_op));
   m.impl("block_step", TORCH_FN(block_op));
+  m.impl("hydra_draft", TORCH_FN(hydra_draft_op));
 }

@@ -1,0 +1,89 @@
+"""The Hydra heads' draft in ONE call of a C++ operator (operators.cpp's hydra_draft), instead of
+~25 operators a depth: hydra.hydra_candidates is the reference, and stays what training,
+calibration and any other heads run.
+
+Why: a Hydra draft of one depth is 4 small products (the head's read U, its 2 residual blocks,
+the draft vocabulary's LM head: ~1.9 MB of 8-bit weights) inside ~25 torch operators (the
+path's embeddings, the broadcast, the bias adds, silu, topk, the token ids, the scatter), each
+~10-20 us of Python and dispatch on a 2-core CPU. Measured in situ on the 2-core AVX2 EPYC
+(Zen 3), the default model's w4a8 decoding: hydra_candidates took 0.76-0.89 ms a step, most of
+them 1-node trees (one depth), where the products alone took ~0.17 ms; a plain step is ~12 ms.
+
+Same tokens as the reference (tests/test_fused_draft.py) but where two logits all but tie: the
+operator computes each elementwise step as torch does in the heads' dtype, except silu's exp
+(std::exp, an ulp from torch's). Only the guesses could differ there, never what the model
+accepts: greedy Medusa stays lossless whatever the draft.
+
+Where: Hydra (and Hydra++) heads whose layers and LM head (or the draft vocabulary's cut of it)
+are group_kernel.c's 8-bit groups (quantized.Int8GroupLinear: the int4 and w4a8 formats, where
+the kernel multiplies), their activations in a dtype it takes, in inference mode.
+
+Shapes: C model dim, N tree nodes, D depth, V' the heads' vocabulary.
+"""
+import torch
+
+from minimedusa.hydra import HydraHeads
+from minimedusa.heads import drafting_lm_head
+from minimedusa.speed import group_kernel
+from minimedusa.speed.packed_linear import OPERATORS
+from minimedusa.speed.quantized import Int8GroupLinear
+from minimedusa.tree import MedusaTree
+
+# hidden (C,), root, the tree's ancestors (N, D + 1) and drafting order (4 tensors a depth), the
+# embedding table, the heads' tensors (per head: read's packed and scales, then per block
+# packed, scales, bias), blocks a head, the LM head's packed and scales, the draft vocabulary's
+# ids (or an empty tensor), guesses kept a node -> tokens (N,)
+OPERATORS.define("hydra_draft(Tensor hidden, int root, Tensor ancestors, Tensor[] drafting, "
+                 "Tensor embed, Tensor[] heads, int layers, Tensor lm_packed, Tensor lm_scales, "
+                 "Tensor ids, int top_k) -> Tensor")
+
+
+@torch.library.register_fake("minimedusa::hydra_draft")
+def _(hidden, root, ancestors, drafting, embed, heads, layers, lm_packed, lm_scales, ids, top_k):
+    return ancestors.new_empty(ancestors.shape[0])
+
+
+def fusable_draft(heads, model) -> str | None:
+    """None if the heads' draft can run as one hydra_draft call, else why not, in words."""
+    if not isinstance(heads, HydraHeads):
+        return "they are not Hydra heads (Medusa heads guess every depth in one call already)"
+    lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
+    layers = [layer for head in heads.heads for layer in (head.read, *(b.linear for b in head.blocks))]
+    if not all(type(layer) is Int8GroupLinear for layer in layers + [lm_head]):
+        return "their layers or LM head are not group_kernel.c's 8-bit groups"
+    if lm_head.bias is not None or any(b.linear.bias is None for h in heads.heads for b in h.blocks):
+        return "their LM head has a bias, or a block has none"
+    dtype = heads.heads[0].blocks[0].linear.bias.dtype if heads.heads[0].blocks else None
+    if dtype not in (torch.float32, torch.bfloat16) or model.embed.weight.dtype != dtype:
+        return "their activations are not float32 or bfloat16, or not the embeddings' dtype"
+    if dtype == torch.float32 and not group_kernel.takes_float32():
+        return "their activations are float32, which this CPU's group_kernel.c does not multiply"
+    return None
+
+
+class FusedDraft:
+    """hydra_candidates(heads, model, hidden, root, tree) as one operator call: the tensors it
+    passes are read once here (through the modules they take ~8 us a call)."""
+
+    def __init__(self, heads: HydraHeads, model):
+        lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
+        self.heads = [t for head in heads.heads for t in (
+            head.read.packed, head.read.scales,
+            *(t for b in head.blocks for t in (b.linear.packed, b.linear.scales, b.linear.bias)))]
+        self.layers = len(heads.heads[0].blocks)
+        self.lm = (lm_head.packed, lm_head.scales)
+        vocabulary = heads.vocabulary
+        self.ids = vocabulary.ids if vocabulary is not None else torch.empty(0, dtype=torch.long)
+        self.embed = model.embed.weight
+
+    def __call__(self, hidden: torch.Tensor, root: torch.Tensor, tree: MedusaTree):
+        drafting = [t for depth in tree.drafting for t in depth]
+        return torch.ops.minimedusa.hydra_draft(hidden, int(root), tree.ancestors, drafting,
+                                                self.embed, self.heads, self.layers, *self.lm,
+                                                self.ids, tree.top_k)
+
+
+def fuse_draft(heads: HydraHeads, model) -> None:
+    """Plug the one-call draft into the heads (fusable_draft(heads, model) must be None):
+    hydra_candidates then runs it in inference mode."""
+    heads.drafter = FusedDraft(heads, model)

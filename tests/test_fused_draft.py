@@ -1,0 +1,109 @@
+"""The Hydra draft in one C++ call (speed/fused_draft.py): hydra.hydra_candidates is its
+reference. The same tokens over random trees, with and without a draft vocabulary (float32
+rows; in bfloat16, where logits tie more often, the same ranked logits); greedy Medusa with it
+equals plain greedy; plug_in_heads plugs it in where it runs and heads it does not serve say
+why."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import perturbed
+from minimedusa.acceptance import greedy
+from minimedusa.budget import fixed
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.heads import DraftVocabulary, MedusaHeads
+from minimedusa.hydra import HydraHeads, hydra_candidates
+from minimedusa.sampling import Sampling
+from minimedusa.speed import group_kernel
+from minimedusa.speed.fused_draft import fusable_draft, fuse_draft
+from minimedusa.speed.plug_in import plug_in_heads
+from minimedusa.speed.weight_formats import apply_format
+from minimedusa.tree import build_tree
+from test_medusa_decoding import flat
+from test_tree import trees
+from test_weight_formats import four_bit_model
+
+pytestmark = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                                reason="the fused draft runs group_kernel.c's products")
+
+
+def setup(seed: int, dtype: torch.dtype, vocabulary: int = 0, scale: float = 0.5):
+    """A 4-bit model (its LM head on an 8-bit grid) in int4 with `dtype` activations, and
+    perturbed Hydra heads of 2 blocks a head in its format (with a draft vocabulary of that
+    many tokens, if any), the fused draft plugged in."""
+    if dtype == torch.float32 and not group_kernel.takes_float32():
+        pytest.skip("this CPU's group_kernel.c multiplies bfloat16 rows only")
+    model = apply_format(four_bit_model(seed), "int4").to(dtype)
+    heads = perturbed(HydraHeads.for_model(model, 4, num_layers=2).float(), seed, scale)
+    if vocabulary:
+        ids = torch.randperm(model.config.vocab_size,
+                             generator=torch.Generator().manual_seed(seed))[:vocabulary]
+        heads.vocabulary = DraftVocabulary(ids.sort().values, model.lm_head)
+    heads = apply_format(heads, "int4").to(dtype)  # plug_in_heads' format, in `dtype`
+    assert fusable_draft(heads, model) is None
+    fuse_draft(heads, model)
+    return model, heads
+
+
+def drafts(heads, model, hidden, root, tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hydra_candidates' tokens, the fused draft's) for the same step."""
+    fused, heads.drafter = heads.drafter, None
+    reference = hydra_candidates(heads, model, hidden, root, tree)
+    heads.drafter = fused
+    return reference, hydra_candidates(heads, model, hidden, root, tree)
+
+
+@settings(max_examples=30, deadline=None)
+@given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
+       vocabulary=st.sampled_from([0, 32]))
+def test_the_fused_draft_drafts_the_reference_tokens(choices, seed, vocabulary):
+    model, heads = setup(seed % 4, torch.float32, vocabulary)
+    tree = build_tree(choices, num_heads=4)
+    g = torch.Generator().manual_seed(seed)
+    hidden = 4 * torch.randn(model.config.hidden_size, generator=g)
+    root = torch.randint(0, model.config.vocab_size, (), generator=g)
+    reference, fused = drafts(heads, model, hidden, root, tree)
+    assert torch.equal(fused, reference)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_in_bfloat16_the_fused_draft_ranks_the_reference_logits(seed):
+    """bfloat16 logits tie often, and the two may order a tie differently: the guesses at the
+    root must hold the same logits, rank by rank."""
+    model, heads = setup(seed, torch.bfloat16)
+    tree = build_tree([[0], [1], [2], [3]], num_heads=4)
+    hidden = 4 * torch.randn(model.config.hidden_size,
+                             generator=torch.Generator().manual_seed(seed)).bfloat16()
+    root = torch.tensor(seed + 3)
+    reference, fused = drafts(heads, model, hidden, root, tree)
+    with torch.inference_mode():
+        logits = heads.head(1, hidden, root.reshape(1, 1), model.embed, model.lm_head)[0]
+    assert torch.equal(logits[fused[1:]], logits[reference[1:]])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_medusa_greedy_with_the_fused_draft_equals_plain_greedy(seed):
+    dtype = torch.float32 if group_kernel.takes_float32() else torch.bfloat16
+    model, heads = setup(seed, dtype, scale=0.05)
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
+    prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
+    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain
+
+
+def test_plug_in_heads_plugs_the_fused_draft_into_hydra_heads_it_serves():
+    model = apply_format(four_bit_model(0), "int4")  # its activations as this CPU's int4 has them
+    heads = plug_in_heads(HydraHeads.for_model(model, 3, num_layers=2).float(), model)
+    assert heads.drafter is not None
+
+
+def test_heads_the_fused_draft_does_not_serve_say_why():
+    model = apply_format(four_bit_model(0), "int4")
+    medusa = plug_in_heads(MedusaHeads.for_model(model, 2, shared_lm_head=True).float(), model)
+    assert fusable_draft(medusa, model).startswith("they are not Hydra heads")
+    float_model = apply_format(four_bit_model(0), "float32")
+    hydra = plug_in_heads(HydraHeads.for_model(float_model, 2).float(), float_model)
+    assert hydra.drafter is None
+    assert fusable_draft(hydra, float_model) == ("their layers or LM head are not "
+                                                 "group_kernel.c's 8-bit groups")
