@@ -22,8 +22,8 @@ Shapes: C model dim, N tree nodes, D depth, V' the heads' vocabulary.
 """
 import torch
 
-from minimedusa.hydra import HydraHeads
 from minimedusa.heads import drafting_lm_head
+from minimedusa.hydra import HydraHeads
 from minimedusa.speed import group_kernel
 from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import Int8GroupLinear
@@ -48,12 +48,13 @@ def fusable_draft(heads, model) -> str | None:
     if not isinstance(heads, HydraHeads):
         return "they are not Hydra heads (Medusa heads guess every depth in one call already)"
     lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
-    layers = [layer for head in heads.heads for layer in (head.read, *(b.linear for b in head.blocks))]
+    blocks = [block.linear for head in heads.heads for block in head.blocks]
+    layers = [head.read for head in heads.heads] + blocks
     if not all(type(layer) is Int8GroupLinear for layer in layers + [lm_head]):
         return "their layers or LM head are not group_kernel.c's 8-bit groups"
-    if lm_head.bias is not None or any(b.linear.bias is None for h in heads.heads for b in h.blocks):
+    if lm_head.bias is not None or any(layer.bias is None for layer in blocks):
         return "their LM head has a bias, or a block has none"
-    dtype = heads.heads[0].blocks[0].linear.bias.dtype if heads.heads[0].blocks else None
+    dtype = blocks[0].bias.dtype if blocks else None  # the heads' activations
     if dtype not in (torch.float32, torch.bfloat16) or model.embed.weight.dtype != dtype:
         return "their activations are not float32 or bfloat16, or not the embeddings' dtype"
     if dtype == torch.float32 and not group_kernel.takes_float32():

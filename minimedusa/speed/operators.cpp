@@ -305,8 +305,8 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
    an ulp apart at most), so the same tokens but where two logits all but tie. Only the guesses
    could differ, never what is accepted: greedy Medusa stays lossless whatever they are. */
 
-/* the top_k columns of row (V,), largest first, ties to the lower column (torch.topk's order
-   for distinct values) */
+/* the top_k columns of row (V,), largest first (torch.topk's order where the values differ),
+   of equal values the lower column first */
 template <typename E>
 void top_columns(const E* row, int64_t V, int64_t top_k, int64_t* out) {
   std::vector<float> best(top_k, -INFINITY);
@@ -331,7 +331,8 @@ void head_logits(const E* hidden, const E* x, at::TensorList heads, int64_t at, 
   check(int8_product(x, heads[at].const_data_ptr<uint8_t>(), halves(heads[at + 1]), y, M, C,
                      d * C, f), "its rows in float32");
   for (int64_t m = 0; m < M; m++)
-    for (int64_t c = 0; c < C; c++) z[m * C + c] = narrow<E>(wide(hidden[c]) + wide(y[m * C + c]));
+    for (int64_t c = 0; c < C; c++)
+      z[m * C + c] = narrow<E>(wide(hidden[c]) + wide(y[m * C + c]));
   for (int64_t l = 0; l < layers; l++) {
     const int64_t w = at + 2 + 3 * l;
     const E* bias = heads[w + 2].const_data_ptr<E>();
@@ -363,12 +364,14 @@ at::Tensor draft_tokens(const at::Tensor& hidden, int64_t root, const at::Tensor
   const int64_t* column_id = ids.numel() ? ids.const_data_ptr<int64_t>() : nullptr;
   for (int64_t d = 1; d <= D; d++) {
     const at::Tensor &parents = drafting[4 * (d - 1)], &children = drafting[4 * (d - 1) + 1];
-    const int64_t *p = parents.const_data_ptr<int64_t>(), *child = children.const_data_ptr<int64_t>();
-    const int64_t *slot = drafting[4 * (d - 1) + 2].const_data_ptr<int64_t>();
-    const int64_t *rank = drafting[4 * (d - 1) + 3].const_data_ptr<int64_t>();
+    const int64_t* p = parents.const_data_ptr<int64_t>();
+    const int64_t* child = children.const_data_ptr<int64_t>();
+    const int64_t* slot = drafting[4 * (d - 1) + 2].const_data_ptr<int64_t>();
+    const int64_t* rank = drafting[4 * (d - 1) + 3].const_data_ptr<int64_t>();
     const int64_t M = parents.numel();
-    at::Tensor x = at::empty({M, d * C}, hidden.options()), z = at::empty({M, C}, hidden.options());
-    at::Tensor y = at::empty({M, C}, hidden.options()), logits = at::empty({M, V}, hidden.options());
+    const auto rows = hidden.options();
+    at::Tensor x = at::empty({M, d * C}, rows), z = at::empty({M, C}, rows);
+    at::Tensor y = at::empty({M, C}, rows), logits = at::empty({M, V}, rows);
     at::Tensor top = at::empty({M, top_k}, ancestors.options());
     E* xp = x.data_ptr<E>();
     for (int64_t m = 0; m < M; m++)  /* the path's tokens root .. parent, embedded side by side */
@@ -377,7 +380,8 @@ at::Tensor draft_tokens(const at::Tensor& hidden, int64_t root, const at::Tensor
     head_logits<E>(h, xp, heads, (d - 1) * per_head, layers, lm_packed, lm_scales,
                    z.data_ptr<E>(), y.data_ptr<E>(), logits.data_ptr<E>(), M, C, d, V);
     int64_t* tp = top.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; m++) top_columns(logits.const_data_ptr<E>() + m * V, V, top_k, tp + m * top_k);
+    for (int64_t m = 0; m < M; m++)
+      top_columns(logits.const_data_ptr<E>() + m * V, V, top_k, tp + m * top_k);
     for (int64_t c = 0; c < children.numel(); c++) {
       const int64_t column = tp[slot[c] * top_k + rank[c]];
       t[child[c]] = column_id ? column_id[column] : column;
