@@ -39,10 +39,16 @@ def fused(model, weight_format: str, dtype: torch.dtype):
     return model
 
 
-def within_rounding(dtype: torch.dtype) -> dict:
+def within_rounding(dtype: torch.dtype, weight_format: str = "int4") -> dict:
     """float32's rounding, or bfloat16's (a rounding of a step's result that flips by one unit
-    between two orders of the same sums moves what follows by ~2**-8 of itself)."""
-    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+    between two orders of the same sums moves what follows by ~2**-8 of itself). w4a8 in
+    float32: where the fused step's elementwise results are an ulp from torch's (silu's exp,
+    the norm's sums), rounding them to 16 bits puts an activation one step (1 / 32767 of its
+    group's largest) off now and then."""
+    if dtype == torch.float32:
+        tolerance = 2e-3 if weight_format == "w4a8" else 1e-4
+        return {"rtol": tolerance, "atol": tolerance}
+    return {"rtol": 3e-2, "atol": 3e-2}
 
 
 def test_plug_in_fuses_the_blocks_of_an_int4_model():
@@ -72,7 +78,7 @@ def test_a_fused_step_gives_the_eager_blocks_logits(weight_format, dtype):
         tokens = torch.randint(0, 64, (T,), generator=g)
         mask = causal_mask(start, T)
         eager, step = (forward(model, tokens, start, mask, caches[e], e) for e in (True, False))
-        torch.testing.assert_close(step, eager, **within_rounding(dtype))
+        torch.testing.assert_close(step, eager, **within_rounding(dtype, weight_format))
         start += T
 
 

@@ -1,8 +1,8 @@
-"""The w4a8 format: int4 weights times 8-bit activations (group_kernel.c's int4_a8_product).
-Its slow reference quantizes each row's groups of 32 as the kernel does (d = max |x| / 127,
-a = x / d to nearest), then multiplies the dequantized activations by the dequantized weight.
-A row's bits do not depend on the rows beside it, so greedy Medusa stays lossless with respect
-to w4a8's own plain decoding."""
+"""The w4a8 format: int4 weights times 8-bit activations in wo and gate_up (group_kernel.c's
+int4_a8_product), 16-bit ones elsewhere (int4_a16_product). The slow reference quantizes each
+row's groups of 32 as the kernel does (d = max |x| / 127 or / 32767, a = x / d to nearest), then
+multiplies the dequantized activations by the dequantized weight. A row's bits do not depend on
+the rows beside it, so greedy Medusa stays lossless with respect to w4a8's own plain decoding."""
 import pytest
 import torch
 import torch.nn as nn
@@ -16,8 +16,9 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
-from minimedusa.speed.quantized import (GROUP, Int4A8KernelLinear, Int8GroupLinear,
-                                        dequantize_int4, quantize_int4)
+from minimedusa.speed import group_kernel
+from minimedusa.speed.quantized import (GROUP, Int4A8KernelLinear, Int4A16KernelLinear,
+                                        Int8GroupLinear, dequantize_int4, quantize_int4)
 from minimedusa.speed.plug_in import how_it_runs
 from minimedusa.speed.weight_formats import apply_format, format_of
 from minimedusa.tree import build_tree
@@ -27,14 +28,15 @@ from test_weight_formats import four_bit_model, four_bit_weight, needs_group_ker
 pytestmark = needs_group_kernel
 
 
-def w4a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def w4a8_reference(x: torch.Tensor, weight: torch.Tensor, largest: int = 127) -> torch.Tensor:
     """x (M, K) times a 4-bit grid's weight (N, K), the activations quantized per row and group
     of 32 first (and dequantized), the product in float64: (M, N). The quantization is the
-    kernel's rule, in float32 as there: d = max |x| / 127, a = x * (1 / d) rounded to nearest
-    even (in float64, x / d lands on the other side of a .5 now and then: one a off by 1)."""
+    kernel's rule, in float32 as there: d = max |x| / largest (127: 8 bits, 32767: 16), a = x *
+    (1 / d) rounded to nearest even (in float64, x / d lands on the other side of a .5 now and
+    then: one a off by 1)."""
     (M, K), N = x.shape, weight.shape[0]
     groups = x.float().view(M, K // GROUP, GROUP)  # (M, G, 32)
-    d = groups.abs().amax(-1, keepdim=True) / 127  # (M, G, 1)
+    d = groups.abs().amax(-1, keepdim=True) / largest  # (M, G, 1)
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     a = torch.round(groups * inverse).double()  # (M, G, 32), in -127..127
     d = d.double()
@@ -43,23 +45,37 @@ def w4a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (a * d).view(M, K) @ w.T  # (M, N)
 
 
+# each product of w4a8, and the largest integer its activations are rounded to
+PRODUCTS = [(Int4A8KernelLinear, 127), (Int4A16KernelLinear, 32767)]
+
+
+@pytest.mark.parametrize("kind, largest", PRODUCTS, ids=["8-bit", "16-bit"])
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), bias=st.booleans())
-def test_w4a8_product_equals_quantize_the_activations_then_matmul(seed, rows, bias):
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), bias=st.booleans(),
+       floats=st.booleans())
+def test_w4a8_product_equals_quantize_the_activations_then_matmul(kind, largest, seed, rows,
+                                                                   bias, floats):
+    """Within the float32 sums' rounding, for bfloat16 rows and (where the kernel takes them)
+    float32 ones."""
+    if floats and not group_kernel.takes_float32():
+        floats = False  # this CPU's kernel takes bfloat16 rows only
     linear = nn.Linear(96, 48, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(four_bit_weight(48, 96, seed))
-    layer = Int4A8KernelLinear(linear)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    reference = w4a8_reference(x, linear.weight) + (layer.bias.double() if bias else 0)
-    torch.testing.assert_close(layer(x).double(), reference, rtol=1e-2, atol=1e-2)
+    layer = kind(linear)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed))
+    x = x if floats else x.bfloat16()
+    reference = w4a8_reference(x, linear.weight, largest) + (layer.bias.double() if bias else 0)
+    tolerance = 1e-4 if floats else 1e-2  # the output rounded to float32, or to bfloat16
+    torch.testing.assert_close(layer(x).double(), reference, rtol=tolerance, atol=tolerance)
 
 
-def test_a_w4a8_rows_product_has_the_same_bits_whatever_rows_beside_it():
+@pytest.mark.parametrize("kind", [kind for kind, _ in PRODUCTS], ids=["8-bit", "16-bit"])
+def test_a_w4a8_rows_product_has_the_same_bits_whatever_rows_beside_it(kind):
     linear = nn.Linear(1536, 576, bias=False)
     with torch.no_grad():
         linear.weight.copy_(four_bit_weight(576, 1536))
-    layer = Int4A8KernelLinear(linear)
+    layer = kind(linear)
     rows = torch.randn(17, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
     alone = layer(rows[:1])  # (1, N)
     assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
@@ -76,9 +92,10 @@ def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():
     assert format_of(w4a8) == "w4a8" and isinstance(w4a8.lm_head, Int8GroupLinear)
     assert all(isinstance(block.attn.wo, Int4A8KernelLinear) and
                isinstance(block.mlp.gate_up, Int4A8KernelLinear) for block in w4a8.layers)
-    assert not any(isinstance(layer, Int4A8KernelLinear) for block in w4a8.layers
-                   for layer in (block.attn.wqkv, block.mlp.down))
-    assert "8-bit activations in wo gate_up" in how_it_runs(w4a8)  # and so in its latencies' key
+    assert all(type(layer) is Int4A16KernelLinear for block in w4a8.layers
+               for layer in (block.attn.wqkv, block.mlp.down))
+    assert ("8-bit activations in wo gate_up, 16-bit activations in wqkv down"
+            in how_it_runs(w4a8))  # and so in its latencies' key
     assert (logits.float() - reference).abs().max() / reference.abs().max() <= 3e-2
 
 

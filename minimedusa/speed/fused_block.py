@@ -17,11 +17,11 @@ is the reference (tests/test_fused_block.py: the same outputs within float32's r
 within bfloat16's for bfloat16 activations).
 
 Where: the blocks of a model whose four products are group_kernel.c's int4 layers
-(quantized.Int4KernelLinear, or Int4A8KernelLinear for w4a8) without biases, its activations in
-float32 (the AVX2 path's: group_kernel.takes_float32) or bfloat16 (the AVX-512 BF16 path's; the
-residual stream float32 as in model.py), its attention the C kernel's. Decoding's forwards only
-(one sequence in inference mode, a cache, at most model.EXACT_ATTENTION_TOKENS rows), as
-CompiledBlock; anything else runs the eager block.
+(quantized.Int4KernelLinear; for w4a8 Int4A8KernelLinear and Int4A16KernelLinear) without biases,
+its activations in float32 (the AVX2 path's: group_kernel.takes_float32) or bfloat16 (the AVX-512
+BF16 path's; the residual stream float32 as in model.py), its attention the C kernel's. Decoding's
+forwards only (one sequence in inference mode, a cache, at most model.EXACT_ATTENTION_TOKENS rows),
+as CompiledBlock; anything else runs the eager block.
 
 Shapes: T rows, C model dim, H query heads, G key/value heads, D head dim, S attended slots.
 """
@@ -31,15 +31,19 @@ import torch.nn as nn
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Llama
 from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.packed_linear import OPERATORS
-from minimedusa.speed.quantized import Int4A8KernelLinear, Int4KernelLinear
+from minimedusa.speed.quantized import Int4A8KernelLinear, Int4A16KernelLinear, Int4KernelLinear
 
 # x (1, T, C) float32, cos and sin (1, 1, T, D), mask (1, 1, T, S), the layer's cache k and v
 # (1, G, capacity, D) written at slots (T,) and the norms' weights (C,) in the activations'
-# dtype, the 4 products' (packed, scales, minimums) in the order wqkv, wo, gate_up, down, which
-# of them take 8-bit activations, H, eps
+# dtype, the 4 products' (packed, scales, minimums) in the order wqkv, wo, gate_up, down, the
+# bits each rounds its rows to (ROW_BITS), H, eps
 OPERATORS.define("block_step(Tensor x, Tensor cos, Tensor sin, Tensor mask, Tensor(a!) k_cache, "
                  "Tensor(b!) v_cache, Tensor slots, Tensor attn_norm, Tensor mlp_norm, "
-                 "Tensor[] products, int[] a8, int heads, float eps) -> Tensor")
+                 "Tensor[] products, int[] row_bits, int heads, float eps) -> Tensor")
+
+# the layers a fused block multiplies with, and the bits each rounds its rows to inside the
+# kernel (0: float rows as they are)
+ROW_BITS = {Int4KernelLinear: 0, Int4A8KernelLinear: 8, Int4A16KernelLinear: 16}
 
 
 def products(block: Block) -> list[nn.Module]:
@@ -50,7 +54,7 @@ def products(block: Block) -> list[nn.Module]:
 def fusable(model: Llama) -> str | None:
     """None if every block can run as one block_step call, else why not, in words."""
     block = model.layers[0]
-    if not all(type(layer) in (Int4KernelLinear, Int4A8KernelLinear) and layer.bias is None
+    if not all(type(layer) in ROW_BITS and layer.bias is None
                for b in model.layers for layer in products(b)):
         return "its products are not group_kernel.c's int4 layers without biases"
     dtype = block.attn_norm.weight.dtype
@@ -78,7 +82,7 @@ class FusedBlock(nn.Module):
         # a call (nn.Module.__getattr__, measured), 30 calls a forward
         self.products = [t for layer in layers
                          for t in (layer.packed, layer.scales, layer.minimums)]
-        self.a8 = [int(isinstance(layer, Int4A8KernelLinear)) for layer in layers]
+        self.row_bits = [ROW_BITS[type(layer)] for layer in layers]
         self.norms = (block.attn_norm.weight, block.mlp_norm.weight)
         self.heads, self.eps = block.attn.n_head, block.attn_norm.eps
 
@@ -87,7 +91,7 @@ class FusedBlock(nn.Module):
         if (B == 1 and T <= EXACT_ATTENTION_TOKENS and cache is not None
                 and x.dtype == torch.float32 and torch.is_inference_mode_enabled()):
             return torch.ops.minimedusa.block_step(x, cos, sin, mask, cache.k, cache.v, slots,
-                                                   *self.norms, self.products, self.a8,
+                                                   *self.norms, self.products, self.row_bits,
                                                    self.heads, self.eps)
         return self.block(x, cos, sin, mask, cache, slots)
 

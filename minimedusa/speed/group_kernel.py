@@ -4,7 +4,8 @@ use (c_kernels.py) and called through torch operators, as oneDNN's products are
 paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and AVX2 with FMA and F16C (Zen 2
 and 3, Intel since Haswell), which multiplies in float32 and so takes float32 rows too
 (takes_float32: the int4 and w4a8 formats then keep float32 activations).
-And, in both builds, int4 weights times 8-bit activations (int4_a8_product, the w4a8 format).
+And, in both builds, int4 weights times 8-bit activations (int4_a8_product) and times 16-bit
+ones (int4_a16_product): the w4a8 format's products.
 Where the CPU has AMX (Intel since Sapphire Rapids) and Linux grants the tiles' state, the
 AVX-512 path's bfloat16 products run on AMX tiles instead of VDPBF16PS (uses_tiles): up to 16
 rows a tile product, so a tree's rows cost little more than a plain step's one; where the
@@ -148,12 +149,15 @@ def by_block(t: torch.Tensor) -> torch.Tensor:
 
 
 # rows (M, K) bfloat16 (or float32, takes_float32) times a packed weight: (M, N), the rows'
-# dtype. int4_a8_product quantizes the rows to 8 bits a group of 32 inside the kernel (w4a8).
+# dtype. int4_a8_product and int4_a16_product quantize the rows to 8 or 16 bits a group of 32
+# inside the kernel (the w4a8 format), both on pack_int4_a8's layout.
 # Each operator's fake (its output's shape, for the compiler's tracing) is here, what it runs
 # on a CPU in operators.cpp.
 OPERATORS.define("int4_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
                  "-> Tensor")
 OPERATORS.define("int4_a8_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
+                 "-> Tensor")
+OPERATORS.define("int4_a16_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
                  "-> Tensor")
 OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales) -> Tensor")
 
@@ -164,6 +168,11 @@ def _(rows, packed, scales, minimums):
 
 
 @torch.library.register_fake("minimedusa::int4_a8_product")
+def _(rows, packed, scales, minimums):
+    return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
+
+
+@torch.library.register_fake("minimedusa::int4_a16_product")
 def _(rows, packed, scales, minimums):
     return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
 

@@ -1,8 +1,9 @@
 /* The torch operators of this project's C kernels (minimedusa::int4_product, ::int4_a8_product,
-   ::int8_product, ::step_attention), in C++: each checks its tensors, allocates its output and
-   calls the kernel's C function, linked from the kernel's library (group_kernel.c,
-   attention_kernel.c; built by c_kernels.py). And ::block_step, a whole transformer block of
-   an int4 model in one call (the fused step, fused_block.py), at the end of the file.
+   ::int4_a16_product, ::int8_product, ::step_attention), in C++: each checks its tensors,
+   allocates its output and calls the kernel's C function, linked from the kernel's library
+   (group_kernel.c, attention_kernel.c; built by c_kernels.py). And ::block_step, a whole
+   transformer block of an int4 model in one call (the fused step, fused_block.py), and
+   ::hydra_draft, the Hydra heads' draft in one call (fused_draft.py), at the end of the file.
 
    Why C++: a torch operator whose kernel is a Python function costs ~35 us a call on a 2-core
    CPU (the dispatcher calling back into Python, the tensors' sizes and addresses read there,
@@ -31,6 +32,9 @@ int int4_product(const void* x, const uint8_t* packed, const uint16_t* scales,
 int int4_a8_product(const void* x, const uint8_t* packed, const uint16_t* scales,
                     const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K,
                     int floats);
+int int4_a16_product(const void* x, const uint8_t* packed, const uint16_t* scales,
+                     const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K,
+                     int floats);
 int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
                  int64_t M, int64_t N, int64_t K, int floats);
 
@@ -75,8 +79,8 @@ const uint16_t* halves(const at::Tensor& t) {  /* float16 scales and minimums, a
   return static_cast<const uint16_t*>(t.const_data_ptr());
 }
 
-/* the int4 layout's two products: float rows (int4_product) or rows rounded to 8 bits inside
-   the kernel (int4_a8_product, the w4a8 format) */
+/* the int4 weights' products: float rows (int4_product), or rows rounded to 8 or 16 bits inside
+   the kernel (int4_a8_product, int4_a16_product: the w4a8 format) */
 using Int4Product = int (*)(const void*, const uint8_t*, const uint16_t*, const uint16_t*, void*,
                             int64_t, int64_t, int64_t, int);
 
@@ -100,6 +104,11 @@ at::Tensor int4_op(const at::Tensor& rows, const at::Tensor& packed, const at::T
 at::Tensor int4_a8_op(const at::Tensor& rows, const at::Tensor& packed,
                       const at::Tensor& scales, const at::Tensor& minimums) {
   return int4_layout(int4_a8_product, "the rows' 8-bit copy", rows, packed, scales, minimums);
+}
+
+at::Tensor int4_a16_op(const at::Tensor& rows, const at::Tensor& packed,
+                       const at::Tensor& scales, const at::Tensor& minimums) {
+  return int4_layout(int4_a16_product, "the rows' 16-bit copy", rows, packed, scales, minimums);
 }
 
 at::Tensor int8_op(const at::Tensor& rows_, const at::Tensor& packed, const at::Tensor& scales) {
@@ -171,11 +180,14 @@ void rope_head(const E* x, const float* cos, const float* sin, E* out, int64_t D
 }
 
 /* one of the block's 4 products, y (T, N) = x (T, K) W^T: W's packed weights, scales and
-   minimums are products[3 i], [3 i + 1], [3 i + 2]; 8-bit activations where a8[i] */
+   minimums are products[3 i], [3 i + 1], [3 i + 2]; row_bits[i]: the bits its rows are rounded
+   to inside the kernel (8, 16), or 0: float rows as they are */
 template <typename E>
-void block_product(const at::TensorList products, at::IntArrayRef a8, int i, const E* x, E* y,
+void block_product(const at::TensorList products, at::IntArrayRef row_bits, int i, const E* x, E* y,
                    int64_t T, int64_t N, int64_t K) {
-  const auto product = a8[i] ? int4_a8_product : int4_product;
+  const auto product = row_bits[i] == 8    ? int4_a8_product
+                       : row_bits[i] == 16 ? int4_a16_product
+                                           : int4_product;
   check(product(x, products[3 * i].const_data_ptr<uint8_t>(), halves(products[3 * i + 1]),
                 halves(products[3 * i + 2]), y, T, N, K, std::is_same_v<E, float>),
         "its rows");
@@ -191,7 +203,7 @@ struct Sizes {
    capacity, D) at slot[t], the rows attending slots [0, S) as mask (T, S) lets them; hp and pp
    (T, C) each: scratch for the norm's output and the product's */
 template <typename E>
-void attention_half(float* out, const E* norm, at::TensorList products, at::IntArrayRef a8,
+void attention_half(float* out, const E* norm, at::TensorList products, at::IntArrayRef row_bits,
                     const float* cos, const float* sin, const uint8_t* mask,
                     const int64_t* slot, E* kc, E* vc, const Sizes& z, double eps, E* hp,
                     E* pp, const at::TensorOptions& options) {
@@ -200,7 +212,7 @@ void attention_half(float* out, const E* norm, at::TensorList products, at::IntA
   at::Tensor att = at::empty({z.T, z.H, z.D}, options);
   E *qkvp = qkv.data_ptr<E>(), *qp = q.data_ptr<E>();
   rms_norm_rows(out, norm, hp, z.T, z.C, eps);
-  block_product(products, a8, 0, hp, qkvp, z.T, width, z.C);
+  block_product(products, row_bits, 0, hp, qkvp, z.T, width, z.C);
   for (int64_t t = 0; t < z.T; t++) {
     const E* row = qkvp + t * width;
     const float *ct = cos + t * z.D, *st = sin + t * z.D;
@@ -216,26 +228,26 @@ void attention_half(float* out, const E* norm, at::TensorList products, at::IntA
                      z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D,
                      !std::is_same_v<E, float>, static_cast<float>(std::pow(z.D, -0.5))};
   TORCH_CHECK(attend(&step) == 0, "attention_kernel.c did not attend");
-  block_product(products, a8, 1, att.const_data_ptr<E>(), pp, z.T, z.C, z.H * z.D);
+  block_product(products, row_bits, 1, att.const_data_ptr<E>(), pp, z.T, z.C, z.H * z.D);
   for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + wide(pp[i]);
 }
 
 /* out (T, C) float32 += down(silu(gate) * up) of norm(out), gate and up side by side in
    gate_up's; hp and pp as attention_half's */
 template <typename E>
-void mlp_half(float* out, const E* norm, at::TensorList products, at::IntArrayRef a8,
+void mlp_half(float* out, const E* norm, at::TensorList products, at::IntArrayRef row_bits,
               const Sizes& z, double eps, E* hp, E* pp, const at::TensorOptions& options) {
   at::Tensor both = at::empty({z.T, 2 * z.I}, options), mid = at::empty({z.T, z.I}, options);
   E *w = both.data_ptr<E>(), *m = mid.data_ptr<E>();
   rms_norm_rows(out, norm, hp, z.T, z.C, eps);
-  block_product(products, a8, 2, hp, w, z.T, 2 * z.I, z.C);
+  block_product(products, row_bits, 2, hp, w, z.T, 2 * z.I, z.C);
   for (int64_t t = 0; t < z.T; t++)
     for (int64_t i = 0; i < z.I; i++) {
       const float gate = wide(w[t * 2 * z.I + i]);
       const float silu = wide(narrow<E>(gate / (1.0f + std::exp(-gate))));
       m[t * z.I + i] = narrow<E>(silu * wide(w[t * 2 * z.I + z.I + i]));
     }
-  block_product(products, a8, 3, m, pp, z.T, z.C, z.I);
+  block_product(products, row_bits, 3, m, pp, z.T, z.C, z.I);
   for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + wide(pp[i]);
 }
 
@@ -244,15 +256,15 @@ template <typename E>
 void block_halves(float* out, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& mask, at::Tensor& k_cache, at::Tensor& v_cache,
                   const int64_t* slot, const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
-                  at::TensorList products, at::IntArrayRef a8, const Sizes& z, double eps) {
+                  at::TensorList products, at::IntArrayRef row_bits, const Sizes& z, double eps) {
   const auto options = k_cache.options();
   at::Tensor scratch = at::empty({2, z.T, z.C}, options);  /* both halves' norm, product */
   E *hp = scratch[0].data_ptr<E>(), *pp = scratch[1].data_ptr<E>();
-  attention_half(out, attn_norm.const_data_ptr<E>(), products, a8, cos.const_data_ptr<float>(),
-                 sin.const_data_ptr<float>(),
+  attention_half(out, attn_norm.const_data_ptr<E>(), products, row_bits,
+                 cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
                  reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()), slot,
                  k_cache.data_ptr<E>(), v_cache.data_ptr<E>(), z, eps, hp, pp, options);
-  mlp_half(out, mlp_norm.const_data_ptr<E>(), products, a8, z, eps, hp, pp, options);
+  mlp_half(out, mlp_norm.const_data_ptr<E>(), products, row_bits, z, eps, hp, pp, options);
 }
 
 /* x (1, T, C) float32 (the residual stream); cos, sin (1, 1, T, D) float32; mask (1, 1, T, S)
@@ -263,7 +275,7 @@ void block_halves(float* out, const at::Tensor& cos, const at::Tensor& sin,
 at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_,
                     const at::Tensor& mask_, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slots_, const at::Tensor& attn_norm,
-                    const at::Tensor& mlp_norm, at::TensorList products, at::IntArrayRef a8,
+                    const at::Tensor& mlp_norm, at::TensorList products, at::IntArrayRef row_bits,
                     int64_t H, double eps) {
   const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
   const at::Tensor mask = mask_.contiguous(), slots = slots_.contiguous();
@@ -274,7 +286,7 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
                   (dtype == at::kFloat || dtype == at::kBFloat16) &&
                   v_cache.scalar_type() == dtype && attn_norm.scalar_type() == dtype &&
                   mlp_norm.scalar_type() == dtype && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && products.size() == 12 && a8.size() == 4,
+                  v_cache.is_contiguous() && products.size() == 12 && row_bits.size() == 4,
               "block_step takes float32 rows and angles, contiguous caches and norms in one "
               "dtype (float32 or bfloat16), and 4 products");
   TORCH_CHECK(cos.numel() == z.T * z.D && sin.numel() == z.T * z.D &&
@@ -287,10 +299,10 @@ at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tens
   at::Tensor out = x.clone().view({z.T, z.C});  /* the residual stream */
   if (dtype == at::kFloat)
     block_halves<float>(out.data_ptr<float>(), cos, sin, mask, k_cache, v_cache, slot,
-                        attn_norm, mlp_norm, products, a8, z, eps);
+                        attn_norm, mlp_norm, products, row_bits, z, eps);
   else
     block_halves<c10::BFloat16>(out.data_ptr<float>(), cos, sin, mask, k_cache, v_cache, slot,
-                                attn_norm, mlp_norm, products, a8, z, eps);
+                                attn_norm, mlp_norm, products, row_bits, z, eps);
   return out.view({1, z.T, z.C});
 }
 
@@ -425,6 +437,7 @@ at::Tensor hydra_draft_op(const at::Tensor& hidden_, int64_t root, const at::Ten
 TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
   m.impl("int4_product", TORCH_FN(int4_op));
   m.impl("int4_a8_product", TORCH_FN(int4_a8_op));
+  m.impl("int4_a16_product", TORCH_FN(int4_a16_op));
   m.impl("int8_product", TORCH_FN(int8_op));
   m.impl("step_attention", TORCH_FN(attention_op));
   m.impl("block_step", TORCH_FN(block_op));

@@ -29,8 +29,8 @@ from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
 from minimedusa.speed.fused_draft import fusable_draft, fuse_draft
 from minimedusa.speed.group_kernel import uses_tiles
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
-from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, Int4Linear,
-                                        Int8GroupLinear, Int8Linear)
+from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4A16KernelLinear,
+                                        Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear)
 from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
 
 
@@ -79,10 +79,11 @@ def how_it_runs(model: Llama) -> str:
     weights = f" | {fmt} weights" if fmt in QUANTIZED else ""  # the dtype says the rest
     if any(isinstance(layer, Int4KernelLinear) for layer in block.modules()):
         weights += " (group_kernel.c, AMX tiles)" if uses_tiles() else " (group_kernel.c)"
-    eight_bit = [name.rsplit(".", 1)[-1] for name, layer in block.named_modules()
-                 if isinstance(layer, Int4A8KernelLinear)]
-    if eight_bit:  # w4a8: which products take 8-bit activations sets much of a step's cost
-        weights += f", 8-bit activations in {' '.join(eight_bit)}"
+    for bits, kind in ((8, Int4A8KernelLinear), (16, Int4A16KernelLinear)):
+        names = [name.rsplit(".", 1)[-1] for name, layer in block.named_modules()
+                 if isinstance(layer, kind)]
+        if names:  # w4a8: which products round their rows, and how, sets much of a step's cost
+            weights += f", {bits}-bit activations in {' '.join(names)}"
     if isinstance(model.lm_head, Int8GroupLinear):
         weights += ", 8-bit LM head"
     step = " | compiled step" if is_compiled(model) else " | fused step" if is_fused(model) else ""

@@ -6,6 +6,7 @@ slow reference it must equal: quantize, then dequantize and multiply.
                      _weight_int4pack_mm_for_cpu (fp32 FMA, the weights read once per 4 rows)
     Int4KernelLinear the same weights multiplied by group_kernel.c (read once for any rows)
     Int4A8KernelLinear  the same, times 8-bit activations (the w4a8 format, llama.cpp's Q8_1)
+    Int4A16KernelLinear the same, times 16-bit activations (the w4a8 format's other products)
     Int8GroupLinear  8-bit groups of 32 with a scale (the GGUF's Q8_0), group_kernel.c: an LM
                      head whose weights already lie on that grid, and the heads' layers
 
@@ -194,6 +195,17 @@ class Int4A8KernelLinear(Int4KernelLinear):
     product = torch.ops.minimedusa.int4_a8_product
 
 
+class Int4A16KernelLinear(Int4KernelLinear):
+    """Int4KernelLinear's weights times 16-bit activations: each row's groups of 32 quantized to
+    -32767..32767 with a scale (max |x| / 32767, within 1.5e-5 of the group's largest value),
+    inside group_kernel.c, whose VPMADDWD products (16 pairs of 16-bit integers an instruction)
+    turn 4-bit weights into numbers with fewer operations than float32 FMAs do: a row or two
+    cost less, more rows the same. In w4a8's layout."""
+
+    pack = staticmethod(group_kernel.pack_int4_a8)
+    product = torch.ops.minimedusa.int4_a16_product
+
+
 class Int8GroupLinear(nn.Module):
     """y = x (q * scale)^T (+ bias), weights held as 8-bit groups (Q8_0's), multiplied by
     group_kernel.c: for an LM head whose weights already lie on that grid (eight_bit_groups' q
@@ -235,21 +247,21 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
     return count
 
 
-# w4a8's products with 8-bit activations (model.py's names): the attention's output (wo) and
-# the MLP's input (gate_up, half the blocks' weights: the speed is there). Not wqkv, whose
-# input, the attention norm's output, has outlier channels that coarsen its groups' steps, nor
-# down, whose input (SwiGLU's product) costs most of what is left. format_quality on 48
-# held-out chats (the 2-core AVX2 EPYC, float32 activations elsewhere), top-1 agreement with
-# float32 and mean KL: wo, gate_up and down 98.65%, 0.00123 (answering "What is the capital of
-# France?" with "L'Etoile, la Marseillaise", as llama.cpp does); wo and gate_up 98.91%, 0.00077
-# ("Paris"); gate_up alone 98.73%, 0.00070; llama.cpp's Q4_1 decoding 97.85%, 0.00253
+# w4a8's products with 8-bit activations (model.py's names): the attention's output (wo) and the
+# MLP's input (gate_up, half the blocks' weights: the speed is there). Not wqkv, whose input, the
+# attention norm's output, has outlier channels that coarsen its groups' steps, nor down, whose
+# input (SwiGLU's product) costs most of what is left: those take 16-bit ones. format_quality on 48
+# held-out chats (the 2-core AVX2 EPYC, float32 activations elsewhere), top-1 agreement with float32
+# and mean KL: wo, gate_up and down 98.65%, 0.00123 (answering "What is the capital of France?" with
+# "L'Etoile, la Marseillaise", as llama.cpp does); wo and gate_up 98.91%, 0.00077 ("Paris"); gate_up
+# alone 98.73%, 0.00070; llama.cpp's Q4_1 decoding 97.85%, 0.00253
 EIGHT_BIT_INPUTS = ("wo", "gate_up")
 
 
 def four_bit_layers(model: Llama, activations8: bool = False) -> int:
     """Replace every nn.Linear of the model's blocks by an int4 layer, in place; with 8-bit
-    activations, those of EIGHT_BIT_INPUTS by an Int4A8KernelLinear (group_kernel.c must
-    multiply them); how many."""
+    activations (w4a8), those of EIGHT_BIT_INPUTS by an Int4A8KernelLinear and the others by an
+    Int4A16KernelLinear (group_kernel.c must multiply them); how many."""
     if activations8:
         group_kernel.require_kernel()
     layer = int4_layer()
@@ -258,10 +270,16 @@ def four_bit_layers(model: Llama, activations8: bool = False) -> int:
         for parent in (block.attn, block.mlp):
             for name, child in parent.named_children():
                 if type(child) is nn.Linear:
-                    eight_bit = activations8 and name in EIGHT_BIT_INPUTS
-                    setattr(parent, name, (Int4A8KernelLinear if eight_bit else layer)(child))
+                    kind = w4a8_layer(name) if activations8 else layer
+                    setattr(parent, name, kind(child))
                     count += 1
     return count
+
+
+def w4a8_layer(name: str) -> type:
+    """w4a8's layer for the block's product `name`: 8-bit activations in EIGHT_BIT_INPUTS,
+    16-bit ones elsewhere."""
+    return Int4A8KernelLinear if name in EIGHT_BIT_INPUTS else Int4A16KernelLinear
 
 
 def int4_layer() -> type:
