@@ -251,10 +251,12 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
 # MLP's input (gate_up, half the blocks' weights: the speed is there). Not wqkv, whose input, the
 # attention norm's output, has outlier channels that coarsen its groups' steps, nor down, whose
 # input (SwiGLU's product) costs most of what is left: those take 16-bit ones. format_quality on 48
-# held-out chats (the 2-core AVX2 EPYC, float32 activations elsewhere), top-1 agreement with float32
-# and mean KL: wo, gate_up and down 98.65%, 0.00123 (answering "What is the capital of France?" with
-# "L'Etoile, la Marseillaise", as llama.cpp does); wo and gate_up 98.91%, 0.00077 ("Paris"); gate_up
-# alone 98.73%, 0.00070; llama.cpp's Q4_1 decoding 97.85%, 0.00253
+# held-out chats (the 2-core AVX2 EPYC, float32 activations elsewhere then), top-1 agreement with
+# float32 and mean KL: wo, gate_up and down 98.65%, 0.00123 (answering "What is the capital of
+# France?" with "L'Etoile, la Marseillaise", as llama.cpp does); wo and gate_up 98.91%, 0.00077
+# ("Paris"); gate_up alone 98.73%, 0.00070; llama.cpp's Q4_1 decoding 97.85%, 0.00253. With 16-bit
+# activations in wqkv and down instead of float32 ones: 98.97%, 0.00073
+# (records/format-quality-epyc-avx2-w4a8-a16.json)
 EIGHT_BIT_INPUTS = ("wo", "gate_up")
 
 

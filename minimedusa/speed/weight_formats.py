@@ -30,14 +30,16 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               rounds); any other stays bfloat16.
     w4a8      int4's weights times 8-bit activations (each row's groups of 32 quantized
               with a scale, as llama.cpp does in its own Q4_1 decoding) in the attention's
-              output and the MLP's input products (quantized.EIGHT_BIT_INPUTS): integer
+              output and the MLP's input products (quantized.EIGHT_BIT_INPUTS), 16-bit ones in
+              the other two (wqkv, down: within 1.5e-5 of each group's largest value): integer
               products, cheaper than float ones, so a step and its tree's rows cost less.
               group_kernel.c only (its AVX2 code, on any CPU that has it); the rest as int4.
-              Measured (format_quality.py, 48 held-out chats, the 2-core AVX2 EPYC, float32
-              activations elsewhere): top-1 agreement with float32 98.9%, KL 0.0008; int4's
-              100%, 0.0; llama.cpp's Q4_1 decoding 97.8%, 0.0025. The default for a 4-bit
-              checkpoint where the kernel takes float32 rows (AVX2 CPUs: flags/load.py's
-              default_format), whose plain decoding it makes 1.20x faster there (bench --formats).
+              Measured (format_quality.py, 48 held-out chats, the 2-core AVX2 EPYC): top-1
+              agreement with float32 98.97%, KL 0.0007; int4's 100%, 0.0; llama.cpp's Q4_1
+              decoding 97.8%, 0.0025. The default for a 4-bit checkpoint where the kernel
+              takes float32 rows (AVX2 CPUs: flags/load.py's default_format), whose plain
+              decoding it made 1.20x faster there with float32 rows in wqkv and down (bench
+              --formats), and the 16-bit ones 1.08x faster again (one process, interleaved).
 
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
