@@ -18,7 +18,9 @@ from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
 from minimedusa.speed.quantized import (GROUP, Int4A8KernelLinear, Int4A16KernelLinear,
-                                        Int8GroupLinear, dequantize_int4, quantize_int4)
+                                        Int8A16GroupLinear, dequantize_int4,
+                                        dequantize_int8_groups, quantize_int4,
+                                        quantize_int8_groups)
 from minimedusa.speed.plug_in import how_it_runs
 from minimedusa.speed.weight_formats import apply_format, format_of
 from minimedusa.tree import build_tree
@@ -28,21 +30,23 @@ from test_weight_formats import four_bit_model, four_bit_weight, needs_group_ker
 pytestmark = needs_group_kernel
 
 
-def w4a8_reference(x: torch.Tensor, weight: torch.Tensor, largest: int = 127) -> torch.Tensor:
-    """x (M, K) times a 4-bit grid's weight (N, K), the activations quantized per row and group
-    of 32 first (and dequantized), the product in float64: (M, N). The quantization is the
-    kernel's rule, in float32 as there: d = max |x| / largest (127: 8 bits, 32767: 16), a = x *
-    (1 / d) rounded to nearest even (in float64, x / d lands on the other side of a .5 now and
-    then: one a off by 1)."""
-    (M, K), N = x.shape, weight.shape[0]
+def quantized_rows(x: torch.Tensor, largest: int) -> torch.Tensor:
+    """x (M, K) as the kernel quantizes it per row and group of 32, dequantized, in float64: d =
+    max |x| / largest (127: 8 bits, 32767: 16), a = x * (1 / d) rounded to nearest even, in
+    float32 as there (in float64, x / d lands on the other side of a .5 now and then)."""
+    M, K = x.shape
     groups = x.float().view(M, K // GROUP, GROUP)  # (M, G, 32)
     d = groups.abs().amax(-1, keepdim=True) / largest  # (M, G, 1)
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    a = torch.round(groups * inverse).double()  # (M, G, 32), in -127..127
-    d = d.double()
+    return (torch.round(groups * inverse).double() * d.double()).view(M, K)
+
+
+def w4a8_reference(x: torch.Tensor, weight: torch.Tensor, largest: int = 127) -> torch.Tensor:
+    """x (M, K) times a 4-bit grid's weight (N, K), the activations quantized first
+    (quantized_rows), the product in float64: (M, N)."""
     q, scales, minimums = quantize_int4(weight)  # (N, K), (N, G), (N, G): float16 in the kernel
     w = dequantize_int4(q, scales.half().float(), minimums.half().float()).double()  # (N, K)
-    return (a * d).view(M, K) @ w.T  # (M, N)
+    return quantized_rows(x, largest) @ w.T  # (M, N)
 
 
 # each product of w4a8, and the largest integer its activations are rounded to
@@ -82,6 +86,32 @@ def test_a_w4a8_rows_product_has_the_same_bits_whatever_rows_beside_it(kind):
     assert torch.equal(layer(rows.flip(0))[-1:], alone)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
+def test_w4a8_lm_head_equals_quantize_the_activations_then_matmul(seed, rows):
+    """8-bit groups times 16-bit activations (Int8A16GroupLinear), float32 rows where the kernel
+    takes them, else bfloat16."""
+    g = torch.Generator().manual_seed(seed)
+    q, scales = quantize_int8_groups(torch.randn(48, 96, generator=g))
+    layer = Int8A16GroupLinear(q, scales.half().float())
+    dtype = torch.float32 if group_kernel.takes_float32() else torch.bfloat16
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    weight = dequantize_int8_groups(q, scales.half().float()).double()  # (N, K)
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(layer(x).double(), quantized_rows(x, 32767) @ weight.T,
+                               rtol=tolerance, atol=tolerance)
+
+
+def test_a_w4a8_lm_head_rows_product_has_the_same_bits_whatever_rows_beside_it():
+    weight = torch.randn(4096, 576, generator=torch.Generator().manual_seed(1))
+    q, scales = quantize_int8_groups(weight)
+    layer = Int8A16GroupLinear(q, scales)
+    rows = torch.randn(17, 576, generator=torch.Generator().manual_seed(0))
+    rows = rows if group_kernel.takes_float32() else rows.bfloat16()
+    alone = layer(rows[:1])
+    assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
+
+
 def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():
     model = four_bit_model(3)
     tokens, positions, mask = torch.randint(0, 64, (1, 9)), torch.arange(9)[None], causal_mask(0, 9)
@@ -89,13 +119,13 @@ def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():
         reference, _ = model(tokens, positions, mask)
         w4a8 = apply_format(model, "w4a8")
         logits, _ = w4a8(tokens, positions, mask)
-    assert format_of(w4a8) == "w4a8" and isinstance(w4a8.lm_head, Int8GroupLinear)
+    assert format_of(w4a8) == "w4a8" and type(w4a8.lm_head) is Int8A16GroupLinear
     assert all(isinstance(block.attn.wo, Int4A8KernelLinear) and
                isinstance(block.mlp.gate_up, Int4A8KernelLinear) for block in w4a8.layers)
     assert all(type(layer) is Int4A16KernelLinear for block in w4a8.layers
                for layer in (block.attn.wqkv, block.mlp.down))
-    assert ("8-bit activations in wo gate_up, 16-bit activations in wqkv down"
-            in how_it_runs(w4a8))  # and so in its latencies' key
+    assert ("8-bit activations in wo gate_up, 16-bit activations in wqkv down, 8-bit LM head "
+            "(16-bit activations)" in how_it_runs(w4a8))  # and so in its latencies' key
     assert (logits.float() - reference).abs().max() / reference.abs().max() <= 3e-2
 
 

@@ -5,7 +5,8 @@ paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and AVX2 with FMA and
 and 3, Intel since Haswell), which multiplies in float32 and so takes float32 rows too
 (takes_float32: the int4 and w4a8 formats then keep float32 activations).
 And, in both builds, int4 weights times 8-bit activations (int4_a8_product) and times 16-bit
-ones (int4_a16_product): the w4a8 format's products.
+ones (int4_a16_product), and 8-bit groups times 16-bit ones (int8_a16_product): the w4a8
+format's products.
 Where the CPU has AMX (Intel since Sapphire Rapids) and Linux grants the tiles' state, the
 AVX-512 path's bfloat16 products run on AMX tiles instead of VDPBF16PS (uses_tiles): up to 16
 rows a tile product, so a tree's rows cost little more than a plain step's one; where the
@@ -150,7 +151,8 @@ def by_block(t: torch.Tensor) -> torch.Tensor:
 
 # rows (M, K) bfloat16 (or float32, takes_float32) times a packed weight: (M, N), the rows'
 # dtype. int4_a8_product and int4_a16_product quantize the rows to 8 or 16 bits a group of 32
-# inside the kernel (the w4a8 format), both on pack_int4_a8's layout.
+# inside the kernel (the w4a8 format), both on pack_int4_a8's layout; int8_a16_product to 16
+# bits, on pack_int8's (w4a8's LM head).
 # Each operator's fake (its output's shape, for the compiler's tracing) is here, what it runs
 # on a CPU in operators.cpp.
 OPERATORS.define("int4_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
@@ -160,6 +162,7 @@ OPERATORS.define("int4_a8_product(Tensor rows, Tensor packed, Tensor scales, Ten
 OPERATORS.define("int4_a16_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
                  "-> Tensor")
 OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales) -> Tensor")
+OPERATORS.define("int8_a16_product(Tensor rows, Tensor packed, Tensor scales) -> Tensor")
 
 
 @torch.library.register_fake("minimedusa::int4_product")
@@ -178,5 +181,10 @@ def _(rows, packed, scales, minimums):
 
 
 @torch.library.register_fake("minimedusa::int8_product")
+def _(rows, packed, scales):
+    return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
+
+
+@torch.library.register_fake("minimedusa::int8_a16_product")
 def _(rows, packed, scales):
     return rows.new_empty(rows.shape[0], scales.shape[0] * 16)

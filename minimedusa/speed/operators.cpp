@@ -1,7 +1,7 @@
 /* The torch operators of this project's C kernels (minimedusa::int4_product, ::int4_a8_product,
-   ::int4_a16_product, ::int8_product, ::step_attention), in C++: each checks its tensors,
-   allocates its output and calls the kernel's C function, linked from the kernel's library
-   (group_kernel.c, attention_kernel.c; built by c_kernels.py). And ::block_step, a whole
+   ::int4_a16_product, ::int8_product, ::int8_a16_product, ::step_attention), in C++: each checks
+   its tensors, allocates its output and calls the kernel's C function, linked from the kernel's
+   library (group_kernel.c, attention_kernel.c; built by c_kernels.py). And ::block_step, a whole
    transformer block of an int4 model in one call (the fused step, fused_block.py), and
    ::hydra_draft, the Hydra heads' draft in one call (fused_draft.py), at the end of the file.
 
@@ -37,6 +37,8 @@ int int4_a16_product(const void* x, const uint8_t* packed, const uint16_t* scale
                      int floats);
 int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
                  int64_t M, int64_t N, int64_t K, int floats);
+int int8_a16_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
+                     int64_t M, int64_t N, int64_t K, int floats);
 
 /* attention_kernel.c's Step and entry point (0 done, 1 a shape it does not take, 2 out of
    memory): the tensors' addresses, sizes and strides in elements */
@@ -111,13 +113,28 @@ at::Tensor int4_a16_op(const at::Tensor& rows, const at::Tensor& packed,
   return int4_layout(int4_a16_product, "the rows' 16-bit copy", rows, packed, scales, minimums);
 }
 
-at::Tensor int8_op(const at::Tensor& rows_, const at::Tensor& packed, const at::Tensor& scales) {
+/* the int8 layout's products: float rows (int8_product), or rows rounded to 16 bits inside the
+   kernel (int8_a16_product: the w4a8 format's LM head) */
+using Int8Product = int (*)(const void*, const uint8_t*, const uint16_t*, void*, int64_t,
+                            int64_t, int64_t, int);
+
+at::Tensor int8_layout(Int8Product product, const char* what, const at::Tensor& rows_,
+                       const at::Tensor& packed, const at::Tensor& scales) {
   const at::Tensor rows = rows_.contiguous();
   at::Tensor y = output(rows, scales);
-  check(int8_product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(), halves(scales),
-                     y.mutable_data_ptr(), rows.size(0), y.size(1), rows.size(1), floats(rows)),
-        "its rows in float32");
+  check(product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(), halves(scales),
+                y.mutable_data_ptr(), rows.size(0), y.size(1), rows.size(1), floats(rows)),
+        what);
   return y;
+}
+
+at::Tensor int8_op(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales) {
+  return int8_layout(int8_product, "its rows in float32", rows, packed, scales);
+}
+
+at::Tensor int8_a16_op(const at::Tensor& rows, const at::Tensor& packed,
+                       const at::Tensor& scales) {
+  return int8_layout(int8_a16_product, "the rows' 16-bit copy", rows, packed, scales);
 }
 
 /* q (1, H, T, D), k and v (1, G, S, D) with each key a contiguous row of D (cache slices), mask
@@ -439,6 +456,7 @@ TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
   m.impl("int4_a8_product", TORCH_FN(int4_a8_op));
   m.impl("int4_a16_product", TORCH_FN(int4_a16_op));
   m.impl("int8_product", TORCH_FN(int8_op));
+  m.impl("int8_a16_product", TORCH_FN(int8_a16_op));
   m.impl("step_attention", TORCH_FN(attention_op));
   m.impl("block_step", TORCH_FN(block_op));
   m.impl("hydra_draft", TORCH_FN(hydra_draft_op));

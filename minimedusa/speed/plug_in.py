@@ -30,7 +30,8 @@ from minimedusa.speed.fused_draft import fusable_draft, fuse_draft
 from minimedusa.speed.group_kernel import uses_tiles
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4A16KernelLinear,
-                                        Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear)
+                                        Int4KernelLinear, Int4Linear, Int8A16GroupLinear,
+                                        Int8GroupLinear, Int8Linear)
 from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
 
 
@@ -85,7 +86,8 @@ def how_it_runs(model: Llama) -> str:
         if names:  # w4a8: which products round their rows, and how, sets much of a step's cost
             weights += f", {bits}-bit activations in {' '.join(names)}"
     if isinstance(model.lm_head, Int8GroupLinear):
-        weights += ", 8-bit LM head"
+        weights += (", 8-bit LM head (16-bit activations)"
+                    if isinstance(model.lm_head, Int8A16GroupLinear) else ", 8-bit LM head")
     step = " | compiled step" if is_compiled(model) else " | fused step" if is_fused(model) else ""
     if any(isinstance(m, KernelAttention) for m in block.modules()):
         step += ", C attention"

@@ -9,6 +9,7 @@ slow reference it must equal: quantize, then dequantize and multiply.
     Int4A16KernelLinear the same, times 16-bit activations (the w4a8 format's other products)
     Int8GroupLinear  8-bit groups of 32 with a scale (the GGUF's Q8_0), group_kernel.c: an LM
                      head whose weights already lie on that grid, and the heads' layers
+    Int8A16GroupLinear  the same, times 16-bit activations (the w4a8 format's LM head)
 
 Shapes: N output features, K input features, M rows.
 """
@@ -226,12 +227,23 @@ class Int8GroupLinear(nn.Module):
         computed on each read, never on a decoding step."""
         return dequantize_int8_groups(*group_kernel.unpack_int8(self.packed, self.scales))
 
+    product = torch.ops.minimedusa.int8_product  # the kernel's function that multiplies
+
     def forward(self, x):  # (..., K) -> (..., N)
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        y = torch.ops.minimedusa.int8_product(rows, self.packed, self.scales)  # (M, N)
+        y = self.product(rows, self.packed, self.scales)  # (M, N)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8A16GroupLinear(Int8GroupLinear):
+    """Int8GroupLinear's weights times 16-bit activations (each row's groups of 32 quantized as
+    Int4A16KernelLinear's): VPMADDWD multiplies the 8-bit weights sign-extended, where float32
+    rows need each weight turned into a float; a tree's rows cost less, one row the same (the
+    default model's LM head reads 28 MB a step, memory-bound)."""
+
+    product = torch.ops.minimedusa.int8_a16_product
 
 
 def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -317,10 +329,10 @@ def eight_bit_head_layers(heads: nn.Module) -> int:
     return len(layers)
 
 
-def eight_bit_lm_heads(module: nn.Module) -> int:
+def eight_bit_lm_heads(module: nn.Module, activations16: bool = False) -> int:
     """Replace every LM head inside `module` (the model's, a draft vocabulary's cut) whose
-    weights lie on an 8-bit grid by an Int8GroupLinear, in place, where group_kernel.c
-    multiplies on this CPU; how many."""
+    weights lie on an 8-bit grid by an Int8GroupLinear (with 16-bit activations: an
+    Int8A16GroupLinear), in place, where group_kernel.c multiplies on this CPU; how many."""
     if group_kernel.kernel_problem() is not None:
         return 0
     heads = [(parent, eight_bit_groups(child.weight)) for parent in module.modules()
@@ -328,5 +340,5 @@ def eight_bit_lm_heads(module: nn.Module) -> int:
              if name == "lm_head" and type(child) is nn.Linear and child.bias is None]
     kept = [(parent, groups) for parent, groups in heads if groups is not None]
     for parent, (q, scales) in kept:
-        parent.lm_head = Int8GroupLinear(q, scales)
+        parent.lm_head = (Int8A16GroupLinear if activations16 else Int8GroupLinear)(q, scales)
     return len(kept)

@@ -31,7 +31,8 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
     w4a8      int4's weights times 8-bit activations (each row's groups of 32 quantized
               with a scale, as llama.cpp does in its own Q4_1 decoding) in the attention's
               output and the MLP's input products (quantized.EIGHT_BIT_INPUTS), 16-bit ones in
-              the other two (wqkv, down: within 1.5e-5 of each group's largest value): integer
+              the other two (wqkv, down: within 1.5e-5 of each group's largest value) and in
+              the 8-bit LM head (Int8A16GroupLinear: a tree's rows cheaper there too): integer
               products, cheaper than float ones, so a step and its tree's rows cost less.
               group_kernel.c only (its AVX2 code, on any CPU that has it); the rest as int4.
               Measured (format_quality.py, 48 held-out chats, the 2-core AVX2 EPYC): top-1
@@ -80,9 +81,12 @@ def apply_format(module: nn.Module, name: str) -> nn.Module:
         quantize_linear_layers(module)  # from the float32 weights: rounded once, not twice
         return module.to(torch.bfloat16)
     if name in ("int4", "w4a8"):
-        if isinstance(module, Llama):  # from the float32 weights: the file's grid, found again
+        is_model = isinstance(module, Llama)
+        if is_model:  # from the float32 weights: the file's grid, found again
             four_bit_layers(module, activations8=name == "w4a8")
-        eight_bit_lm_heads(module)
+        # w4a8's model verifies with 16-bit activations in its LM head; the heads' draft
+        # vocabulary, only guesses, keeps float rows (as the fused draft multiplies them)
+        eight_bit_lm_heads(module, activations16=is_model and name == "w4a8")
         if not isinstance(module, Llama):
             eight_bit_head_layers(module)  # the heads' draft: a quarter of float32's bytes
     dtype = activation_dtype(name)
