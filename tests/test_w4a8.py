@@ -1,7 +1,8 @@
 """The w4a8 format: int4 weights times 8-bit activations in wo and gate_up (group_kernel.c's
-int4_a8_product), 16-bit ones elsewhere (int4_a16_product). The slow reference quantizes each
-row's groups of 32 as the kernel does (d = max |x| / 127 or / 32767, a = x / d to nearest), then
-multiplies the dequantized activations by the dequantized weight. A row's bits do not depend on
+int4_a8_product), 16-bit ones in wqkv and down (int4_a16_product) and its 8-bit LM head
+(int8_a16_product). The slow reference quantizes each row's groups of 32 as the kernel does (d =
+max |x| / 127 or / 32767, a = x / d to nearest), then multiplies the dequantized activations by
+the dequantized weight. A row's bits do not depend on
 the rows beside it, so greedy Medusa stays lossless with respect to w4a8's own plain decoding."""
 import pytest
 import torch

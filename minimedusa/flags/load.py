@@ -227,11 +227,11 @@ def default_format(device: torch.device, folder=None) -> str:
       the wo and gate_up products (quantized.EIGHT_BIT_INPUTS), 16-bit ones in wqkv and down.
       On the 2-core AVX2 EPYC, in one process (bench --formats int4,w4a8, 8 MT-Bench first
       turns), its plain decoding 1.20x int4's and Hydra greedy 1.13-1.17x with float32 rows in
-      wqkv and down, 1.08x faster again with 16-bit ones; top-1 agreement with float32 98.97%,
-      mean KL 0.0007 (format_quality.py, 48 held-out chats), where llama.cpp's own decoding of
-      the same GGUF, with 8-bit activations in every product, is 97.8%, 0.0025 (the bar for
-      8-bit activations in a default: what llama.cpp's users already accept). int4 (--quantize
-      int4) keeps float32's answers;
+      wqkv and down, 1.04-1.08x and 1.09-1.11x faster again with 16-bit ones (RESULTS.md,
+      session 16); top-1 agreement with float32 98.97%, mean KL 0.0007 (format_quality.py, 48
+      held-out chats), where llama.cpp's own decoding of the same GGUF, with 8-bit activations
+      in every product, is 97.8%, 0.0025 (the bar for 8-bit activations in a default: what
+      llama.cpp's users already accept). int4 (--quantize int4) keeps float32's answers;
     - on AVX-512 BF16, int4 with bfloat16 activations (top-1 98.5%; w4a8 is unmeasured there);
     - where oneDNN multiplies bfloat16 natively, int4 through torch's kernel.
     Otherwise bfloat16 where that is native (half float32's bytes, a step as flat in the

@@ -457,7 +457,7 @@ static int avx2_entry(const void* x, const int floats, const uint8_t* packed,
 
 
 #if defined(__AVX2__)
-#define A8_PATH 1
+#define A8_PATH 1  /* the products of quantized rows: 8-bit (w4a8's first) and 16-bit */
 
 /* The w4a8 format: int4 weights times 8-bit activations, as llama.cpp multiplies Q4_1 by Q8_1.
    Each row's group of 32 is quantized first: d = max |x| / 127, a = x / d rounded to nearest,
@@ -587,18 +587,19 @@ static inline __attribute__((always_inline)) void block_rows8(
     for (int h = 0; h < 2; h++) store8(y, at + i * N + 8 * h, out[i][h], floats);
 }
 
-/* 16-bit activations (int4_a16_product): the same weights in w4a8's layout times each row's
-   groups of 32 quantized to 16 bits, d = max |x| / 32767 (within 1.5e-5 of the group's largest
-   value: far below float32 -> bfloat16's 2^-9), as VPMADDWD multiplies them: pairs of 16-bit
-   integers added into 32 bits, exact. Why: at 1-2 rows a float32 product is bound by turning
-   each 4-bit q into a float (12 operations a 32 weights, shared by the rows) where VPMADDWD
-   needs 7 a 64; on the 2-core AVX2 EPYC, 30 layers' wqkv and down at 1 / 2 / 4 / 8 rows took
-   1.38-1.46 / 1.66-1.81 / 2.9-3.6 / 5.9-6.5 ms against the float32 FMAs' 1.90-2.15 / 2.54-2.79
-   / 3.2-3.5 / 6.2-7.2 (a throwaway harness, both builds alternating). Per row and group, as
-   w4a8: y += scale * d * sum_k q_k a_k + minimum * d * sum_k a_k. The layout's 32-bit words
-   hold, as 16-bit halves, output o's q at inputs (k, k + 2) in nibble 0, (k + 4, k + 6) in 1,
-   (k + 1, k + 3) in 2 and (k + 5, k + 7) in 3: so each chunk of 8 activations is stored as
-   a_k a_k+2 a_k+4 a_k+6 a_k+1 a_k+3 a_k+5 a_k+7, the pairs VPMADDWD meets there. */
+/* 16-bit activations (int4_a16_product): the same weights in w4a8's layout times each row's groups
+   of 32 quantized to 16 bits, d = max |x| / 32767 (within 1.5e-5 of the group's largest value: far
+   below float32 -> bfloat16's 2^-9), as VPMADDWD multiplies them: pairs of 16-bit integers added
+   into 32 bits, exact. Why: at 1-2 rows a float32 product is bound by turning each 4-bit q into a
+   float (12 operations a 32 weights, shared by the rows) where VPMADDWD needs 7 a 64; on the 2-core
+   AVX2 EPYC, 30 layers' wqkv and down at 1 / 2 / 3 / 4 / 8 rows took 1.76-1.90 / 1.92-2.12 /
+   2.56-2.59 / 3.32-3.39 / 6.33-6.49 ms against the float32 FMAs' 2.31-2.38 / 2.83-2.90 / 3.14-3.31
+   / 3.54-3.73 / 6.90-7.04 (a throwaway harness, both paths alternating in one process): a row or
+   two cost less, more rows about the same. Per row and group, as w4a8: y += scale * d * sum_k q_k
+   a_k + minimum * d * sum_k a_k. The layout's 32-bit words hold, as 16-bit halves, output o's q at
+   inputs (k, k + 2) in nibble 0, (k + 4, k + 6) in 1, (k + 1, k + 3) in 2 and (k + 5, k + 7) in 3:
+   so each chunk of 8 activations is stored as a_k a_k+2 a_k+4 a_k+6 a_k+1 a_k+3 a_k+5 a_k+7, the
+   pairs VPMADDWD meets there. */
 
 /* the rows' groups quantized to 16 bits (a16 in that order, or in their own: `natural`, for the
    int8 layout's pairs of inputs, int8_a16_product) */

@@ -40,7 +40,8 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               decoding 97.8%, 0.0025. The default for a 4-bit checkpoint where the kernel
               takes float32 rows (AVX2 CPUs: flags/load.py's default_format), whose plain
               decoding it made 1.20x faster there with float32 rows in wqkv and down (bench
-              --formats), and the 16-bit ones 1.08x faster again (one process, interleaved).
+              --formats); 16-bit ones there made plain decoding 1.04-1.08x and Hydra greedy
+              1.09-1.11x faster again (one process, interleaved, two runs).
 
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
