@@ -91,11 +91,10 @@ def add_quantize_argument(parser) -> None:
                         "and the MLP's input products, 16-bit ones in the other two: integer "
                         "products, cheaper steps and tree rows, answers a little further from "
                         "float32's (top-1 agreement 99.0%%; llama.cpp's 97.8%%). int8: "
-                        "weight-only int8 (a "
-                        "scale per output channel) for every linear layer, the LM head and the "
-                        "heads' included. All run on the CPU (--device auto picks it, also where "
-                        "a GPU is present), bfloat16 activations, but int4 and "
-                        "w4a8 float32 where the CPU has AVX2 and no avx512_bf16 "
+                        "weight-only int8 (a scale per output channel) for every linear layer, "
+                        "the LM head and the heads' included. All run on the CPU (--device auto "
+                        "picks it, also where a GPU is present), bfloat16 activations, but int4 "
+                        "and w4a8 float32 where the CPU has AVX2 and no avx512_bf16 "
                         "(weight_formats.py). Default: none, the weights in --dtype (whose auto "
                         "may pick int4 or w4a8)")
 
