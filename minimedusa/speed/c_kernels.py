@@ -9,8 +9,9 @@ CPU's binary to another. OpenMP where the compiler has it, else one thread. Each
 loads its library at first use and keeps, for the process, the library or why there is none.
 A cache folder's accidents cost a build, never the kernel: a library that does not load is built
 again (once), and a failed build leaves nothing behind.
-The operators are C++ against torch's headers (the C++ compiler torch.compile needs too: c++, or
-$CXX): ~15 s to build on a 2-core CPU, once per machine, torch version and kernels' sources.
+The operators are C++ against torch's headers, with the kernels' flags (the C++ compiler
+torch.compile needs too: c++, or $CXX): ~18 s to build on a 2-core CPU, once per machine, torch
+version and kernels' sources.
 """
 import ctypes
 import hashlib
@@ -110,7 +111,11 @@ def compile_operators() -> Path:
     kernels = [Path(load_library(source)._name) for source in KERNELS]  # CDLL._name: its path
     compiler = os.environ.get("CXX", "c++")
     torch_folder = Path(torch.__file__).parent
-    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-I{torch_folder / 'include'}",
+    # the kernels' flags (the block's elementwise loops vectorised for this CPU, no fused
+    # multiply-adds the reference does not make), and -fno-trapping-math: a clamp in a loop
+    # becomes a vector blend, the values the same. The CPU is in the key through the kernels'
+    # names.
+    flags = [*FLAGS, "-fno-trapping-math", "-std=c++17", f"-I{torch_folder / 'include'}",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     links = [f"-L{torch_folder / 'lib'}", "-ltorch_cpu", "-lc10", f"-L{kernels_folder()}",
              *(f"-l:{kernel.name}" for kernel in kernels), "-Wl,-rpath,$ORIGIN"]
