@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from minimedusa.sampling import probabilities
+from minimedusa.sampling import greedy_tokens, probabilities
 from minimedusa.tree import MedusaTree
 
 
@@ -48,7 +48,7 @@ def pick_by_draws(draws: torch.Tensor, tree: MedusaTree, tokens: torch.Tensor):
 
 
 def greedy_acceptance(logits, tree: MedusaTree, tokens, generator=None):
-    return pick_by_draws(logits.argmax(dim=-1), tree, tokens)
+    return pick_by_draws(greedy_tokens(logits), tree, tokens)
 
 
 def rejection_acceptance(logits, tree: MedusaTree, tokens, generator, temperature, top_p):
@@ -71,7 +71,7 @@ def typical_acceptance(logits, tree: MedusaTree, tokens, generator, temperature,
     log_lik = torch.where(accepted, p_child.log(), 0.0).sum(dim=-1)  # (P,)
     best = torch.where(lengths == lengths.max(), log_lik, -torch.inf).argmax()
     last = tree.paths[best, lengths[best]]
-    return best, lengths[best], logits[last].argmax()  # the next token is greedy
+    return best, lengths[best], greedy_tokens(logits[last])  # the next token is greedy
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Acceptance:
 
 
 def greedy() -> Acceptance:
-    return Acceptance("greedy", greedy_acceptance, lambda logits, g: logits.argmax())
+    return Acceptance("greedy", greedy_acceptance, lambda logits, g: greedy_tokens(logits))
 
 
 def rejection(temperature: float, top_p: float = 1.0) -> Acceptance:
@@ -108,4 +108,4 @@ def typical(temperature: float, eps: float = 0.09, delta: float = 0.3) -> Accept
         return typical_acceptance(logits, tree, tokens, g, temperature, eps, delta)
 
     return Acceptance(f"typical(T={temperature}, eps={eps}, delta={delta})", verify,
-                      lambda logits, g: logits.argmax())
+                      lambda logits, g: greedy_tokens(logits))

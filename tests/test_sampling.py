@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_model
 from minimedusa.decoding import PromptTooLongError, plain_decode
 from minimedusa.errors import UserError
-from minimedusa.sampling import Sampling, next_token, probabilities
+from minimedusa.sampling import Sampling, greedy_tokens, next_token, probabilities
 
 
 @settings(max_examples=50, deadline=None)
@@ -27,6 +27,24 @@ def test_top_p_keeps_the_smallest_set_reaching_p(seed, top_p):
 def test_greedy_picks_the_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
     assert next_token(logits, Sampling(), None).tolist() == [1, 0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"),
+                                                float("nan")]) | st.floats(-10, 10),
+                              min_size=7, max_size=7), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.float64]), step=st.sampled_from([1, 2]),
+       one_row=st.booleans())
+def test_greedy_tokens_are_torchs_argmax_ties_nans_and_strides_alike(rows, dtype, step, one_row):
+    """The fast argmax plain and greedy Medusa decoding both use picks what torch.argmax
+    picks: the first of tied maxima, a NaN as the maximum; on strided rows, and on one row (a
+    0-d result)."""
+    logits = torch.tensor(rows, dtype=dtype)[:, ::step]  # (rows, V) possibly strided
+    if one_row:
+        logits = logits[0]  # (V,)
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64 and got.shape == logits.shape[:-1]
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_sampled_frequencies_follow_the_temperature_softmax():
