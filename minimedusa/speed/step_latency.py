@@ -22,6 +22,7 @@ import torch
 from minimedusa.acceptance import greedy
 from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
 from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
+from minimedusa.sampling import greedy_tokens
 from minimedusa.speed.machine import machine_key
 from minimedusa.speed.plug_in import how_it_runs
 from minimedusa.speed.weight_formats import format_of
@@ -81,7 +82,7 @@ def time_one_step(model, heads, tree, cache, features, draft_cache=None) -> floa
     if tree is None:
         logits, kept = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
                                                              device=cache.device))
-        logits.argmax().item()  # the host sync a plain step makes too
+        greedy_tokens(logits).item()  # the token and host sync a plain step makes too
     else:
         _, _, kept = medusa_step(model, tree, cache, draft(heads, model, tree, 0, features),
                                  greedy(), None)
