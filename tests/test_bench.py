@@ -40,9 +40,12 @@ def tiny_folder(tmp_path, default_model_dir):
 
 
 def test_quick_bench_reports_every_engine_per_category(tmp_path, tiny_folder):
+    """--quick times every engine on each category's question; eager (--no-compile): the
+    compiled step's own tests compile, and its ~15 s warm-up would be most of this test's."""
     folder = tiny_folder
     bench.main(["--quick", "--model", str(folder), "--heads", "untrained-shared:3",
-                "--tree", "chain3", "--threads", "1", "--out", str(tmp_path / "b.json")])
+                "--tree", "chain3", "--threads", "1", "--no-compile",
+                "--out", str(tmp_path / "b.json")])
     result = json.loads((tmp_path / "b.json").read_text())
     engines = {"plain", "medusa greedy", "medusa typical T=0.7", "medusa rejection T=0.7"}
     assert set(result["totals"]) == engines
