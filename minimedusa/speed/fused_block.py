@@ -85,14 +85,16 @@ class FusedBlock(nn.Module):
         self.row_bits = [ROW_BITS[type(layer)] for layer in layers]
         self.norms = (block.attn_norm.weight, block.mlp_norm.weight)
         self.heads, self.eps = block.attn.n_head, block.attn_norm.eps
+        # the operator's one overload, bound once: calling torch.ops.minimedusa.block_step
+        # resolves it on every call, ~6 us (measured: 30 blocks 0.17 ms faster bound)
+        self.block_step = torch.ops.minimedusa.block_step.default
 
     def forward(self, x, cos, sin, mask, cache, slots):
         B, T, _ = x.shape
         if (B == 1 and T <= EXACT_ATTENTION_TOKENS and cache is not None
                 and x.dtype == torch.float32 and torch.is_inference_mode_enabled()):
-            return torch.ops.minimedusa.block_step(x, cos, sin, mask, cache.k, cache.v, slots,
-                                                   *self.norms, self.products, self.row_bits,
-                                                   self.heads, self.eps)
+            return self.block_step(x, cos, sin, mask, cache.k, cache.v, slots, *self.norms,
+                                   self.products, self.row_bits, self.heads, self.eps)
         return self.block(x, cos, sin, mask, cache, slots)
 
 
