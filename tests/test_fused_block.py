@@ -53,7 +53,7 @@ def within_rounding(dtype: torch.dtype, weight_format: str = "int4") -> dict:
 
 def test_plug_in_fuses_the_blocks_of_an_int4_model():
     model = four_bit_model(0)
-    assert plug_in(model, "int4", None) == "fused (a block a C++ call)"
+    assert plug_in(model, "int4", None) == "fused (the blocks one C++ call)"
     assert is_fused(model) and "fused step" in how_it_runs(model)
 
 

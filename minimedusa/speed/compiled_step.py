@@ -23,8 +23,8 @@ a branch the graph would be traced again for; batches; training), so model.py ne
 that a graph exists. Eager stays the reading path and the reference: compiled steps give its
 logits (tested).
 Left out: CUDA (CUDA graphs would be its way: mode="reduce-overhead"), the heads' drafting.
-Where a block's products are group_kernel.c's int4 layers (AVX2 or AVX-512 BF16 CPUs), a whole
-block in one C++ call is faster still and compiles nothing (fused_block.py): plug_in uses that
+Where a block's products are group_kernel.c's int4 layers (AVX2 or AVX-512 BF16 CPUs), all the
+blocks in one C++ call are faster still and compile nothing (fused_block.py): plug_in uses that
 there unless --compile is asked for."""
 import time
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from minimedusa.kv_cache import KVCache
-from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Llama, causal_mask
+from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Blocks, Llama, causal_mask
 from minimedusa.speed.attention_kernel import use_kernel
 
 
@@ -73,7 +73,7 @@ def compile_blocks(model: Llama) -> None:
     # weight format); past torch's default limit of 8 it would fall back to eager, silently
     torch._dynamo.config.recompile_limit = 64
     use_kernel(model)
-    model.layers = nn.ModuleList([CompiledBlock(block) for block in model.layers])
+    model.layers = Blocks([CompiledBlock(block) for block in model.layers])
 
 
 def is_compiled(model: Llama) -> bool:

@@ -1,5 +1,5 @@
-"""A fused decoding step: each transformer block of an int4 (or w4a8) model in ONE call of a
-C++ operator (operators.cpp's block_step), instead of a compiled graph.
+"""A fused decoding step: all the transformer blocks of an int4 (or w4a8) model in ONE call of
+a C++ operator (operators.cpp's blocks_step), instead of a compiled graph.
 
 Why: on a 2-core CPU a compiled block spends about as long in Python as in its products. A
 plain int4 step of ~21 ms on the 2-core AVX2 EPYC (Zen 3) was ~44% Python and dispatch on the
@@ -11,6 +11,8 @@ directly. And nothing is compiled: no warm-up in each process. Measured there, s
 one process: a forward of 1 / 8 rows 24.5 / 44.2 ms compiled, 16.2 / 35.4 fused; generate.py's
 default 1.29x its own plain decoding and 1.26-1.33x llama.cpp's (weights/RESULTS.md). In
 bfloat16 on a Xeon (AVX-512 BF16, 2 threads): 14.3 / 29.1 ms compiled, 10.7 / 27.5 fused.
+All the blocks in one call rather than one a block: a block's call from Python cost ~15 us
+beyond the operator's own work (the module's call and checks, the op's dispatch), 30 a forward.
 A row's bits depend on nothing beside it (each step of the block is row by row, and so are the
 kernels), so greedy Medusa stays lossless with respect to plain decoding in this step; model.Block
 is the reference (tests/test_fused_block.py: the same outputs within float32's rounding, and
@@ -28,18 +30,19 @@ Shapes: T rows, C model dim, H query heads, G key/value heads, D head dim, S att
 import torch
 import torch.nn as nn
 
-from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Llama
+from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Blocks, Llama
 from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import Int4A8KernelLinear, Int4A16KernelLinear, Int4KernelLinear
 
-# x (1, T, C) float32, cos and sin (1, 1, T, D), mask (1, 1, T, S), the layer's cache k and v
-# (1, G, capacity, D) written at slots (T,) and the norms' weights (C,) in the activations'
-# dtype, the 4 products' (packed, scales, minimums) in the order wqkv, wo, gate_up, down, the
-# bits each rounds its rows to (ROW_BITS), H, eps
-OPERATORS.define("block_step(Tensor x, Tensor cos, Tensor sin, Tensor mask, Tensor(a!) k_cache, "
-                 "Tensor(b!) v_cache, Tensor slots, Tensor attn_norm, Tensor mlp_norm, "
-                 "Tensor[] products, int[] row_bits, int heads, float eps) -> Tensor")
+# x (1, T, C) float32, cos and sin (1, 1, T, D), mask (1, 1, T, S); per block: its layer's
+# cache k and v (1, G, capacity, D), written at slots (T,), and its norms' weights (C,), in the
+# activations' dtype, its 4 products' (packed, scales, minimums) in the order wqkv, wo, gate_up,
+# down and the bits each rounds its rows to (ROW_BITS); H, eps
+OPERATORS.define("blocks_step(Tensor x, Tensor cos, Tensor sin, Tensor mask, "
+                 "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, "
+                 "Tensor[] attn_norms, Tensor[] mlp_norms, Tensor[] products, int[] row_bits, "
+                 "int heads, float eps) -> Tensor")
 
 # the layers a fused block multiplies with, and the bits each rounds its rows to inside the
 # kernel (0: float rows as they are)
@@ -70,38 +73,39 @@ def fusable(model: Llama) -> str | None:
     return None
 
 
-class FusedBlock(nn.Module):
-    """A block whose decoding forwards are one block_step call, and whose other forwards run
-    the eager block (as compiled_step.CompiledBlock)."""
+class FusedBlocks(Blocks):
+    """The model's blocks, whose decoding forwards are one blocks_step call for all of them,
+    and whose other forwards run the eager blocks one after another (as Blocks)."""
 
-    def __init__(self, block: Block):
-        super().__init__()
-        self.block = block
-        layers = products(block)
+    def __init__(self, blocks: Blocks):
+        super().__init__(blocks)  # the same Block modules: the state dict's names unchanged
         # what each call passes, read once here: reading them through the submodules took ~8 us
-        # a call (nn.Module.__getattr__, measured), 30 calls a forward
-        self.products = [t for layer in layers
+        # a block (nn.Module.__getattr__, measured)
+        self.products = [t for block in blocks for layer in products(block)
                          for t in (layer.packed, layer.scales, layer.minimums)]
-        self.row_bits = [ROW_BITS[type(layer)] for layer in layers]
-        self.norms = (block.attn_norm.weight, block.mlp_norm.weight)
-        self.heads, self.eps = block.attn.n_head, block.attn_norm.eps
-        # the operator's one overload, bound once: calling torch.ops.minimedusa.block_step
-        # resolves it on every call, ~6 us (measured: 30 blocks 0.17 ms faster bound)
-        self.block_step = torch.ops.minimedusa.block_step.default
+        self.row_bits = [ROW_BITS[type(layer)] for block in blocks for layer in products(block)]
+        self.attn_norms = [block.attn_norm.weight for block in blocks]
+        self.mlp_norms = [block.mlp_norm.weight for block in blocks]
+        self.heads, self.eps = blocks[0].attn.n_head, blocks[0].attn_norm.eps
+        # the operator's one overload, bound once: torch.ops.minimedusa.blocks_step would
+        # resolve it on every call (~6 us)
+        self.blocks_step = torch.ops.minimedusa.blocks_step.default
 
-    def forward(self, x, cos, sin, mask, cache, slots):
+    def forward(self, x, cos, sin, mask, cache=None, slots=None):
         B, T, _ = x.shape
         if (B == 1 and T <= EXACT_ATTENTION_TOKENS and cache is not None
                 and x.dtype == torch.float32 and torch.is_inference_mode_enabled()):
-            return self.block_step(x, cos, sin, mask, cache.k, cache.v, slots, *self.norms,
-                                   self.products, self.row_bits, self.heads, self.eps)
-        return self.block(x, cos, sin, mask, cache, slots)
+            return self.blocks_step(x, cos, sin, mask, [c.k for c in cache.layers],
+                                    [c.v for c in cache.layers], slots, self.attn_norms,
+                                    self.mlp_norms, self.products, self.row_bits, self.heads,
+                                    self.eps)
+        return super().forward(x, cos, sin, mask, cache, slots)
 
 
 def fuse_blocks(model: Llama) -> None:
-    """Swap every block of the model for a FusedBlock (fusable(model) must be None)."""
-    model.layers = nn.ModuleList([FusedBlock(block) for block in model.layers])
+    """Run the model's blocks as FusedBlocks (fusable(model) must be None)."""
+    model.layers = FusedBlocks(model.layers)
 
 
 def is_fused(model: Llama) -> bool:
-    return isinstance(model.layers[0], FusedBlock)
+    return isinstance(model.layers, FusedBlocks)

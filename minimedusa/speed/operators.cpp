@@ -1,8 +1,8 @@
 /* The torch operators of this project's C kernels (minimedusa::int4_product, ::int4_a8_product,
    ::int4_a16_product, ::int8_product, ::int8_a16_product, ::step_attention), in C++: each checks
    its tensors, allocates its output and calls the kernel's C function, linked from the kernel's
-   library (group_kernel.c, attention_kernel.c; built by c_kernels.py). And ::block_step, a whole
-   transformer block of an int4 model in one call (the fused step, fused_block.py), and
+   library (group_kernel.c, attention_kernel.c; built by c_kernels.py). And ::blocks_step, all
+   the transformer blocks of an int4 model in one call (the fused step, fused_block.py), and
    ::hydra_draft, the Hydra heads' draft in one call (fused_draft.py), at the end of the file.
 
    Why C++: a torch operator whose kernel is a Python function costs ~35 us a call on a 2-core
@@ -158,7 +158,7 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return out;
 }
 
-/* ---- a whole block in one call (fused_block.py): the decoding step's transformer block of a
+/* ---- all the blocks in one call (fused_block.py): the decoding step's transformer blocks of a
    model whose products are group_kernel.c's int4 (or w4a8) layers. model.Block is the reference:
    x + attn(norm(x)), then + mlp(norm(.)), each elementwise step below a loop over one row at a
    time, so that a row's bits depend on nothing beside it (the products' and the attention's own
@@ -290,10 +290,10 @@ void mlp_half(float* out, const E* norm, at::TensorList products, at::IntArrayRe
   for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + wide(pp[i]);
 }
 
-/* the residual stream out (T, C) float32 through both halves, activations in E */
+/* the residual stream out (T, C) float32 through both halves of one block, activations in E */
 template <typename E>
 void block_halves(float* out, const at::Tensor& cos, const at::Tensor& sin,
-                  const at::Tensor& mask, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const at::Tensor& mask, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const int64_t* slot, const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
                   at::TensorList products, at::IntArrayRef row_bits, const Sizes& z, double eps) {
   const auto options = k_cache.options();
@@ -307,41 +307,59 @@ void block_halves(float* out, const at::Tensor& cos, const at::Tensor& sin,
 }
 
 /* x (1, T, C) float32 (the residual stream); cos, sin (1, 1, T, D) float32; mask (1, 1, T, S)
-   bool; the layer's cache k and v (1, G, capacity, D) in the activations' dtype (float32 or
-   bfloat16), this step's keys and values written at slots (T,); the norms' weights (C,), the
-   cache's dtype; products: wqkv, wo, gate_up, down as (packed, scales, minimums) each -> (1, T,
-   C) float32 */
-at::Tensor block_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_,
-                    const at::Tensor& mask_, at::Tensor& k_cache, at::Tensor& v_cache,
-                    const at::Tensor& slots_, const at::Tensor& attn_norm,
-                    const at::Tensor& mlp_norm, at::TensorList products, at::IntArrayRef row_bits,
-                    int64_t H, double eps) {
+   bool; per block b = 0 .. L - 1: its layer's cache k_caches[b] and v_caches[b] (1, G,
+   capacity, D) in the activations' dtype (float32 or bfloat16), this step's keys and values
+   written at slots (T,); its norms' weights attn_norms[b], mlp_norms[b] (C,), in that dtype;
+   its products products[12 b .. 12 b + 12): wqkv, wo, gate_up, down as (packed, scales,
+   minimums) each, and the bits each rounds its rows to, row_bits[4 b .. 4 b + 4) -> (1, T, C)
+   float32: x through every block, one after another */
+at::Tensor blocks_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_,
+                     const at::Tensor& mask_, at::TensorList k_caches, at::TensorList v_caches,
+                     const at::Tensor& slots_, at::TensorList attn_norms,
+                     at::TensorList mlp_norms, at::TensorList products,
+                     at::IntArrayRef row_bits, int64_t H, double eps) {
   const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
   const at::Tensor mask = mask_.contiguous(), slots = slots_.contiguous();
-  const Sizes z = {x.size(1), x.size(2), H, k_cache.size(1), k_cache.size(3), mask.size(-1),
-                   k_cache.size(2), products[10].size(1) * 32};  /* I: down's groups of 32 */
-  const auto dtype = k_cache.scalar_type();
+  const int64_t L = k_caches.size();
+  TORCH_CHECK(L > 0 && v_caches.size() == L && attn_norms.size() == L &&
+                  mlp_norms.size() == L && products.size() == 12 * L &&
+                  row_bits.size() == 4 * L,
+              "blocks_step takes, for each block, its caches, 2 norms, 4 products and their "
+              "row bits");
+  const at::Tensor& k0 = k_caches[0];
+  const Sizes z = {x.size(1), x.size(2), H, k0.size(1), k0.size(3), mask.size(-1), k0.size(2),
+                   products[10].size(1) * 32};  /* I: down's groups of 32 */
+  const auto dtype = k0.scalar_type();
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
-                  (dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  v_cache.scalar_type() == dtype && attn_norm.scalar_type() == dtype &&
-                  mlp_norm.scalar_type() == dtype && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && products.size() == 12 && row_bits.size() == 4,
-              "block_step takes float32 rows and angles, contiguous caches and norms in one "
-              "dtype (float32 or bfloat16), and 4 products");
+                  (dtype == at::kFloat || dtype == at::kBFloat16),
+              "blocks_step takes float32 rows and angles, and caches in float32 or bfloat16");
+  for (int64_t b = 0; b < L; b++)
+    TORCH_CHECK(k_caches[b].sizes() == k0.sizes() && v_caches[b].sizes() == k0.sizes() &&
+                    k_caches[b].scalar_type() == dtype && v_caches[b].scalar_type() == dtype &&
+                    attn_norms[b].scalar_type() == dtype &&
+                    mlp_norms[b].scalar_type() == dtype && k_caches[b].is_contiguous() &&
+                    v_caches[b].is_contiguous(),
+                "blocks_step: block ", b, "'s caches or norms are not contiguous, of the "
+                "first block's shape, in one dtype");
   TORCH_CHECK(cos.numel() == z.T * z.D && sin.numel() == z.T * z.D &&
                   mask.numel() == z.T * z.S && slots.numel() == z.T && z.S <= z.capacity,
-              "block_step: the angles, mask or slots do not fit ", z.T, " rows");
+              "blocks_step: the angles, mask or slots do not fit ", z.T, " rows");
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < z.T; t++)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < z.capacity, "block_step: slot ", slot[t],
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < z.capacity, "blocks_step: slot ", slot[t],
                 " is outside the cache's ", z.capacity);
   at::Tensor out = x.clone().view({z.T, z.C});  /* the residual stream */
-  if (dtype == at::kFloat)
-    block_halves<float>(out.data_ptr<float>(), cos, sin, mask, k_cache, v_cache, slot,
-                        attn_norm, mlp_norm, products, row_bits, z, eps);
-  else
-    block_halves<c10::BFloat16>(out.data_ptr<float>(), cos, sin, mask, k_cache, v_cache, slot,
-                                attn_norm, mlp_norm, products, row_bits, z, eps);
+  for (int64_t b = 0; b < L; b++) {
+    const at::TensorList its = products.slice(12 * b, 12);
+    const at::IntArrayRef bits = row_bits.slice(4 * b, 4);
+    if (dtype == at::kFloat)
+      block_halves<float>(out.data_ptr<float>(), cos, sin, mask, k_caches[b], v_caches[b], slot,
+                          attn_norms[b], mlp_norms[b], its, bits, z, eps);
+    else
+      block_halves<c10::BFloat16>(out.data_ptr<float>(), cos, sin, mask, k_caches[b],
+                                  v_caches[b], slot, attn_norms[b], mlp_norms[b], its, bits, z,
+                                  eps);
+  }
   return out.view({1, z.T, z.C});
 }
 
@@ -480,6 +498,6 @@ TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
   m.impl("int8_product", TORCH_FN(int8_op));
   m.impl("int8_a16_product", TORCH_FN(int8_a16_op));
   m.impl("step_attention", TORCH_FN(attention_op));
-  m.impl("block_step", TORCH_FN(block_op));
+  m.impl("blocks_step", TORCH_FN(blocks_op));
   m.impl("hydra_draft", TORCH_FN(hydra_draft_op));
 }

@@ -2,7 +2,7 @@
 layers after building the model: model.py and decoding.py never learn that a C kernel or a
 compiled graph exists.
 
-    step = plug_in(model, "int4", compile_flag=None)   # "fused (a block a C++ call)"
+    step = plug_in(model, "int4", compile_flag=None)   # "fused (the blocks one C++ call)"
 
 1. the weight format (weight_formats.py): prepacked, quantized or 4-bit layers swapped in;
 2. the step: where the blocks' products are group_kernel.c's int4 layers, each block swapped
@@ -38,7 +38,7 @@ from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
 def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
     """Make a loaded model fast in place: its weight format, then its step as --compile asks
     (None: fused where fused_block.fusable, else compiled where a compiler works, on a CPU;
-    True: compiled). Returns how the step runs, in words: "fused (a block a C++ call)",
+    True: compiled). Returns how the step runs, in words: "fused (the blocks one C++ call)",
     "compiled (warm-up 3.4 s)", or "eager" and why."""
     apply_format(model, weight_format)
     if model.embed.weight.device.type != "cpu":
@@ -50,7 +50,7 @@ def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
         return "eager (--no-compile)"
     if compile_flag is None and fusable(model) is None:  # int4 and w4a8: nothing to compile
         fuse_blocks(model)
-        return "fused (a block a C++ call)"
+        return "fused (the blocks one C++ call)"
     problem = compiler_problem()
     if problem is not None:
         print(f"minimedusa: torch.compile does not work here, decoding eagerly ({problem})",
