@@ -11,8 +11,11 @@ directly. And nothing is compiled: no warm-up in each process. Measured there, s
 one process: a forward of 1 / 8 rows 24.5 / 44.2 ms compiled, 16.2 / 35.4 fused; generate.py's
 default 1.29x its own plain decoding and 1.26-1.33x llama.cpp's (weights/RESULTS.md). In
 bfloat16 on a Xeon (AVX-512 BF16, 2 threads): 14.3 / 29.1 ms compiled, 10.7 / 27.5 fused.
-All the blocks in one call rather than one a block: a block's call from Python cost ~15 us
-beyond the operator's own work (the module's call and checks, the op's dispatch), 30 a forward.
+All the blocks in one call rather than one a block: each block's call from Python cost ~15 us
+beyond the operator's work (the module's call and checks, the dispatch), more in situ, where
+each block's weights stream through the caches in between; in one process (weights/RESULTS.md,
+session 17) a forward of 1 / 2 / 8 rows took 1.13-1.16x / 1.12-1.13x / 1.06x as long a call a
+block.
 A row's bits depend on nothing beside it (each step of the block is row by row, and so are the
 kernels), so greedy Medusa stays lossless with respect to plain decoding in this step; model.Block
 is the reference (tests/test_fused_block.py: the same outputs within float32's rounding, and
