@@ -109,10 +109,11 @@ def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path
 
 def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     """--generate: generate.py as a user runs it, once per question, both ways, interleaved,
-    the baseline with its own extra flags, and an in-process engine timed between them."""
+    the baseline with its own extra flags, and an in-process engine timed between them;
+    --no-compile passed on to both (the compiled step's own tests compile)."""
     args = bench.parse_args(["--generate", "--rounds", "1", "--max-new-tokens", "6",
                              "--model", str(tiny_folder), "--heads", "untrained-shared:3",
-                             "--threads", "1", "--dtype", "float32",
+                             "--threads", "1", "--dtype", "float32", "--no-compile",
                              "--baseline-flags", "--seed 1"])
     question = {"id": 1, "category": "writing", "prompt": "Hi"}
     asked = []
@@ -125,7 +126,8 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     assert totals["default"]["tokens"] == totals["baseline"]["tokens"] == 6
     assert totals["default"]["modes"][0].startswith("medusa heads, tree of ")
     assert totals["baseline"]["modes"] == ["plain"]
-    assert totals["baseline"]["formats"][0].startswith("float32 ")
+    assert (totals["baseline"]["formats"][0] == totals["default"]["formats"][0]
+            == "float32 eager (--no-compile)")  # both processes were given it
     assert asked == [[2]] and totals["other"]["tokens_per_s"] == 12.0
     assert totals["speedup"] > 0 and totals["wall_ratio"] > 0
     assert totals["other"]["vs_baseline"] > 0

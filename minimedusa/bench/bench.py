@@ -183,7 +183,9 @@ def parse_args(argv=None):
                    "else the project's held-out seed prompts)")
     p.add_argument("--generate", action="store_true",
                    help="instead of the in-process benchmark, run generate.py once per question "
-                   "and round, its default flags against --baseline (as a user runs it)")
+                   "and round, its default flags against --baseline (as a user runs it); "
+                   "--model, --device, --dtype, --threads, --quantize and --compile/--no-compile "
+                   "are passed on to both")
     p.add_argument("--baseline-flags", default="",
                    help="with --generate: more generate.py flags for the --baseline processes, "
                    "e.g. \"--dtype float32 --no-compile\" (today's float32 plain decoding)")

@@ -18,9 +18,12 @@ from minimedusa.bench.llama_cpp import EngineDied, load_llama_cpp
 
 
 def model_flags(args) -> list[str]:
-    """The benchmark's model, device, dtype, threads and weight format, as generate.py's flags."""
+    """The benchmark's model, device, dtype, threads, weight format and --compile (where
+    given; else generate.py's default), as generate.py's flags."""
     flags = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads),
              "--quantize", args.quantize]
+    if args.compile is not None:
+        flags.append("--compile" if args.compile else "--no-compile")
     return flags + (["--model", str(args.model)] if args.model is not None else [])
 
 
