@@ -138,9 +138,9 @@ def test_formats_are_timed_side_by_side_each_lossless_against_its_own_plain(tmp_
     """--formats: '[int8] plain' and '[int8] medusa greedy' beside the main format's engines,
     each Medusa engine identical to plain decoding in its own format; every engine's bytes of
     weights per step (int8 about a quarter of float32's) and the machine's streaming bandwidth
-    are reported."""
+    are reported. Eager (--no-compile), as the quick bench's test."""
     bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
-                "--no-sampling", "--threads", "1", "--formats", "float32,int8",
+                "--no-sampling", "--threads", "1", "--formats", "float32,int8", "--no-compile",
                 "--out", str(tmp_path / "b.json")])
     result = json.loads((tmp_path / "b.json").read_text())
     totals = result["totals"]
