@@ -51,10 +51,12 @@ def within_rounding(dtype: torch.dtype, weight_format: str = "int4") -> dict:
     return {"rtol": 3e-2, "atol": 3e-2}
 
 
-def test_plug_in_fuses_the_blocks_of_an_int4_model():
+def test_plug_in_fuses_the_blocks_of_an_int4_model_its_state_dict_names_unchanged():
     model = four_bit_model(0)
+    names = list(apply_format(four_bit_model(0), "int4").state_dict())
     assert plug_in(model, "int4", None) == "fused (the blocks one C++ call)"
     assert is_fused(model) and "fused step" in how_it_runs(model)
+    assert list(model.state_dict()) == names  # the same Block modules, only run otherwise
 
 
 def forward(model, tokens, start, mask, cache, eager: bool):

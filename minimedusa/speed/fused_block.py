@@ -26,7 +26,7 @@ Where: the blocks of a model whose four products are group_kernel.c's int4 layer
 its activations in float32 (the AVX2 path's: group_kernel.takes_float32) or bfloat16 (the AVX-512
 BF16 path's; the residual stream float32 as in model.py), its attention the C kernel's. Decoding's
 forwards only (one sequence in inference mode, a cache, at most model.EXACT_ATTENTION_TOKENS rows),
-as CompiledBlock; anything else runs the eager block.
+as CompiledBlock; anything else runs the eager blocks one after another (model.Blocks).
 
 Shapes: T rows, C model dim, H query heads, G key/value heads, D head dim, S attended slots.
 """
