@@ -53,12 +53,12 @@ ROW_BITS = {Int4KernelLinear: 0, Int4A8KernelLinear: 8, Int4A16KernelLinear: 16}
 
 
 def products(block: Block) -> list[nn.Module]:
-    """The block's 4 products, in block_step's order."""
+    """The block's 4 products, in blocks_step's order."""
     return [block.attn.wqkv, block.attn.wo, block.mlp.gate_up, block.mlp.down]
 
 
 def fusable(model: Llama) -> str | None:
-    """None if every block can run as one block_step call, else why not, in words."""
+    """None if the blocks can run as one blocks_step call, else why not, in words."""
     block = model.layers[0]
     if not all(type(layer) in ROW_BITS and layer.bias is None
                for b in model.layers for layer in products(b)):
