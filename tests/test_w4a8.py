@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model, perturbed
 from minimedusa.acceptance import greedy
+from minimedusa.bench.step_profile import product_times
 from minimedusa.budget import fixed
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import MedusaHeads
@@ -111,6 +112,38 @@ def test_a_w4a8_lm_head_rows_product_has_the_same_bits_whatever_rows_beside_it()
     rows = rows if group_kernel.takes_float32() else rows.bfloat16()
     alone = layer(rows[:1])
     assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
+
+
+@pytest.mark.skipif(not group_kernel.uses_vnni(), reason="group_kernel.c has no VNNI path here")
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), floats=st.booleans())
+def test_w4a8s_vnni_path_gives_its_avx2_codes_bits(seed, rows, floats):
+    """Each of w4a8's three products on AVX-512 VNNI and on the AVX2 code, in one process: the
+    same bits, so what format_quality measured of w4a8 on an AVX2 CPU holds on this one."""
+    g = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(96, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(four_bit_weight(48, 96, seed))
+    q, scales = quantize_int8_groups(torch.randn(48, 96, generator=g))
+    layers = [Int4A8KernelLinear(linear), Int4A16KernelLinear(linear),
+              Int8A16GroupLinear(q, scales.half().float())]
+    x = torch.randn(rows, 96, generator=g)
+    x = x if floats and group_kernel.takes_float32() else x.bfloat16()
+    try:
+        for layer in layers:
+            on = (group_kernel.switch_vnni(True), layer(x))
+            off = (group_kernel.switch_vnni(False), layer(x))
+            assert on[0] and not off[0] and torch.equal(on[1], off[1])
+    finally:
+        group_kernel.switch_vnni(True)
+
+
+@pytest.mark.skipif(not group_kernel.uses_vnni(), reason="group_kernel.c has no VNNI path here")
+def test_the_step_profile_times_w4a8s_products_on_vnni_and_on_the_avx2_code_in_turns():
+    model = apply_format(four_bit_model(0), "w4a8")
+    text = product_times(model, rows=(1, 2), rounds=1)
+    assert "head's, VNNI\n" in text and "head's, AVX2 code\n" in text
+    assert group_kernel.uses_vnni()  # back on afterwards, as the process had it
 
 
 def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():

@@ -184,13 +184,15 @@ def test_a_checkpoint_is_four_bit_when_all_its_blocks_weights_are(tmp_path):
     assert four_bit_checkpoint(tmp_path / "four-bit")
 
 
-@pytest.mark.parametrize("floats, bf16, expected", [(True, False, "w4a8"), (False, True, "int4")])
-def test_a_four_bit_checkpoint_decodes_with_8_bit_activations_only_where_rows_are_float32(
-        monkeypatch, floats, bf16, expected):
-    """The CPU default for a 4-bit checkpoint where group_kernel.c multiplies: w4a8 on its AVX2
-    path (float32 rows), int4 on its AVX-512 BF16 one; a model off the grid keeps its dtype."""
+@pytest.mark.parametrize("bf16, expected", [(False, "w4a8"), (True, "int4")])
+def test_a_four_bit_checkpoint_decodes_with_8_bit_activations_only_without_avx512_bf16(
+        monkeypatch, bf16, expected):
+    """The CPU default for a 4-bit checkpoint where group_kernel.c multiplies: w4a8 where only
+    its AVX2 path runs, int4 where its AVX-512 BF16 one multiplies bfloat16 rows; a model off
+    the grid keeps its dtype."""
     monkeypatch.setattr(load.group_kernel, "kernel_problem", lambda: None)
-    monkeypatch.setattr(load.group_kernel, "takes_float32", lambda: floats)
+    monkeypatch.setattr(load.group_kernel, "takes_float32", lambda: True)
+    monkeypatch.setattr(load.group_kernel, "multiplies_bfloat16", lambda: bf16)
     monkeypatch.setattr(load, "bf16_is_native", lambda: bf16)
     monkeypatch.setattr(load, "four_bit_checkpoint", lambda folder: folder == "four-bit")
     cpu = torch.device("cpu")

@@ -18,11 +18,12 @@ from minimedusa.decoding import draft, medusa_decode, plain_decode
 from minimedusa.heads import as_features
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
-from minimedusa.speed.group_kernel import switch_tiles, uses_tiles
+from minimedusa.speed.group_kernel import switch_tiles, switch_vnni, uses_tiles, uses_vnni
 from minimedusa.speed.memory_bandwidth import weight_bytes
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
+from minimedusa.speed.weight_formats import format_of
 
 
 def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> str:
@@ -60,27 +61,44 @@ ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)  # a plain step, small trees, the 8- and 16
 FAST_LAYERS = (PackedLinear, Int4Linear, Int4KernelLinear, Int8GroupLinear, Int8Linear)
 
 
+# group_kernel.c's two ways of multiplying a format's rows, where this process has the first:
+# the switch that picks one, and whether it picks the first
+PATHS = {"AMX tiles": (switch_tiles, True), "dot products": (switch_tiles, False),
+         "VNNI": (switch_vnni, True), "AVX2 code": (switch_vnni, False)}
+
+
+def kernel_paths(model) -> tuple[str, ...]:
+    """The paths product_times compares side by side: AMX tiles against AVX-512 BF16's dot
+    products (int4's bfloat16 rows), AVX-512 VNNI against the AVX2 code (w4a8's quantized rows)
+    where this process uses the first; else one, unnamed."""
+    if uses_tiles() and format_of(model) == "int4":
+        return ("AMX tiles", "dot products")
+    if uses_vnni() and format_of(model) == "w4a8":
+        return ("VNNI", "AVX2 code")
+    return ("",)
+
+
 @torch.inference_mode()
 def product_times(model, rows=ROWS, rounds: int = 5) -> str:
     """The blocks' products and the LM head at each number of rows M, as the format's layers run
     them (prepacked ones without their padding to MIN_ROWS), in ms and the GB/s of weights
-    that implies; medians, the row counts taking turns (budget.round_robin_medians). Where the
-    products run on AMX tiles, also with the tiles switched off (AVX-512 BF16's dot products),
-    taking turns with them: what the tiles save, side by side."""
+    that implies; medians, the row counts taking turns (budget.round_robin_medians). Where
+    group_kernel.c has two paths for the format's rows (kernel_paths), both, taking turns: what
+    the faster one saves, side by side."""
     blocks = [m for m in model.layers.modules() if isinstance(m, FAST_LAYERS)]
     if not blocks or not isinstance(model.lm_head, FAST_LAYERS):
         return "products: this model's layers are not a CPU format's (weight_formats.py): not timed"
     parts = {"blocks": blocks, "LM head": [model.lm_head]}
     gigabytes = {name: weight_bytes(*layers) / 1e9 for name, layers in parts.items()}
     dtype = model.norm.weight.dtype  # the activations' (float32 where int4's kernel takes it)
-    paths = ("AMX tiles", "dot products") if uses_tiles() else ("",)
+    paths = kernel_paths(model)
     try:
         seconds = round_robin_medians(
             {(name, M, path): functools.partial(time_products, layers, M, dtype, path)
              for M in rows for name, layers in parts.items() for path in paths}, rounds)
     finally:
         if paths[0]:
-            switch_tiles(True)  # as the process had them
+            time_products([], 1, dtype, paths[0])  # the first path back on, as the process had it
     lines = []
     for path in paths:
         lines.append("products alone, ms (GB/s of weights): M rows, the blocks' and the LM "
@@ -94,10 +112,10 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
 
 def time_products(layers, M: int, dtype: torch.dtype, path: str = "") -> float:
     """Seconds to multiply M random rows (of `dtype`, a prepacked layer's own) by each layer's
-    weight, one after another; path "AMX tiles" or "dot products" switches group_kernel.c's
-    tiles on or off first."""
+    weight, one after another; a path of PATHS switches group_kernel.c to it first."""
     if path:
-        switch_tiles(path == "AMX tiles")
+        switch, on = PATHS[path]
+        switch(on)
     inputs = [torch.randn(M, m.in_features, dtype=m.dtype if isinstance(m, PackedLinear)
                           else dtype) for m in layers]
     start = time.perf_counter()

@@ -239,8 +239,8 @@ def default_format(device: torch.device, folder=None) -> str:
     if device.type == "cuda":
         return "bfloat16"
     four_bit = folder is not None and four_bit_checkpoint(folder)
-    if four_bit and group_kernel.takes_float32():  # the AVX2 path, its kernel running
-        return "w4a8"
+    if four_bit and group_kernel.takes_float32() and not group_kernel.multiplies_bfloat16():
+        return "w4a8"  # the AVX2 path, its kernel running
     if four_bit and (bf16_is_native() or group_kernel.kernel_problem() is None):
         return "int4"
     return "bfloat16" if bf16_is_native() else "float32"

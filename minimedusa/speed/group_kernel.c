@@ -1,7 +1,10 @@
-/* Products of weights quantized in groups of 32 inputs, in C, for CPUs with AVX-512 BF16 (on
-   AMX tiles where the CPU has them), and (second half of the file) for CPUs with AVX2, FMA and
-   F16C only (group_kernel.py builds this file and calls it; dequantize-then-multiply is the
-   reference: quantized.dequantize_int4 and dequantize_int8_groups).
+/* Products of weights quantized in groups of 32 inputs, in C: bfloat16 rows on CPUs with
+   AVX-512 BF16 (on AMX tiles where the CPU has them); float32 rows, and bfloat16 ones where
+   there is no AVX-512 BF16, on CPUs with AVX2, FMA and F16C (the second part of the file: a
+   build for AVX-512 has both); and (the third part) w4a8's quantized rows, by AVX2 or, where
+   the CPU has it, AVX-512 VNNI (group_kernel.py builds this file and calls it;
+   dequantize-then-multiply is the reference: quantized.dequantize_int4 and
+   dequantize_int8_groups).
 
    y (M, N) = x (M, K) W^T, x and y bfloat16, W in groups of 32 inputs, two formats (the GGUF's):
        int4 (Q4_1): w = q * scale + minimum, q in 0..15     (the blocks' weights)
@@ -50,6 +53,7 @@ static inline void store8(void* y, int64_t at, __m256 v, const int floats) {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_PATH 1
 
 enum { ROWS = 8 };  /* rows that share a pass: 2 accumulators each, in registers */
 
@@ -275,15 +279,18 @@ static inline __attribute__((always_inline)) void multiply(
   product(x, packed, scales, minimums, sums, y, M, N, K, bits);
 }
 
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define AVX2_PATH 1
 
-/* AVX2 (no bfloat16 dot product): bfloat16 rows go to float32 once per call (float32 rows are
-   taken as they are), each q to float32 as it is read, and FMA multiplies 8 outputs at a time.
+/* AVX2 (float32 rows; and bfloat16 ones where the CPU has no bfloat16 dot product: they go to
+   float32 once per call), each q to float32 as it is read, and FMA multiplies 8 outputs at a
+   time.
    Same layouts, same order per row: one accumulator per 8 outputs, the group's pairs of inputs
-   in order. 16 vector registers hold ROWS rows' 2 accumulators each, and a pair's weights. */
+   in order. 16 vector registers hold ROWS_F rows' 2 accumulators each, and a pair's weights. */
 enum {
-  ROWS = 4,
+  ROWS_F = 4,
   PAIRED = 2,  /* int4 blocks of outputs a one-row pass takes together (group_rows4): the
                   default model's 120 block products at 1 row 10.2 / 8.5 / 10.8 -> 8.6 / 7.5 /
                   9.1 ms in three side-by-side runs, the same bits; 2 rows together were slower
@@ -342,22 +349,22 @@ static inline void group_sums8(const __m256 a[4], __m256 s[2]) {
 
 /* nb (int4: up to PAIRED; int8: 1) blocks of 16 outputs for `n` rows from row m0 (x and sums
    already from m0; y's first element for them at `at`) */
-static inline __attribute__((always_inline)) void block_rows(
+static inline __attribute__((always_inline)) void float_block_rows(
     const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
     const float* sums, void* y, int64_t at, int64_t N, int64_t K, const int n, const int nb,
     const int bits, const int floats) {
   const int64_t G = K / 32, stride = G * 64 * bits;  /* a block's bytes */
-  __m256 out[ROWS][2 * PAIRED];
+  __m256 out[ROWS_F][2 * PAIRED];
   for (int i = 0; i < n; i++)
     for (int h = 0; h < 2 * nb; h++) out[i][h] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g++, w += 16 * 4 * bits) {
-    __m256 s[ROWS][2 * PAIRED];
+    __m256 s[ROWS_F][2 * PAIRED];
     if (bits == 4) {
       for (int i = 0; i < n; i++)
         for (int h = 0; h < 2 * nb; h++) s[i][h] = _mm256_setzero_ps();
       group_rows4(x + g * 32, w, stride, s, K, n, nb);
     } else {
-      __m256 a[ROWS][4];
+      __m256 a[ROWS_F][4];
       for (int i = 0; i < n; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
       group_rows8(x + g * 32, w, a, K, n);
       for (int i = 0; i < n; i++) group_sums8(a[i], s[i]);
@@ -380,17 +387,17 @@ static inline __attribute__((always_inline)) void block_rows(
 
 /* `blocks` (<= PAIRED) blocks of 16 outputs from w for `n` rows: together where int4 has one
    row (more sums in flight), else one by one; the same sums either way */
-static inline __attribute__((always_inline)) void blocks_rows(
+static inline __attribute__((always_inline)) void float_blocks_rows(
     const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
     const float* sums, void* y, int64_t at, int64_t N, int64_t K, const int n,
     const int64_t blocks, const int bits, const int floats) {
   const int64_t G = K / 32;
   if (bits == 4 && n == 1 && blocks == PAIRED) {
-    block_rows(x, w, scales, minimums, sums, y, at, N, K, n, PAIRED, bits, floats);
+    float_block_rows(x, w, scales, minimums, sums, y, at, N, K, n, PAIRED, bits, floats);
     return;
   }
   for (int64_t j = 0; j < blocks; j++)
-    block_rows(x, w + j * G * 64 * bits, scales + j * G * 16,
+    float_block_rows(x, w + j * G * 64 * bits, scales + j * G * 16,
                bits == 4 ? minimums + j * G * 16 : NULL, sums, y, at + j * 16, N, K, n, 1,
                bits, floats);
 }
@@ -405,11 +412,12 @@ static inline __attribute__((always_inline)) void product_avx2(
     const int64_t b = t * per_task, blocks = B - b < per_task ? B - b : per_task;
     const uint8_t* w = packed + b * G * 64 * bits;
     const uint16_t *s = scales + b * G * 16, *mn = bits == 4 ? minimums + b * G * 16 : NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS_F) {
       const float *xm = x + m0 * K, *sm = bits == 4 ? sums + m0 * G : NULL;
       const int64_t at = m0 * N + b * 16;  /* y's first element for these rows and outputs */
-      switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
-#define ROWS_OF(n) case n: blocks_rows(xm, w, s, mn, sm, y, at, N, K, n, blocks, bits, floats); break;
+      switch (M - m0 < ROWS_F ? (int)(M - m0) : ROWS_F) {
+#define ROWS_OF(n) \
+  case n: float_blocks_rows(xm, w, s, mn, sm, y, at, N, K, n, blocks, bits, floats); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
 #undef ROWS_OF
       }
@@ -724,22 +732,150 @@ static inline __attribute__((always_inline)) void block_rows16_int8(
   for (int i = 0; i < n; i++)
     for (int h = 0; h < 2; h++) store8(y, at + i * N + 8 * h, out[i][h], floats);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define VNNI_PATH 1
+
+/* AVX-512 VNNI (Zen 4 and 5, Intel since Ice Lake): the same three products, 16 outputs a
+   vector. VPDPBUSD multiplies 4 pairs of bytes (q unsigned, a signed) in each 32-bit lane and
+   adds them to it, VPDPWSSD 2 pairs of 16-bit integers: each replaces two or three of the AVX2
+   code's instructions, at twice its width. The group's integer sums are exact either way and
+   each output's float steps are the AVX2 code's, in its order, so a row's bits are the same on
+   both paths (tested): what format_quality measured of w4a8 holds here. */
+enum { ROWS_V = 8 };  /* rows a pass: a group's sums and the outputs, 16 of the 32 registers */
+
+/* 16 sums stored as the caller's rows are, as store8 stores them */
+static inline void store16(void* y, int64_t at, __m512 v, const int floats) {
+  store8(y, at, _mm512_castps512_ps256(v), floats);
+  store8(y, at + 8, _mm512_extractf32x8_ps(v, 1), floats);
+}
+
+/* 4 bytes (or 2 16-bit integers) of a row, in every 32-bit lane */
+static inline __m512i broadcast4(const void* a) {
+  return _mm512_broadcastd_epi32(_mm_loadu_si32(a));
+}
+
+/* a group's last step for 16 outputs, as block_rows8's and block_rows16's: out + the integer
+   sums times scale * d, then + minimum * d * sum a (int4; minimums NULL for int8) */
+static inline __m512 add_group_q(__m512 out, __m512i sums, const uint16_t* scales,
+                                 const uint16_t* minimums, float d, float d_sum) {
+  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)scales));
+  out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(d)), out);
+  if (minimums == NULL) return out;
+  const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)minimums));
+  return _mm512_fmadd_ps(minimum, _mm512_set1_ps(d_sum), out);
+}
+
+/* block_rows8 by VPDPBUSD: a chunk's 64 bytes are the block's 16 outputs x 4 bytes, one vector;
+   its low nibbles meet inputs k..k+3, its high ones k+4..k+7 */
+static inline __attribute__((always_inline)) void block_rows8_vnni(
+    const Rows* r, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
+    void* y, int64_t at, int64_t N, int64_t K, const int n, const int floats) {
+  const int64_t G = K / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 out[ROWS_V];
+  for (int i = 0; i < n; i++) out[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m512i acc[ROWS_V];  /* per output, the group's sum of q a */
+    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++, w += 64) {
+      const __m512i v = _mm512_loadu_si512(w);
+      const __m512i first = _mm512_and_si512(v, low);
+      const __m512i next = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int i = 0; i < n; i++) {
+        const int8_t* a = r->a8 + i * K + g * 32 + 8 * c;
+        acc[i] = _mm512_dpbusd_epi32(acc[i], first, broadcast4(a));
+        acc[i] = _mm512_dpbusd_epi32(acc[i], next, broadcast4(a + 4));
+      }
+    }
+    for (int i = 0; i < n; i++)
+      out[i] = add_group_q(out[i], acc[i], scales + g * 16, minimums + g * 16, r->d[i * G + g],
+                           r->sums[i * G + g]);
+  }
+  for (int i = 0; i < n; i++) store16(y, at + i * N, out[i], floats);
+}
+
+/* block_rows16 by VPDPWSSD: the chunk's 4 nibbles of each 16 bits masked down, each met by its
+   pair of the row's activations */
+static inline __attribute__((always_inline)) void block_rows16_vnni(
+    const Rows* r, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
+    void* y, int64_t at, int64_t N, int64_t K, const int n, const int floats) {
+  const int64_t G = K / 32;
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  __m512 out[ROWS_V];
+  for (int i = 0; i < n; i++) out[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m512i acc[ROWS_V];
+    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++, w += 64) {
+      const __m512i v = _mm512_loadu_si512(w);
+      const __m512i q[4] = {_mm512_and_si512(v, low),
+                            _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                            _mm512_and_si512(_mm512_srli_epi16(v, 8), low),
+                            _mm512_srli_epi16(v, 12)};
+      for (int i = 0; i < n; i++) {
+        const int16_t* a = r->a16 + i * K + g * 32 + 8 * c;
+        for (int j = 0; j < 4; j++)
+          acc[i] = _mm512_dpwssd_epi32(acc[i], q[j], broadcast4(a + 2 * j));
+      }
+    }
+    for (int i = 0; i < n; i++)
+      out[i] = add_group_q(out[i], acc[i], scales + g * 16, minimums + g * 16, r->d[i * G + g],
+                           r->sums[i * G + g]);
+  }
+  for (int i = 0; i < n; i++) store16(y, at + i * N, out[i], floats);
+}
+
+/* block_rows16_int8 by VPDPWSSD: a pair of inputs' 32 bytes sign-extended are the 16 outputs'
+   (q_k, q_k+1), one vector */
+static inline __attribute__((always_inline)) void block_rows16_int8_vnni(
+    const Rows* r, const uint8_t* w, const uint16_t* scales, void* y, int64_t at, int64_t N,
+    int64_t K, const int n, const int floats) {
+  const int64_t G = K / 32;
+  __m512 out[ROWS_V];
+  for (int i = 0; i < n; i++) out[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m512i acc[ROWS_V];
+    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_si512();
+    for (int p = 0; p < 16; p++, w += 32) {  /* inputs k = 32 g + 2 p and k + 1 */
+      const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)w));
+      for (int i = 0; i < n; i++)
+        acc[i] = _mm512_dpwssd_epi32(acc[i], q, broadcast4(r->a16 + i * K + g * 32 + 2 * p));
+    }
+    for (int i = 0; i < n; i++)
+      out[i] = add_group_q(out[i], acc[i], scales + g * 16, NULL, r->d[i * G + g], 0.0f);
+  }
+  for (int i = 0; i < n; i++) store16(y, at + i * N, out[i], floats);
+}
+
+static int vnni = 1;  /* whether this process uses them: group_kernel_vnni */
+#endif
 #endif
 
 /* 1 where this build multiplies (the CPU had AVX-512 BF16, or AVX2 with FMA and F16C, when it
    was compiled), else 0 */
 int group_kernel_available(void) {
-#if (defined(__AVX512BF16__) && defined(__AVX512BW__)) || defined(AVX2_PATH)
+#if defined(BF16_PATH) || defined(AVX2_PATH)
   return 1;
 #else
   return 0;
 #endif
 }
 
-/* 1 where this build takes float32 rows too (`floats` below): its AVX2 path, which multiplies in
-   float32 whatever the rows' dtype, so float32 rows lose nothing to bfloat16's rounding */
+/* 1 where this build takes float32 rows (`floats` below): its AVX2 path, which multiplies in
+   float32, so float32 rows lose nothing to bfloat16's rounding */
 int group_kernel_floats(void) {
 #if defined(AVX2_PATH)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* 1 where this build multiplies bfloat16 rows by VDPBF16PS (or AMX tiles): its AVX-512 BF16
+   path; elsewhere bfloat16 rows go to float32 first */
+int group_kernel_bfloat16(void) {
+#if defined(BF16_PATH)
   return 1;
 #else
   return 0;
@@ -760,36 +896,52 @@ int group_kernel_tiles(int use) {
 #endif
 }
 
-/* The entry points. x (M, K) and y (M, N): bfloat16, or float32 where `floats` (AVX2 path only).
-   Each returns 0 when done, 1 where this build does not multiply so, 2 out of memory. */
+/* 1 where this process multiplies quantized rows (w4a8) by AVX-512 VNNI (this build has it),
+   else 0; `use` 0 switches it off for the process (the AVX2 code then runs), 1 back on, -1
+   only asks: for side-by-side timings, and the test that both give the same bits */
+int group_kernel_vnni(int use) {
+#if defined(VNNI_PATH)
+  if (use == 0 || use == 1) vnni = use;
+  return vnni;
+#else
+  (void)use;
+  return 0;
+#endif
+}
+
+/* The entry points. x (M, K) and y (M, N): bfloat16, or float32 where `floats`: bfloat16 rows
+   by the AVX-512 BF16 path where the build has it, float32 rows (and, without it, bfloat16
+   ones) by the AVX2 path. Each returns 0 when done, 1 where this build does not multiply so,
+   2 out of memory. */
 
 /* int4 */
 int int4_product(const void* x, const uint8_t* packed, const uint16_t* scales,
                  const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K, int floats) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (floats) return 1;
-  const int64_t G = K / 32;
-  float* sums = malloc(sizeof(float) * M * G);  /* sum_k x_k per row and group, in order */
-  if (sums == NULL) return 2;
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t g = 0; g < G; g++) {
-      float s = 0.0f;
-      for (int k = 0; k < 32; k++) {
-        uint32_t bits = (uint32_t)((const uint16_t*)x)[m * K + g * 32 + k] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        s += f;
+#if defined(BF16_PATH)
+  if (!floats) {
+    const int64_t G = K / 32;
+    float* sums = malloc(sizeof(float) * M * G);  /* sum_k x_k per row and group, in order */
+    if (sums == NULL) return 2;
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t g = 0; g < G; g++) {
+        float s = 0.0f;
+        for (int k = 0; k < 32; k++) {
+          uint32_t bits = (uint32_t)((const uint16_t*)x)[m * K + g * 32 + k] << 16;
+          float f;
+          memcpy(&f, &bits, sizeof f);
+          s += f;
+        }
+        sums[m * G + g] = s;
       }
-      sums[m * G + g] = s;
-    }
-  multiply(x, packed, scales, minimums, sums, y, M, N, K, 4);
-  free(sums);
-  return 0;
-#elif defined(AVX2_PATH)
+    multiply(x, packed, scales, minimums, sums, y, M, N, K, 4);
+    free(sums);
+    return 0;
+  }
+#endif
+#if defined(AVX2_PATH)
   return avx2_entry(x, floats, packed, scales, minimums, y, M, N, K, 4);
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
-  (void)floats;
   return 1;
 #endif
 }
@@ -797,24 +949,40 @@ int int4_product(const void* x, const uint8_t* packed, const uint16_t* scales,
 /* int8 */
 int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
                  int64_t M, int64_t N, int64_t K, int floats) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (floats) return 1;
-  multiply(x, packed, scales, NULL, NULL, y, M, N, K, 8);
-  return 0;
-#elif defined(AVX2_PATH)
+#if defined(BF16_PATH)
+  if (!floats) {
+    multiply(x, packed, scales, NULL, NULL, y, M, N, K, 8);
+    return 0;
+  }
+#endif
+#if defined(AVX2_PATH)
   return avx2_entry(x, floats, packed, scales, NULL, y, M, N, K, 8);
 #else
-  (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K, (void)floats;
+  (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K;
   return 1;
 #endif
 }
 
 #if defined(A8_PATH)
-/* one block of 16 outputs for `n` rows, by the rows' bits and the weights' */
+/* one block of 16 outputs for `n` rows, by the rows' bits and the weights': on the VNNI path
+   where this process uses it (n up to ROWS_V), else on the AVX2 one (n up to ROWS_Q) */
 static inline __attribute__((always_inline)) void quantized_block(
     const Rows* r, const uint8_t* w, const uint16_t* s, const uint16_t* mn, void* y, int64_t at,
     int64_t N, int64_t K, const int n, const int floats, const int weight_bits,
-    const int row_bits) {
+    const int row_bits, const int use_vnni) {
+#if defined(VNNI_PATH)
+  if (use_vnni) {
+    if (row_bits == 8)
+      block_rows8_vnni(r, w, s, mn, y, at, N, K, n, floats);
+    else if (weight_bits == 4)
+      block_rows16_vnni(r, w, s, mn, y, at, N, K, n, floats);
+    else
+      block_rows16_int8_vnni(r, w, s, y, at, N, K, n, floats);
+    return;
+  }
+#endif
+  (void)use_vnni;
+  if (n > ROWS_Q) return;  /* never: a pass takes ROWS_Q rows here */
   if (row_bits == 8)
     block_rows8(r, w, s, mn, y, at, N, K, n, floats);
   else if (weight_bits == 4)
@@ -835,18 +1003,26 @@ static inline __attribute__((always_inline)) int quantized_rows_product(
   if (!(row_bits == 8 ? rows_as_int8(x, floats, M, K, &r)
                       : rows_as_int16(x, floats, M, K, &r, weight_bits == 8)))
     return 2;
+#if defined(VNNI_PATH)
+  const int use_vnni = vnni, pass = vnni ? ROWS_V : ROWS_Q;  /* rows a pass over the weights */
+#else
+  const int use_vnni = 0, pass = ROWS_Q;
+#endif
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < N / 16; b++) {
     const uint8_t* w = packed + b * G * 64 * weight_bits;
     const uint16_t *s = scales + b * G * 16, *mn = minimums ? minimums + b * G * 16 : NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS_Q) {
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
       const Rows rm = {r.a8 ? r.a8 + m0 * K : NULL, r.a16 ? r.a16 + m0 * K : NULL,
                        r.d + m0 * G, r.sums + m0 * G};
       const int64_t at = m0 * N + b * 16;  /* y's first element for these rows and outputs */
-      switch (M - m0 < ROWS_Q ? (int)(M - m0) : ROWS_Q) {
-#define ROWS_OF(n) \
-  case n: quantized_block(&rm, w, s, mn, y, at, N, K, n, floats, weight_bits, row_bits); break;
+      switch (M - m0 < pass ? (int)(M - m0) : pass) {
+#define ROWS_OF(n) case n: \
+  quantized_block(&rm, w, s, mn, y, at, N, K, n, floats, weight_bits, row_bits, use_vnni); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
+#if defined(VNNI_PATH)
+        ROWS_OF(5) ROWS_OF(6) ROWS_OF(7) ROWS_OF(8)
+#endif
 #undef ROWS_OF
       }
     }

@@ -1,12 +1,14 @@
 """Products of weights quantized in groups of 32 inputs, in C: group_kernel.c, built at first
 use (c_kernels.py) and called through torch operators, as oneDNN's products are
 (packed_linear.OPERATORS): their schemas and shapes here, what they run in operators.cpp. Two
-paths in it: AVX-512 BF16 (Zen 4, Intel since Cooper Lake) and AVX2 with FMA and F16C (Zen 2
-and 3, Intel since Haswell), which multiplies in float32 and so takes float32 rows too
-(takes_float32: the int4 and w4a8 formats then keep float32 activations).
+paths in it: AVX-512 BF16 (Zen 4 and 5, Intel since Cooper Lake) for bfloat16 rows, and AVX2
+with FMA and F16C (Zen 2 and later, Intel since Haswell), which multiplies in float32 and so
+takes float32 rows (takes_float32: in every build for a CPU with AVX2), and bfloat16 rows
+where there is no AVX-512 BF16 (multiplies_bfloat16).
 And, in both builds, int4 weights times 8-bit activations (int4_a8_product) and times 16-bit
 ones (int4_a16_product), and 8-bit groups times 16-bit ones (int8_a16_product): the w4a8
-format's products.
+format's products, by AVX-512 VNNI where the CPU has it (uses_vnni), else by AVX2; the same
+bits either way.
 Where the CPU has AMX (Intel since Sapphire Rapids) and Linux grants the tiles' state, the
 AVX-512 path's bfloat16 products run on AMX tiles instead of VDPBF16PS (uses_tiles): up to 16
 rows a tile product, so a tree's rows cost little more than a plain step's one; where the
@@ -58,6 +60,7 @@ def kernel_problem() -> str | None:
             if not library.group_kernel_available():
                 raise RuntimeError("this CPU has neither AVX-512 BF16 nor AVX2 with FMA and F16C")
             _kernel["floats"] = bool(library.group_kernel_floats())
+            _kernel["bfloat16"] = bool(library.group_kernel_bfloat16())
             _kernel["library"] = library
             _kernel["problem"] = load_operators()
         except (OSError, RuntimeError) as e:
@@ -66,11 +69,32 @@ def kernel_problem() -> str | None:
 
 
 def takes_float32() -> bool:
-    """Whether the kernel multiplies float32 rows too (its AVX2 path, which works in float32
-    whatever the rows' dtype): there the int4 and w4a8 formats keep float32 activations, as
-    float32 decoding does, and lose nothing to bfloat16's rounding; elsewhere bfloat16 (AVX-512
-    BF16's dot products, torch's int4 kernel)."""
+    """Whether the kernel multiplies float32 rows (its AVX2 path, in any build on a CPU with
+    AVX2, FMA and F16C: it works in float32 whatever the rows' dtype). The w4a8 format then
+    keeps float32 activations, as float32 decoding does, and loses nothing to bfloat16's
+    rounding before its rows are quantized; so does int4 where bfloat16 rows would go to
+    float32 anyway (no AVX-512 BF16: multiplies_bfloat16)."""
     return kernel_problem() is None and _kernel["floats"]
+
+
+def multiplies_bfloat16() -> bool:
+    """Whether the kernel multiplies bfloat16 rows as they are (AVX-512 BF16's dot products,
+    or AMX tiles): there int4 keeps bfloat16 activations, half float32's bytes."""
+    return kernel_problem() is None and _kernel["bfloat16"]
+
+
+def uses_vnni() -> bool:
+    """Whether this process multiplies w4a8's quantized rows by AVX-512 VNNI (VPDPBUSD and
+    VPDPWSSD, 16 outputs an instruction) rather than the AVX2 code (group_kernel.c's VNNI
+    path: the same bits, fewer instructions a row)."""
+    return kernel_problem() is None and bool(_kernel["library"].group_kernel_vnni(-1))
+
+
+def switch_vnni(on: bool) -> bool:
+    """Switch the VNNI path off (or back on where the build has it) for this process, and say
+    whether it is in use: for side-by-side timings (bench --profile) and the test that both
+    paths give the same bits."""
+    return kernel_problem() is None and bool(_kernel["library"].group_kernel_vnni(int(on)))
 
 
 def uses_tiles() -> bool:

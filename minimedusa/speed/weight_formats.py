@@ -111,6 +111,8 @@ def format_of(model: nn.Module) -> str:
 
 def activation_dtype(name: str) -> torch.dtype:
     """The dtype a format's activations, KV cache and heads run in."""
-    if name in ("int4", "w4a8") and group_kernel.takes_float32():
-        return torch.float32  # its AVX2 path multiplies in float32: bfloat16 would only round
+    if name == "w4a8" and group_kernel.takes_float32():
+        return torch.float32  # its rows are quantized from float32, not from bfloat16's rounding
+    if name == "int4" and group_kernel.takes_float32() and not group_kernel.multiplies_bfloat16():
+        return torch.float32  # the AVX2 path multiplies in float32: bfloat16 would only round
     return torch.bfloat16 if name in QUANTIZED else DTYPE_FORMATS[name]
