@@ -28,16 +28,19 @@ pytestmark = pytest.mark.skipif(
 def avx2(tmp_path_factory) -> dict:
     """The AVX2 build's three products, called with ctypes: int4_product(x, packed, scales,
     minimums, y, M, N, K, floats), int4_a8_product (the same arguments) and int8_product(x,
-    packed, scales, y, M, N, K, floats); pointers to the tensors' data, floats 1 for float32
-    rows (else bfloat16); each returns 0 when done."""
+    packed, scales, y, M, N, K, floats, wide); pointers to the tensors' data, floats 1 for
+    float32 rows (else bfloat16), wide 1 for float32 outputs (else the rows' dtype); each
+    returns 0 when done."""
     out = tmp_path_factory.mktemp("avx2") / "group_kernel_avx2.so"
     build(group_kernel.SOURCE, COMPILER, out, ("-march=haswell",))
     library = ctypes.CDLL(str(out))
     assert library.group_kernel_available() == 1 and library.group_kernel_floats() == 1
     found = {}
-    for name, pointers in (("int4_product", 5), ("int4_a8_product", 5), ("int8_product", 4)):
+    for name, pointers, flags in (("int4_product", 5, 1), ("int4_a8_product", 5, 1),
+                                  ("int8_product", 4, 2)):
         product = getattr(library, name)
-        product.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        product.argtypes = ([ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3
+                            + [ctypes.c_int] * flags)
         product.restype = ctypes.c_int
         found[name] = product
     return found
@@ -67,8 +70,7 @@ def int8_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     packed, scales = group_kernel.pack_int8(*eight_bit_groups(weight))
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     assert avx2["int8_product"](x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                y.data_ptr(), *x.shape[:1], *weight.shape,
-                                floats(x)) == 0
+                                y.data_ptr(), *x.shape[:1], *weight.shape, floats(x), 0) == 0
     return y
 
 

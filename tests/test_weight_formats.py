@@ -145,6 +145,22 @@ def test_int8_group_product_equals_dequantize_then_matmul(seed, rows):
 
 
 @needs_group_kernel
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
+def test_a_wide_eight_bit_product_gives_float32_sums_that_round_to_the_narrow_ones(seed, rows):
+    """wide=True (a model's LM head): the same sums of bfloat16 rows, kept in float32, so
+    within float32's rounding of the dequantized product; rounded to bfloat16 they are the
+    narrow layer's, to the bit."""
+    q, scales = eight_bit_groups(eight_bit_weight(48, 96, seed))
+    narrow, wide = Int8GroupLinear(q, scales), Int8GroupLinear(q, scales, wide=True)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    logits = wide(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), narrow(x))
+    reference = x.double() @ dequantize_int8_groups(q, scales).double().T
+    torch.testing.assert_close(logits.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+@needs_group_kernel
 def test_an_eight_bit_lm_heads_row_has_the_same_bits_whatever_rows_beside_it():
     head = Int8GroupLinear(*eight_bit_groups(eight_bit_weight(160, 576)))
     rows = torch.randn(17, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
@@ -160,13 +176,14 @@ def test_int4_keeps_an_lm_head_on_an_eight_bit_grid_in_it_and_a_draft_vocabulary
     model = four_bit_model(3)
     float32 = model.lm_head.weight.clone()
     model = apply_format(model, "int4")
-    assert isinstance(model.lm_head, Int8GroupLinear)
+    assert isinstance(model.lm_head, Int8GroupLinear) and model.lm_head.wide  # float32 logits
     assert torch.equal(model.lm_head.weight, float32)  # where bfloat16 would round it
     heads = HydraHeads.for_model(model, 2)
     ids = torch.arange(1, 64, 4)  # 16 tokens: the kernel multiplies blocks of 16 outputs
     heads.vocabulary = DraftVocabulary(ids, model.lm_head)
     heads = apply_format(heads.float(), "int4")
     assert isinstance(heads.vocabulary.lm_head, Int8GroupLinear)
+    assert not heads.vocabulary.lm_head.wide  # the draft's logits: only guesses
     assert torch.equal(heads.vocabulary.lm_head.weight, model.lm_head.weight[ids])
     off_grid = apply_format(tiny_model(3, dtype=torch.float32), "int4")
     assert not isinstance(off_grid.lm_head, Int8GroupLinear)

@@ -223,7 +223,7 @@ def default_format(device: torch.device, folder=None) -> str:
     """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA.
     On a CPU, for a model whose weights came from a 4-bit file (four_bit_checkpoint: its 4-bit
     weights then lose nothing), where group_kernel.c multiplies them:
-    - on AVX2 without avx512_bf16 (the kernel takes float32 rows), w4a8: 8-bit activations in
+    - on AVX2 without avx512_bf16 (only the kernel's AVX2 path runs), w4a8: 8-bit activations in
       the wo and gate_up products (quantized.EIGHT_BIT_INPUTS), 16-bit ones in wqkv and down.
       On the 2-core AVX2 EPYC, in one process (bench --formats int4,w4a8, 8 MT-Bench first
       turns), its plain decoding 1.20x int4's and Hydra greedy 1.13-1.17x with float32 rows in
@@ -232,7 +232,12 @@ def default_format(device: torch.device, folder=None) -> str:
       held-out chats), where llama.cpp's own decoding of the same GGUF, with 8-bit activations
       in every product, is 97.8%, 0.0025 (the bar for 8-bit activations in a default: what
       llama.cpp's users already accept). int4 (--quantize int4) keeps float32's answers;
-    - on AVX-512 BF16, int4 with bfloat16 activations (top-1 98.5%; w4a8 is unmeasured there);
+    - on AVX-512 BF16, int4 with bfloat16 activations and float32 logits (top-1 99.07%, KL
+      0.0003, on the 2-core Zen 5; with bfloat16 logits 98.51%, 0.0006). There, in one process
+      (bench --formats int4,w4a8), w4a8's plain decoding ran as fast and its Hydra greedy at
+      1.10x its plain, int4's at 1.20x: w4a8's float32 cache and steps cost more than VNNI's
+      products save (a forward after 1,536 cached tokens 9.1 ms against 7.3), and with
+      bfloat16 activations w4a8 falls to 98.05%;
     - where oneDNN multiplies bfloat16 natively, int4 through torch's kernel.
     Otherwise bfloat16 where that is native (half float32's bytes, a step as flat in the
     tree's size), else float32."""

@@ -95,12 +95,17 @@ static inline __m512 add_group(__m512 out, __m512 sums, const uint16_t* scales,
   return _mm512_add_ps(out, q_part);
 }
 
-/* n rows' 16 outputs of block b into y (M, N), to bfloat16, to nearest even */
-static inline void store_rows(const __m512* out, uint16_t* y, int64_t b, int64_t m0, int64_t N,
-                              int n) {
+/* n rows' 16 outputs of block b into y (M, N): to bfloat16, to nearest even, or as they are
+   (float32) where `wide` */
+static inline void store_rows(const __m512* out, void* y, int64_t b, int64_t m0, int64_t N, int n,
+                              const int wide) {
   for (int i = 0; i < n; i++) {
+    if (wide) {
+      _mm512_storeu_ps((float*)y + (m0 + i) * N + b * 16, out[i]);
+      continue;
+    }
     __m256bh o = _mm512_cvtneps_pbh(out[i]);
-    memcpy(y + (m0 + i) * N + b * 16, &o, sizeof o);
+    memcpy((uint16_t*)y + (m0 + i) * N + b * 16, &o, sizeof o);
   }
 }
 
@@ -109,8 +114,8 @@ static inline void store_rows(const __m512* out, uint16_t* y, int64_t b, int64_t
    makes: the accumulators then live in registers. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
-    const float* sums, uint16_t* y, int64_t b, int64_t m0, int64_t N, int64_t K,
-    __m512i table, const int n, const int bits) {
+    const float* sums, void* y, int64_t b, int64_t m0, int64_t N, int64_t K,
+    __m512i table, const int n, const int bits, const int wide) {
   const int64_t G = K / 32, pair_bytes = 4 * bits;  /* 16 outputs x 2 inputs x bits / 8 */
   __m512 out[ROWS];
   for (int i = 0; i < n; i++) out[i] = _mm512_setzero_ps();
@@ -138,14 +143,14 @@ static inline __attribute__((always_inline)) void block_rows(
                          bits == 4 ? minimums + g * 16 : NULL,
                          bits == 4 ? sums[(m0 + i) * G + g] : 0.0f, bits);
   }
-  store_rows(out, y, b, m0, N, n);
+  store_rows(out, y, b, m0, N, n, wide);
 }
 
 /* every block of outputs, on OpenMP's threads; every ROWS rows share a pass over the weights
    (inlined into each format's entry point below, so that `bits` is a constant there too) */
-static inline __attribute__((always_inline)) void product(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
-                    const uint16_t* minimums, const float* sums, uint16_t* y, int64_t M,
-                    int64_t N, int64_t K, const int bits) {
+static inline __attribute__((always_inline)) void product(
+    const uint16_t* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* minimums,
+    const float* sums, void* y, int64_t M, int64_t N, int64_t K, const int bits, const int wide) {
   const int64_t G = K / 32;
   const __m512i table = _mm512_loadu_si512(BF16_OF);
 #pragma omp parallel for schedule(static)
@@ -154,7 +159,8 @@ static inline __attribute__((always_inline)) void product(const uint16_t* x, con
     const uint16_t *s = scales + b * G * 16, *mn = bits == 4 ? minimums + b * G * 16 : NULL;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
       switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
-#define ROWS_OF(n) case n: block_rows(x, w, s, mn, sums, y, b, m0, N, K, table, n, bits); break;
+#define ROWS_OF(n) \
+  case n: block_rows(x, w, s, mn, sums, y, b, m0, N, K, table, n, bits, wide); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4) ROWS_OF(5) ROWS_OF(6) ROWS_OF(7) ROWS_OF(8)
 #undef ROWS_OF
       }
@@ -216,9 +222,9 @@ static int tiles_in_use(void) {
    configured for n rows; b_tile (1 KB) and c_rows (n x 16 floats): the thread's scratch, 64-byte
    aligned */
 static void block_tiles(const uint16_t* x, const uint8_t* w, const uint16_t* scales,
-                        const uint16_t* minimums, const float* sums, uint16_t* y, int64_t b,
+                        const uint16_t* minimums, const float* sums, void* y, int64_t b,
                         int64_t m0, int64_t N, int64_t K, __m512i table, int n, const int bits,
-                        uint8_t* b_tile, float* c_rows) {
+                        const int wide, uint8_t* b_tile, float* c_rows) {
   const int64_t G = K / 32, pair_bytes = 4 * bits;
   __m512 out[TILE_ROWS];
   for (int i = 0; i < n; i++) out[i] = _mm512_setzero_ps();
@@ -236,14 +242,14 @@ static void block_tiles(const uint16_t* x, const uint8_t* w, const uint16_t* sca
                          bits == 4 ? minimums + g * 16 : NULL,
                          bits == 4 ? sums[(m0 + i) * G + g] : 0.0f, bits);
   }
-  store_rows(out, y, b, m0, N, n);
+  store_rows(out, y, b, m0, N, n, wide);
 }
 
 /* product's work by tiles: each thread configures its own tiles (they are a thread's state) for
    the rows of a pass, TILE_ROWS at a time, and releases them when done */
 static inline __attribute__((always_inline)) void product_tiles(
     const uint16_t* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* minimums,
-    const float* sums, uint16_t* y, int64_t M, int64_t N, int64_t K, const int bits) {
+    const float* sums, void* y, int64_t M, int64_t N, int64_t K, const int bits, const int wide) {
   const int64_t G = K / 32;
   const __m512i table = _mm512_loadu_si512(BF16_OF);
 #pragma omp parallel
@@ -258,7 +264,7 @@ static inline __attribute__((always_inline)) void product_tiles(
       for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int n = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
         if (n != configured) configure_tiles(configured = n);
-        block_tiles(x, w, s, mn, sums, y, b, m0, N, K, table, n, bits, b_tile, c_rows);
+        block_tiles(x, w, s, mn, sums, y, b, m0, N, K, table, n, bits, wide, b_tile, c_rows);
       }
     }
     if (configured) _tile_release();
@@ -266,17 +272,18 @@ static inline __attribute__((always_inline)) void product_tiles(
 }
 #endif
 
-/* the AVX-512 path's products: on the tiles where this process uses them, else dot products */
+/* the AVX-512 path's products: on the tiles where this process uses them, else dot products;
+   y bfloat16, or float32 where `wide` */
 static inline __attribute__((always_inline)) void multiply(
     const uint16_t* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* minimums,
-    const float* sums, uint16_t* y, int64_t M, int64_t N, int64_t K, const int bits) {
+    const float* sums, void* y, int64_t M, int64_t N, int64_t K, const int bits, const int wide) {
 #if defined(TILES_PATH)
   if (tiles_in_use()) {
-    product_tiles(x, packed, scales, minimums, sums, y, M, N, K, bits);
+    product_tiles(x, packed, scales, minimums, sums, y, M, N, K, bits, wide);
     return;
   }
 #endif
-  product(x, packed, scales, minimums, sums, y, M, N, K, bits);
+  product(x, packed, scales, minimums, sums, y, M, N, K, bits, wide);
 }
 
 #endif
@@ -449,15 +456,15 @@ static float* rows_as_float(const void* x, const int floats, int64_t M, int64_t 
    weights; 0 done, 2 out of memory */
 static int avx2_entry(const void* x, const int floats, const uint8_t* packed,
                       const uint16_t* scales, const uint16_t* minimums, void* y, int64_t M,
-                      int64_t N, int64_t K, const int bits) {
+                      int64_t N, int64_t K, const int bits, const int wide) {
   const float* rows;
   float* sums;
   float* f = rows_as_float(x, floats, M, K, &rows, &sums);
   if (f == NULL) return 2;
   if (bits == 4)  /* each a copy with `bits` a constant */
-    product_avx2(rows, packed, scales, minimums, sums, y, M, N, K, 4, floats);
+    product_avx2(rows, packed, scales, minimums, sums, y, M, N, K, 4, floats || wide);
   else
-    product_avx2(rows, packed, scales, NULL, NULL, y, M, N, K, 8, floats);
+    product_avx2(rows, packed, scales, NULL, NULL, y, M, N, K, 8, floats || wide);
   free(f);
   return 0;
 }
@@ -933,32 +940,36 @@ int int4_product(const void* x, const uint8_t* packed, const uint16_t* scales,
         }
         sums[m * G + g] = s;
       }
-    multiply(x, packed, scales, minimums, sums, y, M, N, K, 4);
+    multiply(x, packed, scales, minimums, sums, y, M, N, K, 4, 0);
     free(sums);
     return 0;
   }
 #endif
 #if defined(AVX2_PATH)
-  return avx2_entry(x, floats, packed, scales, minimums, y, M, N, K, 4);
+  return avx2_entry(x, floats, packed, scales, minimums, y, M, N, K, 4, 0);
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
   return 1;
 #endif
 }
 
-/* int8 */
+/* int8; y float32 where `wide` whatever the rows (an LM head's logits: bfloat16 would round
+   them, and close ones would tie) */
 int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
-                 int64_t M, int64_t N, int64_t K, int floats) {
+                 int64_t M, int64_t N, int64_t K, int floats, int wide) {
 #if defined(BF16_PATH)
   if (!floats) {
-    multiply(x, packed, scales, NULL, NULL, y, M, N, K, 8);
+    if (wide)  /* each a copy with `wide` a constant */
+      multiply(x, packed, scales, NULL, NULL, y, M, N, K, 8, 1);
+    else
+      multiply(x, packed, scales, NULL, NULL, y, M, N, K, 8, 0);
     return 0;
   }
 #endif
 #if defined(AVX2_PATH)
-  return avx2_entry(x, floats, packed, scales, NULL, y, M, N, K, 8);
+  return avx2_entry(x, floats, packed, scales, NULL, y, M, N, K, 8, wide);
 #else
-  (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K;
+  (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K, (void)wide;
   return 1;
 #endif
 }
@@ -996,8 +1007,8 @@ static inline __attribute__((always_inline)) void quantized_block(
    or 8 (the int8 layout, 16-bit rows only). 0 done, 2 out of memory */
 static inline __attribute__((always_inline)) int quantized_rows_product(
     const void* x, const int floats, const uint8_t* packed, const uint16_t* scales,
-    const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K, const int weight_bits,
-    const int row_bits) {
+    const uint16_t* minimums, void* y, const int wide, int64_t M, int64_t N, int64_t K,
+    const int weight_bits, const int row_bits) {
   const int64_t G = K / 32;
   Rows r;
   if (!(row_bits == 8 ? rows_as_int8(x, floats, M, K, &r)
@@ -1018,7 +1029,7 @@ static inline __attribute__((always_inline)) int quantized_rows_product(
       const int64_t at = m0 * N + b * 16;  /* y's first element for these rows and outputs */
       switch (M - m0 < pass ? (int)(M - m0) : pass) {
 #define ROWS_OF(n) case n: \
-  quantized_block(&rm, w, s, mn, y, at, N, K, n, floats, weight_bits, row_bits, use_vnni); break;
+  quantized_block(&rm, w, s, mn, y, at, N, K, n, wide, weight_bits, row_bits, use_vnni); break;
         ROWS_OF(1) ROWS_OF(2) ROWS_OF(3) ROWS_OF(4)
 #if defined(VNNI_PATH)
         ROWS_OF(5) ROWS_OF(6) ROWS_OF(7) ROWS_OF(8)
@@ -1037,7 +1048,7 @@ int int4_a8_product(const void* x, const uint8_t* packed, const uint16_t* scales
                     const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K,
                     int floats) {
 #if defined(A8_PATH)
-  return quantized_rows_product(x, floats, packed, scales, minimums, y, M, N, K, 4, 8);
+  return quantized_rows_product(x, floats, packed, scales, minimums, y, floats, M, N, K, 4, 8);
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
   (void)floats;
@@ -1050,7 +1061,7 @@ int int4_a16_product(const void* x, const uint8_t* packed, const uint16_t* scale
                      const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K,
                      int floats) {
 #if defined(A8_PATH)
-  return quantized_rows_product(x, floats, packed, scales, minimums, y, M, N, K, 4, 16);
+  return quantized_rows_product(x, floats, packed, scales, minimums, y, floats, M, N, K, 4, 16);
 #else
   (void)x, (void)packed, (void)scales, (void)minimums, (void)y, (void)M, (void)N, (void)K;
   (void)floats;
@@ -1058,13 +1069,15 @@ int int4_a16_product(const void* x, const uint8_t* packed, const uint16_t* scale
 #endif
 }
 
-/* the int8 layout (an LM head's 8-bit groups) times 16-bit activations */
+/* the int8 layout (an LM head's 8-bit groups) times 16-bit activations; y as int8_product's */
 int int8_a16_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
-                     int64_t M, int64_t N, int64_t K, int floats) {
+                     int64_t M, int64_t N, int64_t K, int floats, int wide) {
 #if defined(A8_PATH)
-  return quantized_rows_product(x, floats, packed, scales, NULL, y, M, N, K, 8, 16);
+  return quantized_rows_product(x, floats, packed, scales, NULL, y, floats || wide, M, N, K, 8,
+                                16);
 #else
   (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K, (void)floats;
+  (void)wide;
   return 1;
 #endif
 }

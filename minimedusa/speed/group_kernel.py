@@ -174,7 +174,7 @@ def by_block(t: torch.Tensor) -> torch.Tensor:
 
 
 # rows (M, K) bfloat16 (or float32, takes_float32) times a packed weight: (M, N), the rows'
-# dtype. int4_a8_product and int4_a16_product quantize the rows to 8 or 16 bits a group of 32
+# dtype (the int8 layout's: float32 where `wide`, a model's logits). int4_a8_product and int4_a16_product quantize the rows to 8 or 16 bits a group of 32
 # inside the kernel (the w4a8 format), both on pack_int4_a8's layout; int8_a16_product to 16
 # bits, on pack_int8's (w4a8's LM head).
 # Each operator's fake (its output's shape, for the compiler's tracing) is here, what it runs
@@ -185,8 +185,10 @@ OPERATORS.define("int4_a8_product(Tensor rows, Tensor packed, Tensor scales, Ten
                  "-> Tensor")
 OPERATORS.define("int4_a16_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
                  "-> Tensor")
-OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales) -> Tensor")
-OPERATORS.define("int8_a16_product(Tensor rows, Tensor packed, Tensor scales) -> Tensor")
+OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales, bool wide=False) "
+                 "-> Tensor")
+OPERATORS.define("int8_a16_product(Tensor rows, Tensor packed, Tensor scales, bool wide=False) "
+                 "-> Tensor")
 
 
 @torch.library.register_fake("minimedusa::int4_product")
@@ -205,10 +207,12 @@ def _(rows, packed, scales, minimums):
 
 
 @torch.library.register_fake("minimedusa::int8_product")
-def _(rows, packed, scales):
-    return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
+def _(rows, packed, scales, wide=False):
+    return rows.new_empty(rows.shape[0], scales.shape[0] * 16,
+                          dtype=torch.float32 if wide else rows.dtype)
 
 
 @torch.library.register_fake("minimedusa::int8_a16_product")
-def _(rows, packed, scales):
-    return rows.new_empty(rows.shape[0], scales.shape[0] * 16)
+def _(rows, packed, scales, wide=False):
+    return rows.new_empty(rows.shape[0], scales.shape[0] * 16,
+                          dtype=torch.float32 if wide else rows.dtype)

@@ -36,9 +36,9 @@ int int4_a16_product(const void* x, const uint8_t* packed, const uint16_t* scale
                      const uint16_t* minimums, void* y, int64_t M, int64_t N, int64_t K,
                      int floats);
 int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
-                 int64_t M, int64_t N, int64_t K, int floats);
+                 int64_t M, int64_t N, int64_t K, int floats, int wide);
 int int8_a16_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
-                     int64_t M, int64_t N, int64_t K, int floats);
+                     int64_t M, int64_t N, int64_t K, int floats, int wide);
 
 /* attention_kernel.c's Step and entry point (0 done, 1 a shape it does not take, 2 out of
    memory): the tensors' addresses, sizes and strides in elements */
@@ -114,27 +114,30 @@ at::Tensor int4_a16_op(const at::Tensor& rows, const at::Tensor& packed,
 }
 
 /* the int8 layout's products: float rows (int8_product), or rows rounded to 16 bits inside the
-   kernel (int8_a16_product: the w4a8 format's LM head) */
+   kernel (int8_a16_product: the w4a8 format's LM head); y in the rows' dtype, or float32 where
+   `wide` (a model's logits) */
 using Int8Product = int (*)(const void*, const uint8_t*, const uint16_t*, void*, int64_t,
-                            int64_t, int64_t, int);
+                            int64_t, int64_t, int, int);
 
 at::Tensor int8_layout(Int8Product product, const char* what, const at::Tensor& rows_,
-                       const at::Tensor& packed, const at::Tensor& scales) {
+                       const at::Tensor& packed, const at::Tensor& scales, bool wide) {
   const at::Tensor rows = rows_.contiguous();
-  at::Tensor y = output(rows, scales);
+  at::Tensor y = at::empty({rows.size(0), scales.size(0) * 16},
+                           rows.options().dtype(wide ? at::kFloat : rows.scalar_type()));
   check(product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(), halves(scales),
-                y.mutable_data_ptr(), rows.size(0), y.size(1), rows.size(1), floats(rows)),
+                y.mutable_data_ptr(), rows.size(0), y.size(1), rows.size(1), floats(rows), wide),
         what);
   return y;
 }
 
-at::Tensor int8_op(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales) {
-  return int8_layout(int8_product, "its rows in float32", rows, packed, scales);
+at::Tensor int8_op(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales,
+                   bool wide) {
+  return int8_layout(int8_product, "its rows in float32", rows, packed, scales, wide);
 }
 
 at::Tensor int8_a16_op(const at::Tensor& rows, const at::Tensor& packed,
-                       const at::Tensor& scales) {
-  return int8_layout(int8_a16_product, "the rows' 16-bit copy", rows, packed, scales);
+                       const at::Tensor& scales, bool wide) {
+  return int8_layout(int8_a16_product, "the rows' 16-bit copy", rows, packed, scales, wide);
 }
 
 /* q (1, H, T, D), k and v (1, G, S, D) with each key a contiguous row of D (cache slices), mask
@@ -398,7 +401,7 @@ void head_logits(const E* hidden, const E* x, at::TensorList heads, int64_t at, 
                  E* logits, int64_t M, int64_t C, int64_t d, int64_t V) {
   const int f = std::is_same_v<E, float>;
   check(int8_product(x, heads[at].const_data_ptr<uint8_t>(), halves(heads[at + 1]), y, M, C,
-                     d * C, f), "its rows in float32");
+                     d * C, f, 0), "its rows in float32");
   for (int64_t m = 0; m < M; m++)
     for (int64_t c = 0; c < C; c++)
       z[m * C + c] = narrow<E>(wide(hidden[c]) + wide(y[m * C + c]));
@@ -406,7 +409,7 @@ void head_logits(const E* hidden, const E* x, at::TensorList heads, int64_t at, 
     const int64_t w = at + 2 + 3 * l;
     const E* bias = heads[w + 2].const_data_ptr<E>();
     check(int8_product(z, heads[w].const_data_ptr<uint8_t>(), halves(heads[w + 1]), y, M, C, C,
-                       f), "its rows in float32");
+                       f, 0), "its rows in float32");
     for (int64_t m = 0; m < M; m++)
       for (int64_t c = 0; c < C; c++) {
         const float linear = wide(narrow<E>(wide(y[m * C + c]) + wide(bias[c])));
@@ -415,7 +418,7 @@ void head_logits(const E* hidden, const E* x, at::TensorList heads, int64_t at, 
       }
   }
   check(int8_product(z, lm_packed.const_data_ptr<uint8_t>(), halves(lm_scales), logits, M, V, C,
-                     f), "its rows in float32");
+                     f, 0), "its rows in float32");
 }
 
 /* the tree's tokens (N,), root first, filled in depth by depth */

@@ -212,9 +212,14 @@ class Int8GroupLinear(nn.Module):
     group_kernel.c: for an LM head whose weights already lie on that grid (eight_bit_groups' q
     and scales), and for the heads' layers, rounded to it (eight_bit_head_layers)."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 wide: bool = False):
         super().__init__()
         group_kernel.require_kernel()
+        # float32 outputs whatever the rows' dtype: a model's LM head, whose logits greedy
+        # acceptance compares (rounded to bfloat16, close logits tie: 25.249 and 25.189 both
+        # became 25.25, and "What is the capital of France?" began with the wrong one)
+        self.wide = wide
         packed, scales = group_kernel.pack_int8(q, scales)
         self.register_buffer("packed", packed)  # (N / 16, K / 2, 32) uint8
         self.scales = scales  # (N / 16, K / GROUP, 16) float16: a plain attribute, as int4's
@@ -231,7 +236,7 @@ class Int8GroupLinear(nn.Module):
 
     def forward(self, x):  # (..., K) -> (..., N)
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        y = self.product(rows, self.packed, self.scales)  # (M, N)
+        y = self.product(rows, self.packed, self.scales, self.wide)  # (M, N)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -339,6 +344,7 @@ def eight_bit_lm_heads(module: nn.Module, activations16: bool = False) -> int:
              for name, child in parent.named_children()
              if name == "lm_head" and type(child) is nn.Linear and child.bias is None]
     kept = [(parent, groups) for parent, groups in heads if groups is not None]
-    for parent, (q, scales) in kept:
-        parent.lm_head = (Int8A16GroupLinear if activations16 else Int8GroupLinear)(q, scales)
+    for parent, (q, scales) in kept:  # the model's logits in float32 (a draft's: only guesses)
+        kind = Int8A16GroupLinear if activations16 else Int8GroupLinear
+        parent.lm_head = kind(q, scales, wide=isinstance(parent, Llama))
     return len(kept)

@@ -27,21 +27,27 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               vocabulary's cut of it) whose weights lie on an 8-bit grid of 32 (the GGUF's
               Q8_0, which the default model's came from) is kept in it (Int8GroupLinear: a
               byte a weight, half of bfloat16's, and the file's own values, which bfloat16
-              rounds); any other stays bfloat16.
+              rounds; the model's logits in float32, where bfloat16 would tie close ones);
+              any other stays bfloat16.
     w4a8      int4's weights times 8-bit activations (each row's groups of 32 quantized
               with a scale, as llama.cpp does in its own Q4_1 decoding) in the attention's
               output and the MLP's input products (quantized.EIGHT_BIT_INPUTS), 16-bit ones in
               the other two (wqkv, down: within 1.5e-5 of each group's largest value) and in
               the 8-bit LM head (Int8A16GroupLinear: a tree's rows cheaper there too): integer
               products, cheaper than float ones, so a step and its tree's rows cost less.
-              group_kernel.c only (its AVX2 code, on any CPU that has it); the rest as int4.
+              group_kernel.c only (by AVX-512 VNNI where the CPU has it, else its AVX2 code:
+              the same bits); the rest as int4. Float32 activations on every CPU: its rows
+              are quantized from float32, not from bfloat16's rounding of them.
               Measured (format_quality.py, 48 held-out chats, the 2-core AVX2 EPYC): top-1
               agreement with float32 98.97%, KL 0.0007; int4's 100%, 0.0; llama.cpp's Q4_1
-              decoding 97.8%, 0.0025. The default for a 4-bit checkpoint where the kernel
-              takes float32 rows (AVX2 CPUs: flags/load.py's default_format), whose plain
-              decoding it made 1.20x faster there with float32 rows in wqkv and down (bench
-              --formats); 16-bit ones there made plain decoding 1.04-1.08x and Hydra greedy
-              1.09-1.11x faster again (one process, interleaved, two runs).
+              decoding 97.8%, 0.0025. The same on the 2-core Zen 5 (AVX-512, VNNI path), where
+              int4 (bfloat16 activations there, float32 logits) has 99.07%, 0.0003, and w4a8
+              with bfloat16 activations, as it ran there before, had 98.05%, 0.0014. The
+              default for a 4-bit checkpoint where only the AVX2 path multiplies
+              (flags/load.py's default_format), whose plain decoding it made 1.20x faster there
+              with float32 rows in wqkv and down (bench --formats); 16-bit ones there made plain
+              decoding 1.04-1.08x and Hydra greedy 1.09-1.11x faster again (one process,
+              interleaved, two runs).
 
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
