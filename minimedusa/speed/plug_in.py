@@ -27,7 +27,7 @@ from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
 from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
 from minimedusa.speed.fused_draft import fusable_draft, fuse_draft
-from minimedusa.speed.group_kernel import uses_tiles
+from minimedusa.speed.group_kernel import uses_tiles, uses_vnni
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4A16KernelLinear,
                                         Int4KernelLinear, Int4Linear, Int8A16GroupLinear,
@@ -78,7 +78,9 @@ def how_it_runs(model: Llama) -> str:
     block = model.layers[0]
     fmt = format_of(model)
     weights = f" | {fmt} weights" if fmt in QUANTIZED else ""  # the dtype says the rest
-    if any(isinstance(layer, Int4KernelLinear) for layer in block.modules()):
+    if any(isinstance(layer, Int4A8KernelLinear) for layer in block.modules()):
+        weights += " (group_kernel.c, AVX-512 VNNI)" if uses_vnni() else " (group_kernel.c)"
+    elif any(isinstance(layer, Int4KernelLinear) for layer in block.modules()):
         weights += " (group_kernel.c, AMX tiles)" if uses_tiles() else " (group_kernel.c)"
     for bits, kind in ((8, Int4A8KernelLinear), (16, Int4A16KernelLinear)):
         names = [name.rsplit(".", 1)[-1] for name, layer in block.named_modules()
