@@ -97,8 +97,7 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
             {(name, M, path): functools.partial(time_products, layers, M, dtype, path)
              for M in rows for name, layers in parts.items() for path in paths}, rounds)
     finally:
-        if paths[0]:
-            time_products([], 1, dtype, paths[0])  # the first path back on, as the process had it
+        use_path(paths[0])  # the first path back on, as the process had it
     lines = []
     for path in paths:
         lines.append("products alone, ms (GB/s of weights): M rows, the blocks' and the LM "
@@ -110,12 +109,17 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
     return "\n".join(lines)
 
 
-def time_products(layers, M: int, dtype: torch.dtype, path: str = "") -> float:
-    """Seconds to multiply M random rows (of `dtype`, a prepacked layer's own) by each layer's
-    weight, one after another; a path of PATHS switches group_kernel.c to it first."""
+def use_path(path: str) -> None:
+    """Switch group_kernel.c to a path of PATHS; "" (one path) changes nothing."""
     if path:
         switch, on = PATHS[path]
         switch(on)
+
+
+def time_products(layers, M: int, dtype: torch.dtype, path: str = "") -> float:
+    """Seconds to multiply M random rows (of `dtype`, a prepacked layer's own) by each layer's
+    weight, one after another, on `path` (use_path)."""
+    use_path(path)
     inputs = [torch.randn(M, m.in_features, dtype=m.dtype if isinstance(m, PackedLinear)
                           else dtype) for m in layers]
     start = time.perf_counter()

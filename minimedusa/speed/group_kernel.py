@@ -174,9 +174,10 @@ def by_block(t: torch.Tensor) -> torch.Tensor:
 
 
 # rows (M, K) bfloat16 (or float32, takes_float32) times a packed weight: (M, N), the rows'
-# dtype (the int8 layout's: float32 where `wide`, a model's logits). int4_a8_product and int4_a16_product quantize the rows to 8 or 16 bits a group of 32
-# inside the kernel (the w4a8 format), both on pack_int4_a8's layout; int8_a16_product to 16
-# bits, on pack_int8's (w4a8's LM head).
+# dtype (the int8 layout's: float32 where `wide`, a model's logits). int4_a8_product and
+# int4_a16_product quantize the rows to 8 or 16 bits a group of 32 inside the kernel (the w4a8
+# format), both on pack_int4_a8's layout; int8_a16_product to 16 bits, on pack_int8's (w4a8's
+# LM head).
 # Each operator's fake (its output's shape, for the compiler's tracing) is here, what it runs
 # on a CPU in operators.cpp.
 OPERATORS.define("int4_product(Tensor rows, Tensor packed, Tensor scales, Tensor minimums) "
