@@ -167,6 +167,21 @@ def test_a_cpu_format_is_calibrated_on_the_cpu_after_training_on_a_gpu(chat_mode
     assert (out / CALIBRATION).is_file()
 
 
+@pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                    reason="the fused step runs group_kernel.c's products")
+def test_stage_3_times_int4_on_the_step_generate_py_decodes_with(chat_model, tmp_path, capsys):
+    """int4's fused step: generate.py (its default step) then finds the latencies stage 3 cached
+    instead of timing the steps again, and the stage's advice on trees was about that step."""
+    out = tmp_path / "heads"
+    train.main(["--frozen", "--model", str(chat_model), "--out", str(out), "--prompts", "8",
+                "--batch-size", "32", "--warmup", "2", "--decode-format", "int4"])
+    capsys.readouterr()
+    generate.main(["--model", str(chat_model), "--heads", str(out), "--prompt", "Hi",
+                   "--max-new-tokens", "4", "--json", "--quantize", "int4"])
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["step"].startswith("fused") and "latencies cached" in answer["mode"]
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--max-steps", "0"], "--max-steps"),
     (["--max-steps", "-3"], "--max-steps"),

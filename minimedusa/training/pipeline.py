@@ -150,7 +150,11 @@ def tree_stage(args, folder: Path, device, say) -> None:
     weight_format = decode_format(args.decode_format, device, folder)
     if weight_format in QUANTIZED:
         device = torch.device("cpu")
-    model, _ = decoding_model(folder, device, weight_format)
+    # timed on the step generate.py decodes with where that costs no warm-up (int4 and w4a8:
+    # the fused step, ~2.5x faster than their eager one: a tree's worth is another there);
+    # other formats on their eager step (a compiled one's warm-up: minutes on a 2-core CPU)
+    step = None if weight_format in ("int4", "w4a8") else False
+    model, _ = decoding_model(folder, device, weight_format, step)
     heads = decoding_heads(str(args.out), model)
     dtype = model.embed.weight.dtype
     if read_calibration(args.out) is not None and read_cached(latency_key(model, heads, device,
