@@ -24,26 +24,32 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CPU with AVX2 and FMA, and a C compiler")
 
 
-@pytest.fixture(scope="module")
-def avx2(tmp_path_factory) -> dict:
-    """The AVX2 build's three products, called with ctypes: int4_product(x, packed, scales,
-    minimums, y, M, N, K, floats), int4_a8_product (the same arguments) and int8_product(x,
-    packed, scales, y, M, N, K, floats, wide); pointers to the tensors' data, floats 1 for
-    float32 rows (else bfloat16), wide 1 for float32 outputs (else the rows' dtype); each
-    returns 0 when done."""
-    out = tmp_path_factory.mktemp("avx2") / "group_kernel_avx2.so"
-    build(group_kernel.SOURCE, COMPILER, out, ("-march=haswell",))
+def products_of(tmp_path_factory, flags: tuple) -> dict:
+    """A build's products, called with ctypes: int4_product(x, packed, scales, minimums, y, M,
+    N, K, floats), int4_a8_product and int4_a16_product (the same arguments), int8_product(x,
+    packed, scales, y, M, N, K, floats, wide) and int8_a16_product (the same); pointers to the
+    tensors' data, floats 1 for float32 rows (else bfloat16), wide 1 for float32 outputs (else
+    the rows' dtype); each returns 0 when done."""
+    out = tmp_path_factory.mktemp("build") / "group_kernel.so"
+    build(group_kernel.SOURCE, COMPILER, out, flags)
     library = ctypes.CDLL(str(out))
     assert library.group_kernel_available() == 1 and library.group_kernel_floats() == 1
     found = {}
-    for name, pointers, flags in (("int4_product", 5, 1), ("int4_a8_product", 5, 1),
-                                  ("int8_product", 4, 2)):
+    for name, pointers, ints in (("int4_product", 5, 1), ("int4_a8_product", 5, 1),
+                                 ("int4_a16_product", 5, 1), ("int8_product", 4, 2),
+                                 ("int8_a16_product", 4, 2)):
         product = getattr(library, name)
         product.argtypes = ([ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3
-                            + [ctypes.c_int] * flags)
+                            + [ctypes.c_int] * ints)
         product.restype = ctypes.c_int
         found[name] = product
     return found
+
+
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory) -> dict:
+    """The AVX2 build's products (products_of)."""
+    return products_of(tmp_path_factory, ("-march=haswell",))
 
 
 def floats(x: torch.Tensor) -> int:
@@ -65,13 +71,29 @@ def int4_a8_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.
     return int4_product(avx2, x, weight, "int4_a8_product")
 
 
-def int8_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bfloat16 or float32 times an 8-bit grid's weight (N, K), by the AVX2 build."""
+def int4_a16_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x quantized to 16 bits first, on w4a8's layout."""
+    packed, scales, minimums = group_kernel.pack_int4_a8(*quantize_int4(weight))
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    assert avx2["int4_a16_product"](x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                    minimums.data_ptr(), y.data_ptr(), *x.shape[:1],
+                                    *weight.shape, floats(x)) == 0
+    return y
+
+
+def int8_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor,
+                 name="int8_product") -> torch.Tensor:
+    """x (M, K) bfloat16 or float32 times an 8-bit grid's weight (N, K), by the AVX2 build;
+    name="int8_a16_product": x quantized to 16 bits first (w4a8's LM head)."""
     packed, scales = group_kernel.pack_int8(*eight_bit_groups(weight))
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    assert avx2["int8_product"](x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                y.data_ptr(), *x.shape[:1], *weight.shape, floats(x), 0) == 0
+    assert avx2[name](x.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(),
+                      *x.shape[:1], *weight.shape, floats(x), 0) == 0
     return y
+
+
+def int8_a16_product(avx2: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return int8_product(avx2, x, weight, "int8_a16_product")
 
 
 DTYPES = st.sampled_from([torch.bfloat16, torch.float32])
@@ -120,3 +142,23 @@ def test_an_avx2_rows_product_has_the_same_bits_whatever_rows_beside_it(avx2, pr
     alone = product(avx2, rows[:1], weight)  # (1, N)
     assert all(torch.equal(product(avx2, rows[:m], weight)[:1], alone) for m in range(2, 18))
     assert torch.equal(product(avx2, rows.flip(0).contiguous(), weight)[-1:], alone)
+
+
+@pytest.fixture(scope="module")
+def avx_vnni(tmp_path_factory) -> dict:
+    """The AVX2 build with AVX-VNNI (VPDPBUSD and VPDPWSSD at 256 bits: Intel's client CPUs
+    since Alder Lake, Zen 5), on a CPU that has it."""
+    if "avx_vnni" not in cpu_features().split("+"):
+        pytest.skip("this CPU has no AVX-VNNI")
+    return products_of(tmp_path_factory, ("-march=haswell", "-mavxvnni"))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), dtype=DTYPES)
+def test_avx_vnni_gives_w4a8s_products_the_avx2_codes_bits(avx2, avx_vnni, seed, rows, dtype):
+    """Its integer sums are the AVX2 code's, exact, so what format_quality measured holds."""
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    for product, weight in ((int4_a8_product, four_bit_weight(48, 96, seed)),
+                            (int4_a16_product, four_bit_weight(48, 96, seed)),
+                            (int8_a16_product, eight_bit_weight(48, 96, seed))):
+        assert torch.equal(product(avx_vnni, x, weight), product(avx2, x, weight))

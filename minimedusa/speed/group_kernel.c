@@ -485,6 +485,15 @@ static int avx2_entry(const void* x, const int floats, const uint8_t* packed,
 
 #if defined(__AVX2__)
 #define A8_PATH 1  /* the products of quantized rows: 8-bit (w4a8's first) and 16-bit */
+#if defined(__AVXVNNI__)
+/* VPDPBUSD and VPDPWSSD at 256 bits (Intel's client CPUs since Alder Lake, Zen 5), where the
+   CPU has no AVX-512 VNNI path (or it is switched off): one instruction where VPMADDUBSW needs
+   two or three, the integer sums the same, exact. On the 2-core Zen 5 (w4a8's 120 block
+   products in the default model's shapes, random weights held in the caches, builds for
+   haswell with and without it in turns): 1.05 / 1.06 / 1.07x faster at 1 / 4 / 8 rows;
+   Intel's CPUs unmeasured */
+#define AVX_VNNI 1
+#endif
 
 /* The w4a8 format: int4 weights times 8-bit activations, as llama.cpp multiplies Q4_1 by Q8_1.
    Each row's group of 32 is quantized first: d = max |x| / 127, a = x / d rounded to nearest,
@@ -600,9 +609,15 @@ static inline __attribute__((always_inline)) void block_rows8(
         const __m256i next = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);  /* k+4..k+7 */
         for (int i = 0; i < n; i++) {
           const int8_t* a = r->a8 + i * K + g * 32 + 8 * c;
+          const __m256i a0 = _mm256_broadcastd_epi32(_mm_loadu_si32(a));
+          const __m256i a1 = _mm256_broadcastd_epi32(_mm_loadu_si32(a + 4));
+#if defined(AVX_VNNI)
+          acc[i][h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc[i][h], first, a0),
+                                              next, a1);
+#else
           acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_add_epi16(
-              _mm256_maddubs_epi16(first, _mm256_broadcastd_epi32(_mm_loadu_si32(a))),
-              _mm256_maddubs_epi16(next, _mm256_broadcastd_epi32(_mm_loadu_si32(a + 4)))));
+              _mm256_maddubs_epi16(first, a0), _mm256_maddubs_epi16(next, a1)));
+#endif
         }
       }
     for (int h = 0; h < 2; h++) {
@@ -610,7 +625,12 @@ static inline __attribute__((always_inline)) void block_rows8(
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + at_g)));
       const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(minimums + at_g)));
       for (int i = 0; i < n; i++) {
+#if defined(AVX_VNNI)
+        const __m256 qa = _mm256_cvtepi32_ps(acc[i][h]);  /* VPDPBUSD's sums: 32 bits */
+        (void)ones;
+#else
         const __m256 qa = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][h], ones));
+#endif
         out[i][h] = _mm256_fmadd_ps(qa, _mm256_mul_ps(scale, _mm256_set1_ps(r->d[i * G + g])),
                                     out[i][h]);
         out[i][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(r->sums[i * G + g]), out[i][h]);
@@ -686,6 +706,11 @@ static inline __attribute__((always_inline)) void block_rows16(
                               _mm256_srli_epi16(v, 12)};
         for (int i = 0; i < n; i++) {
           const int16_t* a = r->a16 + i * K + g * 32 + 8 * c;
+#if defined(AVX_VNNI)
+          for (int j = 0; j < 4; j++)
+            acc[i][h] = _mm256_dpwssd_avx_epi32(
+                acc[i][h], q[j], _mm256_broadcastd_epi32(_mm_loadu_si32(a + 2 * j)));
+#else
           __m256i pairs[4];
           for (int j = 0; j < 4; j++) {
             int32_t pair;
@@ -694,6 +719,7 @@ static inline __attribute__((always_inline)) void block_rows16(
           }
           acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_add_epi32(
               _mm256_add_epi32(pairs[0], pairs[1]), _mm256_add_epi32(pairs[2], pairs[3])));
+#endif
         }
       }
     for (int h = 0; h < 2; h++) {

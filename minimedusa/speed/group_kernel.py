@@ -7,8 +7,8 @@ takes float32 rows (takes_float32: in every build for a CPU with AVX2), and bflo
 where there is no AVX-512 BF16 (multiplies_bfloat16).
 And, in both builds, int4 weights times 8-bit activations (int4_a8_product) and times 16-bit
 ones (int4_a16_product), and 8-bit groups times 16-bit ones (int8_a16_product): the w4a8
-format's products, by AVX-512 VNNI where the CPU has it (uses_vnni), else by AVX2; the same
-bits either way.
+format's products, by AVX-512 VNNI where the CPU has it (uses_vnni), else by AVX2 (with
+AVX-VNNI's 256-bit VPDPBUSD where the CPU has that); the same bits every way.
 Where the CPU has AMX (Intel since Sapphire Rapids) and Linux grants the tiles' state, the
 AVX-512 path's bfloat16 products run on AMX tiles instead of VDPBF16PS (uses_tiles): up to 16
 rows a tile product, so a tree's rows cost little more than a plain step's one; where the

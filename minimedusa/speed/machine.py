@@ -27,10 +27,10 @@ def device_name(device: torch.device) -> str:
 
 
 # the CPU features that set the speed of a decoding step's products: the vector instruction
-# sets (x86: AVX2, AVX-512 and its VNNI and bf16 extensions, AMX; Arm: NEON/ASIMD, SVE); the C
-# kernels' builds are keyed by them too (group_kernel.c's paths follow them)
-VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd",
-                   "sve")
+# sets (x86: AVX2 and AVX-VNNI, AVX-512 and its VNNI and bf16 extensions, AMX; Arm: NEON/ASIMD,
+# SVE); the C kernels' builds are keyed by them too (group_kernel.c's paths follow them)
+VECTOR_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16",
+                   "amx_tile", "asimd", "sve")
 
 
 def cpu_features() -> str:
