@@ -93,7 +93,12 @@ class Budget:
     """Chooses each step's tree size from the steps so far. sizes: the choices (0 = plain);
     expected: prior tokens per step of each size (from the calibration; missing: unknown, so the
     size is tried); latency: prior seconds per step of each size; rank: each node path's place
-    in the nested trees (size n holds the paths of rank <= n)."""
+    in the nested trees (size n holds the paths of rank <= n).
+
+    Steps come in groups that the caller names (decoding: how long a suffix the step's context
+    chain matched, context_candidates.py), each group with its own acceptance counts and
+    chosen size: a step whose chain matched 3 tokens accepts far more from a big tree than one
+    with no chain. Step times are one machine's: shared by the groups."""
 
     def __init__(self, sizes, expected: dict, latency: dict, rank: dict, prior_steps: int = 8,
                  window: int = 16, trusted: int = 3, margin: float = 0.05):
@@ -105,20 +110,40 @@ class Budget:
         self.margin = margin  # another size must promise this much more to be switched to, so
         # that timing noise does not make the steps wander between sizes of equal worth, and a
         # tree must promise it over plain decoding, where every run starts: "never slower"
-        self.tokens = {n: 0 for n in self.sizes}  # tokens size n would have yielded so far ...
-        self.steps = {n: 0 for n in self.sizes}  # ... over this many steps
+        # per group: tokens size n would have yielded so far, over this many steps
+        self.tokens: dict[int, dict[int, int]] = {}
+        self.steps: dict[int, dict[int, int]] = {}
         self.seconds = {n: deque(maxlen=window) for n in self.sizes}  # recent step times
         self.used = {n: 0 for n in self.sizes}  # steps run at each size
-        self.current = 0  # the size settled on (probes aside): plain steps, until a tree pays
+        self.current: dict[int, int] = {}  # per group, the size settled on (probes aside):
+        # plain steps, until a tree pays
 
-    def tokens_per_step(self, n: int) -> float | None:
+    def tokens_per_step(self, n: int, group: int = 0) -> float | None:
+        """Tokens a step of size n yields in this group: what it measured, and the prior for
+        the steps it has not (prior_steps' worth)."""
         if n == 0:
             return 1.0
-        prior = self.expected.get(n)
+        prior = self.prior(n, group)
         weight = self.prior_steps if prior is not None else 0
-        if self.steps[n] + weight == 0:
+        tokens, steps = self.tokens.get(group, {}).get(n, 0), self.steps.get(group, {}).get(n, 0)
+        if steps + weight == 0:
             return None
-        return (self.tokens[n] + weight * (prior or 0.0)) / (self.steps[n] + weight)
+        return (tokens + weight * (prior or 0.0)) / (steps + weight)
+
+    def prior(self, n: int, group: int) -> float | None:
+        """The calibration's tokens per step at size n, anchored at the largest smaller size
+        this group has measured: that size's measured rate plus the calibration's difference
+        between the two. The calibration's level is off for a group (steps with a long context
+        chain accept far more, held-out chat less), its growth with the size much less so."""
+        if self.expected.get(n) is None:
+            return None
+        steps = self.steps.get(group, {})
+        below = [m for m in self.sizes if 0 < m < n and steps.get(m, 0) >= self.trusted
+                 and m in self.expected]
+        if not below:
+            return self.expected[n]
+        m = max(below)
+        return self.tokens[group][m] / steps[m] + self.expected[n] - self.expected[m]
 
     def measured(self, n: int) -> bool:
         return len(self.seconds[n]) >= self.trusted
@@ -136,35 +161,40 @@ class Budget:
         nearest = min(measured, key=lambda m: (abs(self.sizes.index(m) - i), m))
         return self.latency[n] * statistics.median(self.seconds[nearest]) / self.latency[nearest]
 
-    def rate(self, n: int) -> float:
+    def rate(self, n: int, group: int = 0) -> float:
         """Estimated tokens per second at size n; an untried size of unknown acceptance is
         infinitely promising, so that it is tried."""
-        tokens = self.tokens_per_step(n)
+        tokens = self.tokens_per_step(n, group)
         return float("inf") if tokens is None else tokens / self.seconds_per_step(n)
 
-    def best(self) -> int:
-        """The size of the highest rate, unless it beats the current size by no more than the
-        margin (ties go to the smaller tree)."""
-        best = max(self.sizes, key=lambda n: (self.rate(n), -n))
-        if self.rate(best) <= (1 + self.margin) * self.rate(self.current):
-            return self.current
+    def best(self, group: int = 0) -> int:
+        """The size of the highest rate, unless it beats the group's current size by no more
+        than the margin (ties go to the smaller tree)."""
+        best = max(self.sizes, key=lambda n: (self.rate(n, group), -n))
+        current = self.current.get(group, 0)
+        if self.rate(best, group) <= (1 + self.margin) * self.rate(current, group):
+            return current
         return best
 
-    def choose(self) -> int:
-        """The best size, unless one of its neighbours is not measured yet in this run: then
-        that neighbour, for a step (the rate over the sizes is hill-shaped, so the best size's
-        neighbours are where a wrong prior shows)."""
-        self.current = self.best()
-        i = self.sizes.index(self.current)
-        for j in (i + 1, i - 1):
-            if 0 <= j < len(self.sizes) and not self.measured(self.sizes[j]):
+    def choose(self, group: int = 0) -> int:
+        """The best size for a step of this group, unless one of its neighbours is not measured
+        yet in this run: then that neighbour, for a step (the rate over the sizes is
+        hill-shaped, so the best size's neighbours are where a wrong prior shows)."""
+        self.current[group] = self.best(group)
+        i = self.sizes.index(self.current[group])
+        steps = self.steps.get(group, {})
+        for j in (i + 1, i - 1):  # a neighbour not timed, or whose acceptance the group lacks
+            if 0 <= j < len(self.sizes) and (not self.measured(self.sizes[j]) or
+                                             0 < self.sizes[j] and
+                                             steps.get(self.sizes[j], 0) < self.trusted):
                 return self.sizes[j]
-        return self.current
+        return self.current[group]
 
     def record(self, n: int, seconds: float, accepted: list[tuple],
-               rank: dict | None = None) -> None:
-        """A step at size n took `seconds` and accepted these node paths (root excluded); rank:
-        where each path comes in this step's tree order, if not the nested trees' (a ranked tree).
+               rank: dict | None = None, group: int = 0) -> None:
+        """A step of this group at size n took `seconds` and accepted these node paths (root
+        excluded); rank: where each path comes in this step's tree order, if not the nested
+        trees' (a ranked tree, a tree merged with a context chain).
 
         note: the accepted paths form one chain from the root, and a smaller nested tree holds
         a prefix of it; under greedy and rejection-sampling acceptance (one draw per node) that
@@ -173,10 +203,11 @@ class Budget:
         self.seconds[n].append(seconds)
         self.used[n] += 1
         rank = rank or self.rank
+        tokens, steps = self.tokens.setdefault(group, {}), self.steps.setdefault(group, {})
         for m in self.sizes:
             if 0 < m <= n:  # what the nested tree of m nodes would have accepted in this step
-                self.tokens[m] += 1 + sum(rank[p] <= m for p in accepted)
-                self.steps[m] += 1
+                tokens[m] = tokens.get(m, 0) + 1 + sum(rank[p] <= m for p in accepted)
+                steps[m] = steps.get(m, 0) + 1
 
     def summary(self) -> str:
         """"4 nodes (steps by size: 0:1 3:1 4:120 6:1)": the size used most (0: plain
@@ -196,11 +227,11 @@ class FixedSize:
     def __init__(self, n: int, rank: dict | None = None):
         self.sizes, self.rank, self.steps = [n], rank or {}, 0
 
-    def choose(self) -> int:
+    def choose(self, group: int = 0) -> int:
         return self.sizes[0]
 
     def record(self, n: int, seconds: float, accepted: list[tuple],
-               rank: dict | None = None) -> None:
+               rank: dict | None = None, group: int = 0) -> None:
         self.steps += 1
 
     def summary(self) -> str:

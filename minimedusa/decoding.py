@@ -274,9 +274,10 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
     the paper's one tree every step (budget.fixed(tree)), or a budget.Budget that adapts n to
     this machine's step times and the accepted lengths, 0 being a plain step; trees None: the
     n nodes the heads find most probable at that step (ranked_tree.py). With `context`, a
-    chain read from the sequence itself joins the tree (context_candidates.py). Every step's
-    time and accepted path go back to the budget. Lossless under greedy acceptance whatever
-    the trees. `cache`: a conversation's, holding prompt_ids' first tokens, or None (new)."""
+    chain read from the sequence itself joins the tree (context_candidates.py), and the budget
+    sizes the step by how long a suffix the chain matched (its group: 0 for none). Every
+    step's time and accepted path go back to the budget. Lossless under greedy acceptance
+    whatever the trees. `cache`: a conversation's, holding prompt_ids' first tokens, or None."""
     device = model.embed.weight.device
     generator = make_generator(device, seed)
     # the margin: a step writes all its tree's tokens before compaction drops the rejected ones
@@ -294,14 +295,16 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
         if stop or produced == max_new_tokens:
             cache.rewind(len(prompt_ids) + produced - 1)  # a cut step's later tokens: dropped
             return
-        n, start, root = budget.choose(), clock(), new[-1]  # root: the last token emitted
+        start, root = clock(), new[-1]  # root: the last token emitted
+        matched, chain = 0, []
         if sequence is not None:
             sequence.extend([root])
+            matched, chain = sequence.match()
+        n = budget.choose(matched)
         if n == 0:
             new, nodes, hidden = root_step(model, cache, root, acceptance, generator)
             accepted, rank = [], None
         else:
-            chain = sequence.chain() if sequence is not None else []
             tree, tokens, rank = step_tree(model, heads, trees, budget.rank, n, root, features,
                                            chain)
             new, nodes, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
@@ -309,7 +312,7 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
         # note: a step's time includes reading its kept positions into a draft layer (read):
         # every step pays it, plain ones too
         features = read(hidden)
-        budget.record(n, clock() - start, accepted, rank)
+        budget.record(n, clock() - start, accepted, rank, matched)
         if sequence is not None:
             sequence.extend(new[:-1])  # the accepted candidates; the last is the next root
 

@@ -1,8 +1,9 @@
 """The tree budget adapts to the machine it runs on: from a wrong prior (latencies measured
 elsewhere) the steps end on the size the true latencies favour, plain decoding when no tree
-pays; a step tells what every smaller nested tree would have accepted; switching sizes
-mid-run never changes the greedy output; and a damaged or unwritable latency cache costs a
-measurement and one line, never the run."""
+pays; a step tells what every smaller nested tree would have accepted; groups of steps that
+accept differently settle on their own sizes; switching sizes mid-run never changes the greedy
+output; and a damaged or unwritable latency cache costs a measurement and one line, never
+the run."""
 import os
 import random
 
@@ -79,10 +80,39 @@ def test_when_no_tree_pays_the_steps_are_plain():
 def test_a_step_counts_what_every_smaller_nested_tree_would_have_accepted():
     budget = Budget(SIZES, {}, dict(TRUE_LATENCY), RANK)
     budget.record(16, 2.5, SPINE)  # the whole spine: ranks 1, 3, 6, 12
-    assert {n: budget.tokens[n] for n in SIZES[1:]} == {1: 2, 2: 2, 4: 3, 8: 4, 16: 5}
+    assert {n: budget.tokens[0][n] for n in SIZES[1:]} == {1: 2, 2: 2, 4: 3, 8: 4, 16: 5}
     budget.record(4, 1.2, SPINE[:1])
-    assert budget.tokens[8] == 4 and budget.steps[8] == 1  # a 4-node step says nothing of 8
-    assert budget.tokens[4] == 5 and budget.steps[4] == 2
+    tokens, steps = budget.tokens[0], budget.steps[0]  # group 0: the steps named no group
+    assert tokens[8] == 4 and steps[8] == 1  # a 4-node step says nothing of 8
+    assert tokens[4] == 5 and steps[4] == 2
+
+
+def test_groups_that_accept_differently_settle_on_their_own_sizes():
+    """Steps of group 1 (say, a long context match) accept the whole spine of any tree, group
+    0's accept nothing: on the same machine, group 1 settles on the biggest tree whose rate is
+    best, group 0 on plain steps, and neither's counts leak into the other's."""
+    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), RANK)
+    rng = random.Random(0)
+    for _ in range(400):
+        group = rng.randrange(2)
+        n = budget.choose(group)
+        accepted = [p for p in SPINE if RANK[p] <= n] if group == 1 else []
+        budget.record(n, TRUE_LATENCY[n] * rng.uniform(0.95, 1.05), accepted, group=group)
+    rate = {n: (1 + sum(r <= n for r in (1, 3, 6, 12))) / TRUE_LATENCY[n] for n in SIZES}
+    assert budget.best(1) == max(rate, key=rate.get) == 8
+    assert budget.best(0) == 0
+    assert budget.tokens[0][1] == budget.steps[0][1]  # group 0: one token a step, at any size
+
+
+def test_a_group_anchors_the_calibration_at_what_it_measured():
+    """Once a group has measured a size, a bigger size's prior is that measurement plus the
+    calibration's growth between the two, not the calibration's level."""
+    budget = Budget(SIZES, {1: 1.5, 2: 1.7, 4: 1.9}, dict(TRUE_LATENCY), RANK)
+    for _ in range(3):
+        chain = {(0,): 1, (0, 0): 2}  # a 2-node chain tree (a merged step's ranks)
+        budget.record(2, 1.1, [(0,), (0, 0)], chain, group=3)  # 3 tokens a step at 2 nodes
+    assert budget.prior(4, 3) == pytest.approx(3.0 + 1.9 - 1.7)
+    assert budget.prior(4, 0) == 1.9  # another group's measurement says nothing of group 0
 
 
 def test_unknown_acceptance_is_tried_before_it_is_judged():

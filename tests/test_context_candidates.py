@@ -1,7 +1,8 @@
 """Context candidates (context_candidates.py): the index finds what a slow scan of the sequence
-finds, the chain merged into a step's tree keeps the step within its budget, hangs from the root
-with its tokens in order and never duplicates a sibling, and decoding with it stays lossless and
-accepts what the chain proposes."""
+finds (the chain and how long a suffix it matched), the chain merged into a step's tree keeps
+the step within its budget, hangs from the root with its tokens in order and never duplicates a
+sibling, ranks its nodes so that a smaller step's merged tree is its first nodes, and decoding
+with it stays lossless and accepts what the chain proposes."""
 import random
 
 import torch
@@ -19,16 +20,17 @@ NODES = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0), (0, 0, 0, 0), (3,)
          (0, 0, 1), (2, 0), (0, 1, 0), (4,), (0, 0, 0, 1)]
 
 
-def scanned_chain(tokens: list[int], max_ngram: int, length: int) -> list[int]:
+def scanned_chain(tokens: list[int], max_ngram: int, length: int) -> tuple[int, list[int]]:
     """The slow reference: for the longest suffix first, scan back for its last earlier
-    occurrence and return what followed it, the sequence repeating itself past its end."""
+    occurrence and return (the suffix's length, what followed it, the sequence repeating
+    itself past its end)."""
     for n in range(min(max_ngram, len(tokens)), 0, -1):
         suffix = tokens[len(tokens) - n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
                 period = len(tokens) - (start + n)
-                return [tokens[start + n + i % period] for i in range(length)]
-    return []
+                return n, [tokens[start + n + i % period] for i in range(length)]
+    return 0, []
 
 
 @settings(max_examples=200, deadline=None)
@@ -38,7 +40,8 @@ def test_index_finds_the_chain_a_scan_of_the_sequence_finds(tokens, split, max_n
     """Built at once or extended piece by piece, the index agrees with the scan."""
     index = ContextIndex(tokens[:split], max_ngram, length)
     index.extend(tokens[split:])
-    assert index.chain() == scanned_chain(tokens, max_ngram, length)
+    assert index.match() == scanned_chain(tokens, max_ngram, length)
+    assert index.chain() == index.match()[1]
 
 
 def tree_tokens(tree):
@@ -73,6 +76,33 @@ def test_the_merged_tree_keeps_the_budget_holds_the_chain_and_no_twin_siblings(s
         assert len(siblings) == len(set(siblings))
     kept = [p for p in merged.nodes if p in original and merged_rank.get(p, 0) != 1]
     assert all(token_of[p] == original[p] for p in kept)
+
+
+def token_paths(tree, tokens, nodes) -> set[tuple]:
+    """Each node as the tokens on its path from the root: what a node IS, whatever index the
+    merge gave it."""
+    token_of = dict(zip(tree.nodes, tokens.tolist()))
+    return {tuple(token_of[p[:d]] for d in range(1, len(p) + 1)) for p in nodes}
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.sampled_from([(1, 2), (1, 4), (2, 4), (2, 8), (4, 8), (3, 16), (8, 16)]),
+       chain=st.lists(st.integers(0, 19), max_size=6))
+def test_a_smaller_steps_merged_tree_is_the_first_nodes_of_a_larger_ones(sizes, chain):
+    """What the budget counts a smaller tree's acceptance by (budget.Budget.record): the nodes
+    ranked 1..m in an n-node step's merged tree are the m-node step's merged tree."""
+    m, n = sizes
+    trees, rank = nested_trees(NODES, [m, n], 4, 32, "cpu")
+    big_tokens = tree_tokens(trees[n])
+    token_of = dict(zip(trees[n].nodes, big_tokens.tolist()))
+    small_tokens = torch.tensor([token_of[p] for p in trees[m].nodes])  # the same guesses
+    if not chain:  # the heads' own trees and ranks: nested by construction
+        return
+    big, big_merged, big_rank = with_chain(trees[n], big_tokens, rank, n, chain)
+    small, small_merged, _ = with_chain(trees[m], small_tokens, rank, m, chain)
+    first = [p for p in big.nodes[1:] if big_rank[p] <= m]
+    assert token_paths(big, big_merged, first) == token_paths(small, small_merged,
+                                                              small.nodes[1:])
 
 
 def test_decoding_with_context_candidates_stays_lossless_and_accepts_the_chain():

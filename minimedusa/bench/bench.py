@@ -125,7 +125,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("--sizes", default="",
                    help="also time greedy Medusa with the best tree of each of these sizes, "
                    "grown from the heads' calibration, e.g. 1,2,4,8,16,32,64 (tokens/s "
-                   "against tree size, the paper's Fig. 4)")
+                   "against tree size, the paper's Fig. 4), with context candidates as "
+                   "--context says")
     p.add_argument("--ranked", default="",
                    help="also time greedy Medusa with confidence-ranked trees of these sizes "
                    "(ranked_tree.py), e.g. 4,8,16, beside --sizes' static trees")
@@ -148,9 +149,10 @@ def add_engine_variants(p) -> None:
                    help="skip llama.cpp even if llama-cpp-python is installed (it runs the "
                    "default model's Q4_1 GGUF file, fetched into weights/ on first use)")
     p.add_argument("--context", choices=("on", "off", "both"), default="on",
-                   help="context candidates in the adapted trees (branches read from the prompt "
-                   "and the answer so far, context_candidates.py): on (default, as generate.py), "
-                   "off, or both: greedy also without them, as 'NAME (no context)'")
+                   help="context candidates in the adapted trees and --sizes' trees (branches "
+                   "read from the prompt and the answer so far, context_candidates.py): on "
+                   "(default, as generate.py), off, or both: greedy also without them, as "
+                   "'NAME (no context)'")
     p.add_argument("--eager-too", action="store_true",
                    help="also time every plain and greedy Medusa engine with its decoding step "
                    "eager, as 'NAME (eager)', beside the compiled one (see --compile)")

@@ -118,9 +118,9 @@ def plain_engine(model):
     return lambda ids, n, seed: timed(plain_decode(model, ids, n, Sampling(), set()))
 
 
-def medusa_engine(model, heads, tree, acceptance):
+def medusa_engine(model, heads, tree, acceptance, context=False):
     return lambda ids, n, seed: timed(medusa_decode(model, heads, *fixed(tree), ids, n,
-                                                    acceptance, set(), seed))
+                                                    acceptance, set(), seed, context=context))
 
 
 def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter, ranked=False,
@@ -227,9 +227,11 @@ def heads_engines(engines: Engines, label, spec, heads, model, device, args) -> 
         nodes, probs = grow_tree(accuracy, max(args.sizes))
         trees, _ = nested_trees(nodes, args.sizes, heads.config.medusa_num_heads,
                                 ranked_vocab_size(heads, model), device)
-        for n, sized in trees.items():
-            run[label + f"greedy {n} nodes"] = medusa_engine(model, heads, sized, greedy())
-            expected[label + f"greedy {n} nodes"] = expected_length(probs[:n])
+        for n, sized in trees.items():  # with context candidates as --context says
+            for context in {"on": (True,), "off": (False,), "both": (True, False)}[args.context]:
+                name = label + f"greedy {n} nodes" + ("" if context else NO_CONTEXT)
+                run[name] = medusa_engine(model, heads, sized, greedy(), context)
+                expected[name] = expected_length(probs[:n])
     for n in args.ranked:
         run[label + f"greedy ranked {n} nodes"] = ranked_engine(model, heads, n)
     if args.ranked_adapted:
