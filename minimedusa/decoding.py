@@ -197,8 +197,11 @@ def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, tokens: torch.Te
     accepted nodes, the last of which the heads guess the next step's candidates from).
     """
     logits, hidden = tree_forward(model, cache, tree, tokens)  # (N, V), (N, C)
-    path, length, next_token = acceptance.verify(logits, tree, tokens, generator)
-    nodes, new_tokens = accepted_on_host(tree, tokens, path, length, next_token)
+    if acceptance.on_host is not None and logits.device.type == "cpu":  # the same, cheaper
+        nodes, new_tokens = acceptance.on_host(logits, tree, tokens)
+    else:
+        path, length, next_token = acceptance.verify(logits, tree, tokens, generator)
+        nodes, new_tokens = accepted_on_host(tree, tokens, path, length, next_token)
     cache.compact(nodes)  # the accepted nodes' keys/values into place; rejected ones dropped
     return new_tokens, nodes, hidden[nodes]
 

@@ -2,7 +2,8 @@
 
 - tree attention: the logits at every tree node == a plain forward of prefix + that node's path;
 - lossless greedy: Medusa greedy output == plain greedy output, token for token;
-- KV compaction: after any number of steps the cache == that of a plain forward of the sequence.
+- KV compaction: after any number of steps the cache == that of a plain forward of the sequence;
+- greedy acceptance walked on the host (a CPU's) == the device rule.
 """
 import pytest
 import torch
@@ -10,12 +11,12 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, copycat_model, perturbed, tiny_model
 from minimedusa.budget import fixed
-from minimedusa.acceptance import greedy, typical
+from minimedusa.acceptance import greedy, greedy_acceptance, greedy_on_host, typical
 from minimedusa.heads import MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.kv_cache import KVCache
-from minimedusa.decoding import (StepStats, draft, medusa_decode, medusa_step, new_cache,
-                                 plain_decode, prefill, tree_forward)
+from minimedusa.decoding import (StepStats, accepted_on_host, draft, medusa_decode, medusa_step,
+                                 new_cache, plain_decode, prefill, tree_forward)
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
@@ -122,6 +123,29 @@ def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(devi
               causal_mask(0, n, device), expected, expected.slots(0, n))
         torch.testing.assert_close(cached_keys_values(cache, n),
                                    cached_keys_values(expected, n), rtol=0, atol=1e-10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(choices=trees(max_nodes=16, max_depth=4), seed=st.integers(0, 10_000),
+       agree=st.floats(0.0, 1.0))
+def test_greedy_on_the_host_accepts_what_greedy_on_the_device_accepts(choices, seed, agree):
+    """The CPU's walk in Python (greedy_on_host) and the device rule plus its one host sync
+    (greedy_acceptance, accepted_on_host): the same nodes, the same new tokens. Logits of few
+    levels (ties: the first maximum wins in both), candidates that are their parent's argmax
+    with probability `agree`, so that long paths are accepted too."""
+    tree = build_tree(choices)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (tree.size, VOCAB), generator=g).float()  # (N, V), ties
+    draws = logits.argmax(dim=-1)
+    parent = {i: tree.paths_host[0][0] for i in range(tree.size)}
+    for path in tree.paths_host:
+        for a, b in zip(path, path[1:]):
+            parent[b] = a
+    tokens = torch.tensor([draws[parent[i]].item() if torch.rand((), generator=g) < agree
+                           else torch.randint(0, VOCAB, (), generator=g).item()
+                           for i in range(tree.size)])
+    on_device = accepted_on_host(tree, tokens, *greedy_acceptance(logits, tree, tokens))
+    assert greedy_on_host(logits, tree, tokens) == on_device
 
 
 @settings(max_examples=20, deadline=None)
