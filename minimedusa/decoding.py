@@ -199,9 +199,9 @@ def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, tokens: torch.Te
     logits, hidden = tree_forward(model, cache, tree, tokens)  # (N, V), (N, C)
     if acceptance.on_host is not None and logits.device.type == "cpu":  # the same, cheaper
         nodes, new_tokens = acceptance.on_host(logits, tree, tokens)
-    else:
-        path, length, next_token = acceptance.verify(logits, tree, tokens, generator)
-        nodes, new_tokens = accepted_on_host(tree, tokens, path, length, next_token)
+    else:  # on the device, then its one host sync
+        nodes, new_tokens = accepted_on_host(tree, tokens,
+                                             *acceptance.verify(logits, tree, tokens, generator))
     cache.compact(nodes)  # the accepted nodes' keys/values into place; rejected ones dropped
     return new_tokens, nodes, hidden[nodes]
 
@@ -277,10 +277,9 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
     the paper's one tree every step (budget.fixed(tree)), or a budget.Budget that adapts n to
     this machine's step times and the accepted lengths, 0 being a plain step; trees None: the
     n nodes the heads find most probable at that step (ranked_tree.py). With `context`, a
-    chain read from the sequence itself joins the tree (context_candidates.py), and the budget
-    sizes the step by how long a suffix the chain matched (its group: 0 for none). Every
-    step's time and accepted path go back to the budget. Lossless under greedy acceptance
-    whatever the trees. `cache`: a conversation's, holding prompt_ids' first tokens, or None."""
+    chain read from the sequence itself joins the tree (context_candidates.py; step_chain).
+    Every step's time, group and accepted path go back to the budget. Lossless under greedy
+    acceptance whatever the trees. `cache`: a conversation's, or None (decoding_cache)."""
     device = model.embed.weight.device
     generator = make_generator(device, seed)
     # the margin: a step writes all its tree's tokens before compaction drops the rejected ones
@@ -299,10 +298,7 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
             cache.rewind(len(prompt_ids) + produced - 1)  # a cut step's later tokens: dropped
             return
         start, root = clock(), new[-1]  # root: the last token emitted
-        matched, chain = 0, []
-        if sequence is not None:
-            sequence.extend([root])
-            matched, chain = sequence.match()
+        matched, chain = step_chain(sequence, root)
         n = budget.choose(matched)
         if n == 0:
             new, nodes, hidden = root_step(model, cache, root, acceptance, generator)
@@ -318,6 +314,15 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
         budget.record(n, clock() - start, accepted, rank, matched)
         if sequence is not None:
             sequence.extend(new[:-1])  # the accepted candidates; the last is the next root
+
+
+def step_chain(sequence: ContextIndex | None, root: int) -> tuple[int, list[int]]:
+    """(the step's group for the budget: how long a suffix its chain matched, 0 for none; the
+    chain), once the root has joined the sequence; (0, []) without context candidates."""
+    if sequence is None:
+        return 0, []
+    sequence.extend([root])
+    return sequence.match()
 
 
 def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:
