@@ -61,7 +61,7 @@ def greedy_on_host(logits, tree: MedusaTree, tokens) -> tuple[list[int], list[in
     2-core Zen 5; here the argmax is numpy's, and the walk over at most 16 paths is Python."""
     draws, candidate = greedy_tokens(logits).tolist(), tokens.tolist()  # (N,) each
     best: list[int] = [0]
-    for path in tree.paths_host:  # a node's children are distinct tokens: one path matches
+    for path in tree.paths_host:  # the first longest, as pick_by_draws' argmax takes it
         depth = 1
         while depth < len(path) and candidate[path[depth]] == draws[path[depth - 1]]:
             depth += 1
