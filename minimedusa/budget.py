@@ -182,11 +182,8 @@ class Budget:
         hill-shaped, so the best size's neighbours are where a wrong prior shows)."""
         self.current[group] = self.best(group)
         i = self.sizes.index(self.current[group])
-        steps = self.steps.get(group, {})
-        for j in (i + 1, i - 1):  # a neighbour not timed, or whose acceptance the group lacks
-            if 0 <= j < len(self.sizes) and (not self.measured(self.sizes[j]) or
-                                             0 < self.sizes[j] and
-                                             steps.get(self.sizes[j], 0) < self.trusted):
+        for j in (i + 1, i - 1):  # timed for every group at once: a group's acceptance there
+            if 0 <= j < len(self.sizes) and not self.measured(self.sizes[j]):  # is its prior
                 return self.sizes[j]
         return self.current[group]
 

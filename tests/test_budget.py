@@ -89,8 +89,9 @@ def test_a_step_counts_what_every_smaller_nested_tree_would_have_accepted():
 
 def test_groups_that_accept_differently_settle_on_their_own_sizes():
     """Steps of group 1 (say, a long context match) accept the whole spine of any tree, group
-    0's accept nothing: on the same machine, group 1 settles on the biggest tree whose rate is
-    best, group 0 on plain steps, and neither's counts leak into the other's."""
+    0's accept nothing: on the same machine, group 1 settles on the tree whose rate is best,
+    group 0 on plain steps or 1 node (here within the margin of each other), and neither's
+    counts leak into the other's."""
     budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), RANK)
     rng = random.Random(0)
     for _ in range(400):
@@ -100,7 +101,7 @@ def test_groups_that_accept_differently_settle_on_their_own_sizes():
         budget.record(n, TRUE_LATENCY[n] * rng.uniform(0.95, 1.05), accepted, group=group)
     rate = {n: (1 + sum(r <= n for r in (1, 3, 6, 12))) / TRUE_LATENCY[n] for n in SIZES}
     assert budget.best(1) == max(rate, key=rate.get) == 8
-    assert budget.best(0) == 0
+    assert budget.best(0) in (0, 1)
     assert budget.tokens[0][1] == budget.steps[0][1]  # group 0: one token a step, at any size
 
 
