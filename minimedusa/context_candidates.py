@@ -49,19 +49,16 @@ class ContextIndex:
                 gram = tuple(self.tokens[-n:])
                 self.ends[gram] = (end, self.ends.get(gram, (None, None))[0])
 
-    def chain(self) -> list[int]:
-        """What followed the longest suffix (max_ngram tokens down to 1) where it last occurred
-        before: `length` tokens, [] if the suffix never occurred before.
-
-        >>> ContextIndex([5, 6, 7, 8, 5, 6]).chain()   # [5, 6] occurred before, then 7, 8, ...
-        [7, 8, 5, 6, 7]
-        >>> ContextIndex([1, 2, 9, 9]).chain()    # a copy that reaches the end copies itself
-        [9, 9, 9, 9, 9]
-        """
-        return self.match()[1]
-
     def match(self) -> tuple[int, list[int]]:
-        """(the length of the suffix matched, 0 for none; the chain)."""
+        """(the length of the longest suffix (max_ngram tokens down to 1) that occurred before,
+        0 if none did; the chain: the `length` tokens that followed it where it last occurred
+        before, [] if none).
+
+        >>> ContextIndex([5, 6, 7, 8, 5, 6]).match()   # [5, 6] occurred before, then 7, 8, ...
+        (2, [7, 8, 5, 6, 7])
+        >>> ContextIndex([1, 2, 9, 9]).match()    # a copy that reaches the end copies itself
+        (1, [9, 9, 9, 9, 9])
+        """
         for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):
             _, before = self.ends.get(tuple(self.tokens[-n:]), (None, None))
             if before is not None:
