@@ -114,3 +114,13 @@ def with_chain(tree: MedusaTree, tokens: torch.Tensor, rank: dict, size: int,
     merged = merged_tree(tuple(sorted(order)), tokens.device)
     merged_tokens = torch.tensor([token_of[p] for p in merged.nodes], device=tokens.device)
     return merged, merged_tokens, {p: i + 1 for i, p in enumerate(order)}
+
+
+def chain_alone(root: int, chain: list[int], device) -> tuple[MedusaTree, torch.Tensor, dict]:
+    """with_chain's result where the chain fills the step (as many tokens as the tree has
+    nodes: the heads' nodes get no room): the chain alone, a path from the root, its tokens
+    (N,) and ranks, so that the heads need not draft at all (~0.14 ms of a ~4.5 ms int4 step
+    on the 2-core Zen 5). The same tokens as with_chain keeps, tested."""
+    paths = tuple((0,) * depth for depth in range(1, len(chain) + 1))
+    tree = merged_tree(paths, torch.device(device))
+    return tree, torch.tensor([root, *chain], device=device), {p: len(p) for p in paths}

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from minimedusa.acceptance import Acceptance
-from minimedusa.context_candidates import ContextIndex, with_chain
+from minimedusa.context_candidates import ContextIndex, chain_alone, with_chain
 from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
 from minimedusa.errors import UserError
 from minimedusa.heads import (DraftVocabulary, MedusaHeads, as_features, drafting_lm_head,
@@ -242,8 +242,7 @@ def context_reader(heads, capacity: int, cached: int = 0):
 
 def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, generator):
     """A step whose tree is the root alone: plain decoding's step, returned as medusa_step
-    returns (so the two mix in one run) but without running the heads, which a plain step
-    does not need."""
+    returns (the two mix in one run), without the heads' draft, which it does not need."""
     token = torch.tensor([[root]], device=cache.device)  # (1, 1)
     logits, hidden = decode_step(model, cache, token)  # (1, V), (1, C)
     return [acceptance.first(logits[0], generator).item()], [0], hidden
@@ -252,9 +251,11 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
 def step_tree(model: Llama, heads, trees: dict[int, MedusaTree] | None, rank: dict, n: int,
               root: int, features: torch.Tensor, chain: list[int]):
     """(the step's tree of n nodes, its tokens (n + 1,), root first, each node path's rank):
-    trees[n] drafted by the heads, or (trees None) the n nodes the heads find most probable at
-    this step (ranked_tree.py); a chain read from the sequence itself, if any, takes the place
-    of the least probable nodes (context_candidates.py)."""
+    trees[n] drafted by the heads, or (trees None) the n nodes they find most probable now
+    (ranked_tree.py); a chain read from the sequence, if any, takes the least probable nodes'
+    places (context_candidates.py), all of them when it has n tokens: then no draft at all."""
+    if len(chain) >= n:
+        return chain_alone(root, chain[:n], features.device)
     if trees is None:  # the step's own order ranks its nodes: its first m are its tree of m
         tree, tokens, order = ranked_draft(heads, model, root, features, n)
         rank = {path: i + 1 for i, path in enumerate(order)}
@@ -317,8 +318,7 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
 
 
 def step_chain(sequence: ContextIndex | None, root: int) -> tuple[int, list[int]]:
-    """(the step's group for the budget: how long a suffix its chain matched, 0 for none; the
-    chain), once the root has joined the sequence; (0, []) without context candidates."""
+    """(the budget's group: how long a suffix the chain matched, 0 for none; the chain)."""
     if sequence is None:
         return 0, []
     sequence.extend([root])

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import copycat_model
 from minimedusa.acceptance import greedy
 from minimedusa.budget import Budget, nested_trees
-from minimedusa.context_candidates import ContextIndex, with_chain
+from minimedusa.context_candidates import ContextIndex, chain_alone, with_chain
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import MedusaHeads
 from minimedusa.sampling import Sampling
@@ -102,6 +102,21 @@ def test_a_smaller_steps_merged_tree_is_the_first_nodes_of_a_larger_ones(sizes, 
     first = [p for p in big.nodes[1:] if big_rank[p] <= m]
     assert token_paths(big, big_merged, first) == token_paths(small, small_merged,
                                                               small.nodes[1:])
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.sampled_from([1, 2, 3, 4, 5]), chain=st.lists(st.integers(0, 19), min_size=5,
+                                                              max_size=5))
+def test_a_chain_that_fills_the_tree_needs_no_draft(size, chain):
+    """Where the chain has as many tokens as the step has nodes, with_chain keeps none of the
+    heads' nodes: chain_alone (no draft) gives the same tree of tokens and the same ranks."""
+    trees, rank = nested_trees(NODES, [size], 4, 32, "cpu")
+    tree, tokens = trees[size], tree_tokens(trees[size])  # the heads' draft, thrown away
+    merged, merged_tokens, merged_rank = with_chain(tree, tokens, rank, size, chain)
+    alone, alone_tokens, alone_rank = chain_alone(7, chain[:size], "cpu")
+    assert token_paths(alone, alone_tokens, alone.nodes[1:]) == token_paths(
+        merged, merged_tokens, merged.nodes[1:])
+    assert sorted(alone_rank.values()) == sorted(merged_rank.values()) == list(range(1, size + 1))
 
 
 def test_decoding_with_context_candidates_stays_lossless_and_accepts_the_chain():
