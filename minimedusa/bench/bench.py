@@ -75,8 +75,8 @@ def held_out_seed_prompts(per_category: int) -> list[dict]:
     """The last `per_category` seed prompts of each of MT-Bench's categories, in its shape.
 
     Held out as format_quality.py's are: training answers the first seed prompts in seed 0's
-    order (the shipped heads the first 2,048), so the last ones are prompts those heads never
-    saw. Another seed would hold out little: every seed shuffles the same templates x topics.
+    order (the shipped heads the first 6,144 of 6,617), so the last ones are prompts those heads
+    never saw. Another seed would hold out little: every seed shuffles the same templates x topics.
     subtle: unseen, but of the templates' kind, on which heads guess better than on MT-Bench
     (self_distill.py: first guess accepted 56% against 24%), so tokens/step come out higher."""
     prompts = seed_prompts()

@@ -2,7 +2,7 @@
 
     python -m minimedusa.bench.format_quality --out weights/format-quality.json
 
-Held-out chats: the last --prompts seed prompts (the shipped heads trained on the first 2,048;
+Held-out chats: the last --prompts seed prompts (the shipped heads trained on the first 6,144;
 never MT-Bench, the evaluation) answered greedily by the float32 model. Every format then reads
 the same prompt + answer in one forward, and at every answer position we compare it with float32:
 top-1 agreement (the same next token) and the mean KL(p_float32 || p_format). A format whose

@@ -35,8 +35,9 @@ from minimedusa.training.tree_search import (MAX_NODES, calibrate_on, held_out_r
                                     time_sizes)
 from minimedusa.files.weights import read_config
 
-# The recipe of the shipped heads (weights/README.md): the defaults of these train.py flags
-# when the data comes from the model alone.
+# The recipe of the shipped heads' first stage (weights/README.md; they were then trained on
+# answers to model-written turns too): the defaults of these train.py flags when the data comes
+# from the model alone.
 RECIPE = {"kind": "hydra", "layers": 2, "lr": 2e-3, "epochs": 2.0, "draft_vocab": 8192,
           "eval_every": 500}
 CPU_PROMPTS, MAX_NEW_TOKENS = 2048, 192  # about an hour in all on a 2-core CPU
