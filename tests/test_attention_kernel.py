@@ -1,15 +1,23 @@
 """The compiled step's C attention (attention_kernel.py) against its reference,
 model.exact_attention: the same outputs to float32's precision, and the property that keeps greedy
 Medusa lossless, to the bit: a row's output depends only on the keys it sees, in their order, not
-on the slots they sit in nor on the rows beside it. Skipped where the kernel cannot be built."""
+on the slots they sit in nor on the rows beside it. And its AVX2 build (8 keys a vector where
+AVX-512 has 16), built here whatever this CPU has: the same bits. Skipped where the kernel cannot
+be built."""
+import ctypes
+import os
+import shutil
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import tiny_model
-from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
+from minimedusa.speed.attention_kernel import SOURCE, KernelAttention, kernel_problem, new_output
+from minimedusa.speed.c_kernels import build
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
+from minimedusa.speed.machine import cpu_features
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask, exact_attention
 
@@ -106,3 +114,40 @@ def test_compiled_blocks_attend_with_the_kernel():
         return sum(e.count for e in prof.key_averages() if e.key == "minimedusa::step_attention")
     assert kernel_calls("default") >= len(model.layers)  # the profiler may count a call twice
     assert kernel_calls("force_eager") == 0
+
+
+class Step(ctypes.Structure):
+    """attention_kernel.c's Step: the tensors' addresses, sizes and strides in elements"""
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "k", "v", "mask", "out")]
+                + [(name, ctypes.c_int64) for name in ("H", "G", "T", "S", "D", "q_head",
+                                                       "q_row", "kv_head", "out_head", "out_row")]
+                + [("bf16", ctypes.c_int), ("scale", ctypes.c_float)])
+
+
+@pytest.fixture(scope="module")
+def avx2_attend(tmp_path_factory):
+    """attend() of the kernel built for AVX2 (-march=haswell: the last -march wins), by ctypes"""
+    compiler = os.environ.get("CC", "cc")
+    if not {"avx2", "fma"} <= set(cpu_features().split("+")) or shutil.which(compiler) is None:
+        pytest.skip("needs a CPU with AVX2 and FMA, and a C compiler")
+    out = tmp_path_factory.mktemp("build") / "attention_kernel.so"
+    build(SOURCE, compiler, out, ("-march=haswell",))
+    attend_c = ctypes.CDLL(str(out)).attend
+    attend_c.argtypes = [ctypes.POINTER(Step)]
+    return attend_c
+
+
+@settings(max_examples=30, deadline=None)
+@given(T=st.integers(1, 17), S_more=st.integers(0, 40), D=st.sampled_from([8, 64, 80]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 1000))
+def test_the_avx2_build_gives_this_builds_bits(avx2_attend, T, S_more, D, dtype, seed):
+    """Keys 8 a vector (AVX2) or 16 (AVX-512), rows 1 to 17, key counts and head dims that are
+    not whole vectors: every output the same to the bit (each one's operations are the same,
+    in the same order, whatever the vector's width)."""
+    q, k, v, mask = step_inputs(9, 3, T, T + S_more, D, dtype, seed)
+    out = new_output(q)
+    step = Step(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.contiguous().data_ptr(),
+                out.data_ptr(), 9, 3, T, T + S_more, D, q.stride(1), q.stride(2), k.stride(1),
+                out.stride(1), out.stride(2), int(dtype == torch.bfloat16), D ** -0.5)
+    assert avx2_attend(ctypes.byref(step)) == 0
+    assert torch.equal(out, attend(q, k, v, mask))
