@@ -4,13 +4,13 @@ A decoding step attends its 1 (plain) or n + 1 (tree) rows to every cached key i
 model.exact_attention does it in float64 PyTorch so that a row's output never depends on where
 its keys sit in the cache (what keeps greedy Medusa lossless), at ~150 us a block on a 2-core
 CPU, converting the whole cache to float64 every time. The C twin gets the same guarantee from
-float32 arithmetic in a fixed order (the .c file says how), and reads each key once for up to
-8 (AVX2) or 16 (AVX-512) of the rows that share it, one row a vector lane. Measured on the
-2-core AVX2 EPYC (Zen 3), 9 query heads, 3 key/value heads, head dim 64, one run: after 256
-cached tokens 1 / 9 / 17 rows took 33 / 128 / 179 us a block, where the previous version (8
-rows a pass, a row's dot products along the head dim) took 36 / 231 / 370; after 1,536, 137 /
-522 / 878 against 159 / 1,048 / 1,850. A tree row then costs ~12 us a block at 256 cached
-tokens, 0.36 ms a step of 30 blocks (was 0.73).
+float32 arithmetic in a fixed order (the .c file says how), with LANES keys side by side in a
+vector (16 with AVX-512, 8 with AVX2): each key/value head's keys are turned over once a call, and
+its rows, 4 at a time, share each read of them. Measured on the 2-core Zen 5, the default model's
+whole forward (int4, fused), the previous version (rows side by side: a plain step's 3 rows of a
+group filled 3 of 16 lanes) and this one in alternate processes, 3 each: after 256 cached tokens 1
+row 3.43-3.62 ms against 3.11-3.29 now, 8 rows 6.05-6.23 against 5.89-6.00; after 1,536, 6.33-6.96
+against 4.84-5.13 and 11.13-11.16 against 9.23-9.39. The same bits.
 
 Built at first use (c_kernels.py: the C compiler torch.compile already needs, -march=native, the
 user's cache folder); called through a torch operator (its schema and shape here, what it runs in
@@ -19,7 +19,8 @@ operators.cpp), so that compiled graphs call it as they call oneDNN's products
 to 256; anything else (float64 test models, batches, long prompts) keeps the reference. Outside
 compiled graphs (the prompt's prefill, a compiled model run eagerly) the reference runs: eager
 decoding stays the reading path.
-tests/test_attention_kernel.py checks it against the reference and the row property itself.
+tests/test_attention_kernel.py checks it against the reference, the row property itself, and that
+its AVX2 build gives the same bits.
 
 Shapes: H query heads, G key/value heads, T rows, S attended slots, D head dim.
 """
