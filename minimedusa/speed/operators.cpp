@@ -176,12 +176,24 @@ inline float wide(float x) { return x; }
 inline float wide(c10::BFloat16 x) { return static_cast<float>(x); }
 template <typename E> inline E narrow(float x) { return static_cast<E>(x); }
 
+/* sum_c x[c]^2 in double (exact enough for any C), in a fixed order: 8 running sums, sum l
+   taking c = l, l + 8, ..., then added pairwise. One running sum, each add waiting for the
+   last, took ~0.6 us a row and norm: 0.16 ms of an 8-row forward of the default model (2-core
+   Zen 5, perf); 8 are two vectors of 4 doubles. */
+inline double sum_of_squares(const float* x, int64_t C) {
+  double sums[8] = {0.0};
+  int64_t c = 0;
+  for (; c + 8 <= C; c += 8)
+    for (int l = 0; l < 8; l++) sums[l] += (double)x[c + l] * x[c + l];
+  for (; c < C; c++) sums[c % 8] += (double)x[c] * x[c];
+  return ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+}
+
 /* out[t] = weight * E(x[t] / sqrt(mean(x[t]^2) + eps)), row by row: x float32 (T, C) */
 template <typename E>
 void rms_norm_rows(const float* x, const E* weight, E* out, int64_t T, int64_t C, double eps) {
   for (int64_t t = 0; t < T; t++) {
-    double squares = 0.0;  /* in double: in order, and exact enough for any C */
-    for (int64_t c = 0; c < C; c++) squares += (double)x[t * C + c] * x[t * C + c];
+    const double squares = sum_of_squares(x + t * C, C);
     const float inverse = (float)(1.0 / std::sqrt(squares / C + eps));
     for (int64_t c = 0; c < C; c++)
       out[t * C + c] = narrow<E>(wide(weight[c]) * wide(narrow<E>(x[t * C + c] * inverse)));
