@@ -1,9 +1,9 @@
 """The tree budget adapts to the machine it runs on: from a wrong prior (latencies measured
 elsewhere) the steps end on the size the true latencies favour, plain decoding when no tree
 pays; a step tells what every smaller nested tree would have accepted; groups of steps that
-accept differently settle on their own sizes; switching sizes mid-run never changes the greedy
-output; and a damaged or unwritable latency cache costs a measurement and one line, never
-the run."""
+accept differently settle on their own sizes, a context chain's group as far as the chain pays;
+switching sizes mid-run never changes the greedy output; and a damaged or unwritable latency
+cache costs a measurement and one line, never the run."""
 import os
 import random
 
@@ -114,6 +114,37 @@ def test_a_group_anchors_the_calibration_at_what_it_measured():
         budget.record(2, 1.1, [(0,), (0, 0)], chain, group=3)  # 3 tokens a step at 2 nodes
     assert budget.prior(4, 3) == pytest.approx(3.0 + 1.9 - 1.7)
     assert budget.prior(4, 0) == 1.9  # another group's measurement says nothing of group 0
+
+
+def chain_group_sizes(chain: int, seed: int, steps: int = 300) -> Budget:
+    """A budget run on chain steps (group 2: a context chain alone fills a step of up to 5
+    nodes), every size already timed by other steps; each chain token right with probability
+    0.9 while the ones before it are (P(first k right) = 0.9^k, a copy), the heads'
+    calibration predicting much less growth."""
+    sizes, latency = [0, 1, 2, 3, 4, 8], {0: 1.0, 1: 1.1, 2: 1.24, 3: 1.33, 4: 1.48, 8: 1.84}
+    rank = {(0,) * d: d for d in range(1, 6)}  # the chain's nodes by depth
+    budget = Budget(sizes, {1: 1.5, 2: 1.6, 3: 1.7, 4: 1.75, 8: 1.9}, latency, rank,
+                    chain=chain)
+    for n in sizes:  # timed elsewhere: no probing step in this group
+        for _ in range(3):
+            budget.record(n, latency[n], [])
+    rng = random.Random(seed)
+    for _ in range(steps):
+        n = budget.choose(2)
+        right = next((k for k in range(5) if rng.random() >= 0.9), 5)  # the chain's right run
+        budget.record(n, latency[n], [(0,) * d for d in range(1, min(n, 5, right) + 1)],
+                      group=2)
+    return budget
+
+
+def test_a_chain_group_grows_its_steps_as_far_as_the_chain_pays():
+    """Judged by the heads' calibration, a chain that is right 90% of the time rarely looks worth
+    a second node (1.9 + 0.1 tokens for 1.24 plain steps: 1.61 tokens a plain step's time,
+    against 1.73 at 1 node; only a lucky start climbs); by the chain's own acceptance every run
+    ends on the best size, 4 (2.77, against 2.59 at 3 and 2.55 at 8)."""
+    seeds = range(20)
+    assert all(chain_group_sizes(chain=5, seed=seed).best(2) == 4 for seed in seeds)
+    assert sum(chain_group_sizes(chain=0, seed=seed).best(2) == 4 for seed in seeds) < 10
 
 
 def test_unknown_acceptance_is_tried_before_it_is_judged():

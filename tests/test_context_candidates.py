@@ -20,11 +20,12 @@ NODES = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0), (0, 0, 0, 0), (3,)
          (0, 0, 1), (2, 0), (0, 1, 0), (4,), (0, 0, 0, 1)]
 
 
-def scanned_chain(tokens: list[int], max_ngram: int, length: int) -> tuple[int, list[int]]:
-    """The slow reference: for the longest suffix first, scan back for its last earlier
-    occurrence and return (the suffix's length, what followed it, the sequence repeating
-    itself past its end)."""
-    for n in range(min(max_ngram, len(tokens)), 0, -1):
+def scanned_chain(tokens: list[int], max_ngram: int, length: int,
+                  min_ngram: int) -> tuple[int, list[int]]:
+    """The slow reference: for the longest suffix first (down to min_ngram tokens), scan back
+    for its last earlier occurrence and return (the suffix's length, what followed it, the
+    sequence repeating itself past its end)."""
+    for n in range(min(max_ngram, len(tokens)), min_ngram - 1, -1):
         suffix = tokens[len(tokens) - n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
@@ -35,12 +36,13 @@ def scanned_chain(tokens: list[int], max_ngram: int, length: int) -> tuple[int, 
 
 @settings(max_examples=200, deadline=None)
 @given(tokens=st.lists(st.integers(0, 4), max_size=40), split=st.integers(0, 40),
-       max_ngram=st.integers(1, 4), length=st.integers(1, 6))
-def test_index_finds_the_chain_a_scan_of_the_sequence_finds(tokens, split, max_ngram, length):
+       max_ngram=st.integers(1, 4), length=st.integers(1, 6), min_ngram=st.integers(1, 4))
+def test_index_finds_the_chain_a_scan_of_the_sequence_finds(tokens, split, max_ngram, length,
+                                                            min_ngram):
     """Built at once or extended piece by piece, the index agrees with the scan."""
-    index = ContextIndex(tokens[:split], max_ngram, length)
+    index = ContextIndex(tokens[:split], max_ngram, length, min_ngram)
     index.extend(tokens[split:])
-    assert index.match() == scanned_chain(tokens, max_ngram, length)
+    assert index.match() == scanned_chain(tokens, max_ngram, length, min_ngram)
 
 
 def tree_tokens(tree):

@@ -20,6 +20,7 @@ from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.bench.llama_cpp import load_llama_cpp
 from minimedusa.budget import (FixedSize, expected_length, expected_length_of, fixed, grow_tree,
                                nested_trees)
+from minimedusa.context_candidates import CHAIN
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.flags.load import (decoding_budget, decoding_heads, decoding_model,
                                    decoding_tree, ranked_vocab_size)
@@ -177,7 +178,7 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
             run[label + "greedy" + EAGER] = eager_engine(medusa_engine(model, heads, tree,
                                                                        greedy()))
         return run
-    trees, budget, why = decoding_budget(heads, model, spec)
+    trees, budget, why = decoding_budget(heads, model, spec, CHAIN if context != "off" else 0)
     print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
     if eager_too:
         rules["greedy" + EAGER] = greedy()
@@ -235,7 +236,7 @@ def heads_engines(engines: Engines, label, spec, heads, model, device, args) -> 
     for n in args.ranked:
         run[label + f"greedy ranked {n} nodes"] = ranked_engine(model, heads, n)
     if args.ranked_adapted:
-        trees, budget, _ = decoding_budget(heads, model, spec)
+        trees, budget, _ = decoding_budget(heads, model, spec, CHAIN)
         usage[label + "greedy ranked"] = Counter()
         run[label + "greedy ranked"] = adaptive_engine(model, heads, trees, budget, greedy(),
                                                        usage[label + "greedy ranked"], True)
