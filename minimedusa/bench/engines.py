@@ -236,7 +236,7 @@ def heads_engines(engines: Engines, label, spec, heads, model, device, args) -> 
     for n in args.ranked:
         run[label + f"greedy ranked {n} nodes"] = ranked_engine(model, heads, n)
     if args.ranked_adapted:
-        trees, budget, _ = decoding_budget(heads, model, spec, CHAIN)
+        trees, budget, _ = decoding_budget(heads, model, spec)
         usage[label + "greedy ranked"] = Counter()
         run[label + "greedy ranked"] = adaptive_engine(model, heads, trees, budget, greedy(),
                                                        usage[label + "greedy ranked"], True)
