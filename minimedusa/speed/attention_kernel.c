@@ -176,7 +176,7 @@ static inline void turn_over(fv r[LANES]) {
 /* Key/value head g's keys turned over into kt, chunk by chunk of LANES keys: chunk c's D
    vectors, the d-th holding value d of keys c * LANES .. + LANES (0 for the padding keys past
    S), kt[(c * D + d) * LANES + l] = k[c * LANES + l][d]: a chunk's vectors together (as D rows
-   of S16 keys, a tile's stores fell 6 KB apart at 1,536 keys, and took 2.6x as long a key).
+   of S16 keys, a tile's stores fell 6 KB apart at 1,536 keys, and a key took 3x as long).
    Whole tiles in registers, the edges (D or S not a multiple of LANES) a value at a time. bf16
    is a constant where this is inlined. */
 static inline __attribute__((always_inline)) void turn_keys_of(const Step* a, int64_t g,
@@ -188,8 +188,7 @@ static inline __attribute__((always_inline)) void turn_keys_of(const Step* a, in
     for (int64_t d = 0; d < D; d += LANES) {
       if (j + LANES <= a->S && d + LANES <= D) {
         fv r[LANES];  /* r[i]: key j + i's values d .. d + LANES */
-        const char* from = k + (j * D + d) * size;  /* stepped key by key: 16 addresses
-                                                       computed apart, gcc kept them on the stack */
+        const char* from = k + (j * D + d) * size;  /* key j's values d .., then key j + 1's */
         for (int i = 0; i < LANES; i++, from += D * size) r[i] = load_lanes(from, 0, bf16);
         turn_over(r);  /* r[i]: value d + i of keys j .. j + LANES */
         for (int i = 0; i < LANES; i++) memcpy(kt + j * D + (d + i) * LANES, &r[i], sizeof r[i]);
@@ -209,7 +208,7 @@ typedef struct {
 
 /* Key/value head g's values as rows of floats: the cache's own where they are float32 vectors
    (D a multiple of LANES), else copied into scratch as rows of Dp floats (the padding 0): once
-   a head (converted as each bundle read them, 8 rows took 1.2-1.4x as long) */
+   a head (converted as each bundle read them, 8 rows took 1.2-1.5x as long) */
 static Values value_rows(const Step* a, int64_t g, int64_t Dp, float* scratch) {
   const int64_t D = a->D, first = g * a->kv_head;
   if (!a->bf16 && D == Dp) return (Values){(const float*)a->v + first, D};
@@ -359,21 +358,6 @@ static void attend_unit(const Step* a, int64_t u, int64_t units, const float* kt
   weigh_values(a, p, v, Dp, (const int64_t (*)[2])rows, n);
 }
 
-/* `bytes` of this thread's scratch number `which`, 64-byte aligned, kept from call to call
-   (NULL if out of memory): OpenMP's threads live on between calls, and so does each one's
-   scratch, in its core's caches. Allocated afresh each call, glibc took blocks this large
-   straight from the kernel, and their pages' first touches cost more than the attention. */
-static void* scratch(size_t bytes, int which) {
-  static _Thread_local void* held[2];
-  static _Thread_local size_t size[2];
-  if (size[which] < bytes) {
-    free(held[which]);
-    held[which] = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    size[which] = held[which] != NULL ? bytes : 0;
-  }
-  return held[which];
-}
-
 /* Every query row, BUNDLE at a time, on OpenMP's threads: each thread takes a run of units
    (rows of the same key/value head come together) and turns over the keys of each head it
    meets, in its own scratch. Turned once by one thread and read by the other, the keys crossed
@@ -388,8 +372,8 @@ int attend(const Step* a) {
 #pragma omp parallel if (a->G * units > 1)
   {
     const size_t copy = a->bf16 || a->D != Dp ? (size_t)a->S * Dp : 0;  /* value_rows' */
-    float* head = scratch(sizeof(float) * ((size_t)a->D * S16 + copy), 0);
-    float* s = scratch(sizeof(float) * BUNDLE * S16, 1);  /* the unit's rows' scores */
+    float* head = aligned_alloc(64, (sizeof(float) * ((size_t)a->D * S16 + copy) + 63) / 64 * 64);
+    float* s = aligned_alloc(64, sizeof(float) * BUNDLE * S16);  /* the unit's rows' scores */
     if (head == NULL || s == NULL) {
 #pragma omp atomic write
       failed = 1;
@@ -406,6 +390,8 @@ int attend(const Step* a) {
       }
       attend_unit(a, u, units, head, v, S16, Dp, s);
     }
+    free(head);
+    free(s);
   }
   return failed ? 2 : 0;
 }
