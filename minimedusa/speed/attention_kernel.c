@@ -200,18 +200,12 @@ static inline __attribute__((always_inline)) void turn_keys_of(const Step* a, in
     }
 }
 
-/* A key/value head's values as floats: key j's D values from at[j * stride] */
-typedef struct {
-  const float* at;
-  int64_t stride;
-} Values;
-
-/* Key/value head g's values as rows of floats: the cache's own where they are float32 vectors
-   (D a multiple of LANES), else copied into scratch as rows of Dp floats (the padding 0): once
-   a head (converted as each bundle read them, 8 rows took 1.2-1.5x as long) */
-static Values value_rows(const Step* a, int64_t g, int64_t Dp, float* scratch) {
+/* Key/value head g's values as rows of Dp floats (D rounded up to LANES, the padding 0): the
+   cache's own where they are float32 and D == Dp, else copied into scratch: once a head
+   (converted as each bundle read them, 8 rows took 1.2-1.5x as long) */
+static const float* value_rows(const Step* a, int64_t g, int64_t Dp, float* scratch) {
   const int64_t D = a->D, first = g * a->kv_head;
-  if (!a->bf16 && D == Dp) return (Values){(const float*)a->v + first, D};
+  if (!a->bf16 && D == Dp) return (const float*)a->v + first;
   for (int64_t j = 0; j < a->S; j++)
     for (int64_t d = 0; d < Dp; d += d + LANES <= D ? LANES : 1) {
       if (d + LANES <= D) {
@@ -221,7 +215,7 @@ static Values value_rows(const Step* a, int64_t g, int64_t Dp, float* scratch) {
         scratch[j * Dp + d] = d < D ? value_at(a->v, first + j * D + d, a->bf16) : 0.0f;
       }
     }
-  return (Values){scratch, Dp};
+  return scratch;
 }
 
 /* the larger of a and b, lane by lane */
@@ -290,20 +284,20 @@ static void unit_numerators(const Step* a, Row* r, int n, const float* kt, int64
 }
 
 /* Output dims d .. d + e_n * LANES of n (<= BUNDLE) query rows of one head group, from their
-   softmax numerators p[b] (S floats each): the values weighted by them, summed over the keys in
-   slot order, then divided by z[b], their sum in slot order (summed here where `first`). Each
-   output dim is its own sum, so LANES dims of a row go side by side in a vector; the rows share
-   each value's read, and their independent sums keep the vector units busy. n and e_n are
-   constants where this is inlined: the sums then live in registers. */
+   softmax numerators p[b] (S floats each): the values v (rows of Dp floats) weighted by them,
+   summed over the keys in slot order, then divided by z[b], their sum in slot order (summed
+   here where `first`). Each output dim is its own sum, so LANES dims of a row go side by side
+   in a vector; the rows share each value's read, and their independent sums keep the vector
+   units busy. n and e_n are constants where this is inlined: the sums then live in registers. */
 static inline __attribute__((always_inline)) void weigh_slice(
-    const Step* a, const float* const* p, Values v, int64_t d, const int64_t (*rows)[2],
-    float* z, int first, const int n, const int e_n) {
+    const Step* a, const float* const* p, const float* v, int64_t Dp, int64_t d,
+    const int64_t (*rows)[2], float* z, int first, const int n, const int e_n) {
   fv acc[BUNDLE][DIMS];
   for (int b = 0; b < n; b++)
     for (int e = 0; e < e_n; e++) acc[b][e] = (fv){0};
   for (int64_t j = 0; j < a->S; j++) {
     fv value[DIMS];
-    for (int e = 0; e < e_n; e++) value[e] = load_lanes(v.at, j * v.stride + d + e * LANES, 0);
+    for (int e = 0; e < e_n; e++) value[e] = load_lanes(v, j * Dp + d + e * LANES, 0);
     for (int b = 0; b < n; b++) {
       if (first) z[b] = z[b] + p[b][j];
       for (int e = 0; e < e_n; e++) acc[b][e] = madd(lanes_of(p[b][j]), value[e], acc[b][e]);
@@ -317,14 +311,14 @@ static inline __attribute__((always_inline)) void weigh_slice(
 }
 
 /* Every output dim of n query rows: DIMS vectors of dims a pass over the values, then one */
-static void weigh_values(const Step* a, const float* const* p, Values v, int64_t Dp,
+static void weigh_values(const Step* a, const float* const* p, const float* v, int64_t Dp,
                          const int64_t (*rows)[2], int n) {
   float z[BUNDLE] = {0};
   for (int64_t d = 0; d < Dp;) {
     const int e_n = Dp - d >= DIMS * LANES ? DIMS : 1;
     switch ((n - 1) * 2 + (e_n == DIMS)) {
 #define SLICE(n, e_n) \
-  case (n - 1) * 2 + (e_n == DIMS): weigh_slice(a, p, v, d, rows, z, d == 0, n, e_n); break;
+  case (n - 1) * 2 + (e_n == DIMS): weigh_slice(a, p, v, Dp, d, rows, z, d == 0, n, e_n); break;
       SLICE(1, 1) SLICE(1, DIMS) SLICE(2, 1) SLICE(2, DIMS) SLICE(3, 1) SLICE(3, DIMS)
       SLICE(4, 1) SLICE(4, DIMS)
 #undef SLICE
@@ -335,7 +329,7 @@ static void weigh_values(const Step* a, const float* const* p, Values v, int64_t
 
 /* The query rows of unit u (BUNDLE rows or fewer of one head group, in (query head, token)
    order) from their group's turned keys and value rows; s: BUNDLE x S16 floats of scratch */
-static void attend_unit(const Step* a, int64_t u, int64_t units, const float* kt, Values v,
+static void attend_unit(const Step* a, int64_t u, int64_t units, const float* kt, const float* v,
                         int64_t S16, int64_t Dp, float* s) {
   const int64_t per_group = a->H / a->G * a->T, g = u / units, first = u % units * BUNDLE;
   const int n = per_group - first < BUNDLE ? (int)(per_group - first) : BUNDLE;
@@ -379,7 +373,7 @@ int attend(const Step* a) {
       failed = 1;
     }
     int64_t held = -1;  /* the key/value head whose keys `head` holds turned over */
-    Values v = {NULL, 0};  /* its values */
+    const float* v = NULL;  /* its value rows */
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < a->G * units; u++) {
       if (head == NULL || s == NULL) continue;
