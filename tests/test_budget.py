@@ -2,8 +2,8 @@
 elsewhere) the steps end on the size the true latencies favour, plain decoding when no tree
 pays; a step tells what every smaller nested tree would have accepted; groups of steps that
 accept differently settle on their own sizes, a context chain's group as far as the chain pays;
-switching sizes mid-run never changes the greedy output; and a damaged or unwritable latency
-cache costs a measurement and one line, never the run."""
+switching sizes mid-run never changes the greedy output; and a damaged, unwritable or outdated
+(other kernels) latency cache costs a measurement and one line at most, never the run."""
 import os
 import random
 
@@ -13,6 +13,7 @@ import torch
 from conftest import copycat_model, tiny_model
 from minimedusa.acceptance import greedy
 from minimedusa.budget import Budget, grow_tree, nested_trees
+from minimedusa.speed import step_latency
 from minimedusa.speed.step_latency import machine_latency
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.speed.machine import machine_key
@@ -192,6 +193,17 @@ def latency_setup():
     nodes, _ = grow_tree(torch.tensor([[0.5, 0.2], [0.3, 0.1]]), 3)
     trees, _ = nested_trees(nodes, [1, 3], 2, model.config.vocab_size, "cpu")
     return model, heads, trees
+
+
+def test_latencies_cached_before_a_kernel_changed_are_measured_again(tmp_path, monkeypatch):
+    """A faster (or slower) C kernel changes every size's step time: the cache is keyed by the
+    kernels' sources, so a user's cache from an older version is not taken for this one."""
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path))
+    model, heads, trees = latency_setup()
+    latency, _ = machine_latency(model, heads, trees, repeats=1)
+    assert machine_latency(model, heads, trees) == (latency, "cached")
+    monkeypatch.setattr(step_latency, "sources_digest", lambda: "another version")
+    assert machine_latency(model, heads, trees, repeats=1)[1] == "measured here"
 
 
 @pytest.mark.parametrize("damage", [

@@ -36,6 +36,14 @@ def kernels_folder() -> Path:
     return Path(root) / "kernels"
 
 
+def sources_digest() -> str:
+    """12 hex digits of the kernels' and operators' sources: beside the machine, what a step's
+    speed depends on (step_latency.py keys its cached latencies with it, so that a changed
+    kernel is timed anew)."""
+    text = "\n".join(source.read_text() for source in (*KERNELS, OPERATORS))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def compile_kernel(source: Path, compiler: str) -> Path:
     """`source` built for this machine, or the copy built before."""
     key = hashlib.sha256("\n".join([source.read_text(), compiler, *FLAGS, cpu_model(),

@@ -23,6 +23,7 @@ from minimedusa.acceptance import greedy
 from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
 from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
 from minimedusa.sampling import greedy_tokens
+from minimedusa.speed.c_kernels import sources_digest
 from minimedusa.speed.machine import machine_key
 from minimedusa.speed.plug_in import how_it_runs
 from minimedusa.speed.weight_formats import format_of
@@ -101,11 +102,12 @@ def cache_file() -> Path:
 
 def latency_key(model, heads, device, dtype) -> str:
     """The machine, how the step runs (plug_in.how_it_runs: latencies cached by a version of
-    this code that ran it otherwise are not reused), the model's shapes and the heads' (their
-    kind, their format, and how many tokens they rank)."""
+    this code that ran it otherwise are not reused; and the C kernels' sources: a faster kernel
+    is timed anew), the model's shapes and the heads' (their kind, their format, and how many
+    tokens they rank)."""
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
-    return (f"{machine_key(device, dtype)}{how_it_runs(model)}"
+    return (f"{machine_key(device, dtype)}{how_it_runs(model)} | kernels {sources_digest()}"
             f" | model {m.num_hidden_layers}x{m.hidden_size}"
             f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
             f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
