@@ -23,9 +23,11 @@
    lossless): every row goes through the same sequence of operations, in a fixed order (two
    accumulators, even and odd pairs of inputs; the groups in order), only how many rows share
    a pass over the weights changes.
-   Layout (group_kernel.pack_int4 and pack_int8): blocks of 16 outputs; per block and group, 16
-   pairs of inputs (k, k + 1): int4 16 bytes a pair, byte l = q[16 b + l][k] |
-   q[16 b + l][k + 1] << 4; int8 32 bytes, q[16 b][k], q[16 b][k + 1], q[16 b + 1][k], ...
+   Layout (group_kernel.pack_int4 and pack_int8): blocks of 16 outputs; per block and group,
+   int4: 8 quads of inputs k..k+3, 32 bytes a quad, byte 2 l + j = q[16 b + l][k + j] |
+   q[16 b + l][k + 2 + j] << 4 (j = 0, 1): widened to 16 bits, the low nibbles are the pairs
+   (k, k + 1) of the 16 outputs side by side, the high ones the pairs (k + 2, k + 3); int8: 16
+   pairs of inputs (k, k + 1), 32 bytes a pair, q[16 b][k], q[16 b][k + 1], q[16 b + 1][k], ...
    (w4a8 has a layout of its own, pack_int4_a8: below.)
    Scales and minimums (N / 16, K / 32, 16) float16, as the GGUF holds them (float32 would add
    half as many bytes again as the 4-bit weights).
@@ -81,13 +83,20 @@ static const uint16_t BF16_OF[32] = {
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
-/* 16 bytes of a pair of inputs -> their 32 weights' q as bfloat16, output-major (q[l][k],
-   q[l][k + 1] side by side, as VDPBF16PS pairs them): a byte's low nibble goes to the low
-   16 bits of its 32, its high nibble to the high 16 (shifted by 12: the index's bits 4..15
-   are ignored), then each 16 bits becomes its bfloat16 by table */
-static inline __m512bh pair_weights(const uint8_t* bytes, __m512i table) {
-  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)bytes));
-  return (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
+/* 32 bytes of a quad of inputs -> its 64 weights' q as bfloat16, output-major, two vectors as
+   VDPBF16PS pairs them: *first q[l][k], q[l][k + 1] side by side, *next q[l][k + 2], q[l][k + 3].
+   Each byte widened to 16 bits becomes its low nibble's bfloat16 by table (VPERMW reads an
+   index's low 5 bits, the table's two halves alike), shifted down 4 its high nibble's: 4
+   operations a 64 weights, where a layout of pairs (a byte: q[l][k] | q[l][k + 1] << 4) took 8.
+   The default model's 120 block products at 1 / 2 / 3 / 4 / 8 rows: 1.11-1.20 / 1.32-1.34 /
+   1.56-1.59 / 1.80-1.85 / 2.62-2.72 ms with pairs, 0.98-1.04 / 1.14-1.22 / 1.39-1.45 / 1.61-1.67
+   / 2.54-2.62 with quads (a throwaway harness, 4 alternations, the 2-core Zen 5, the weights
+   asked for ahead in both; the same bits). The AVX2 path pays for it at 1 row (group_rows4) */
+static inline void quad_weights(const uint8_t* bytes, __m512i table, __m512bh* first,
+                                __m512bh* next) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)bytes));
+  *first = (__m512bh)_mm512_permutexvar_epi16(b, table);
+  *next = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
 }
 
 /* 32 bytes of a pair of inputs -> their 32 weights' q as bfloat16, output-major: to float32,
@@ -153,10 +162,14 @@ static inline __attribute__((always_inline)) void block_rows(
     __m512 even[ROWS], odd[ROWS];  /* sum_k x_k q_k over the group's even / odd pairs */
     for (int i = 0; i < n; i++) even[i] = odd[i] = _mm512_setzero_ps();
     for (int p = 0; p < 16; p += 2) {
-      const uint8_t* pair = w + p * pair_bytes;
-      __m512bh w0 = bits == 4 ? pair_weights(pair, table) : pair_weights8(pair);
-      __m512bh w1 = bits == 4 ? pair_weights(pair + pair_bytes, table)
-                              : pair_weights8(pair + pair_bytes);
+      const uint8_t* pair = w + p * pair_bytes;  /* int4: the quad of pairs p, p + 1 */
+      __m512bh w0, w1;
+      if (bits == 4) {
+        quad_weights(pair, table, &w0, &w1);
+      } else {
+        w0 = pair_weights8(pair);
+        w1 = pair_weights8(pair + pair_bytes);
+      }
       for (int i = 0; i < n; i++) {
         /* (x_k, x_k+1) of each pair, broadcast straight from memory as VDPBF16PS reads
            them: through a general register (int32_t, then set1) it took 35% longer at 8 rows
@@ -260,9 +273,17 @@ static void block_tiles(const uint16_t* x, const uint8_t* w, const uint16_t* sca
   for (int i = 0; i < n; i++) out[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g++, w += 16 * pair_bytes) {
     fetch_ahead(w, 16 * pair_bytes);
-    for (int p = 0; p < 16; p++)
-      _mm512_store_si512(b_tile + 64 * p, (__m512i)(bits == 4 ? pair_weights(w + p * 16, table)
-                                                              : pair_weights8(w + p * 32)));
+    for (int p = 0; p < 16; p += 2) {  /* tile rows p, p + 1: the pairs of inputs p, p + 1 */
+      __m512bh w0, w1;
+      if (bits == 4) {
+        quad_weights(w + p * 16, table, &w0, &w1);
+      } else {
+        w0 = pair_weights8(w + p * 32);
+        w1 = pair_weights8(w + p * 32 + 32);
+      }
+      _mm512_store_si512(b_tile + 64 * p, (__m512i)w0);
+      _mm512_store_si512(b_tile + 64 * p + 64, (__m512i)w1);
+    }
     _tile_zero(0);
     _tile_loadd(1, x + m0 * K + g * 32, K * 2);  /* n rows' 32 inputs of group g */
     _tile_loadd(2, b_tile, 64);
@@ -336,28 +357,38 @@ enum {
 };
 
 /* int4: one group of nb blocks of 16 outputs (w: the first block's bytes, `stride` bytes to the
-   next) for n rows: per pair of inputs 16 bytes a block, low nibbles input k of the 16 outputs,
-   high nibbles input k + 1. Every output's sum is the same sequence of FMAs whatever n and nb:
-   nb only puts more independent sums in flight where rows are few (one row's 2 sums a block
-   wait on FMA's latency, 4 cycles, not on its rate) */
+   next) for n rows: per quad of inputs k..k+3 32 bytes a block (pack_int4), 16 of them widened
+   to 16 bits a half of the block: as 8 lanes of 32 bits, lane o holds output o's q at k in bits
+   0-3, k + 1 in 16-19, k + 2 in 4-7 and k + 3 in 20-23. Every output's sum is the same sequence
+   of FMAs whatever n and nb (the pairs of inputs in order): nb only puts more independent sums
+   in flight where rows are few (one row's 2 sums a block wait on FMA's latency, 4 cycles, not
+   on its rate). A quad's nibbles cost 12 operations a 32 weights here, a layout of pairs' 10:
+   the default model's 120 block products, float32 rows, at 1 / 2 / 3 / 4 / 8 rows 2.46-2.58 /
+   3.03-3.16 / 3.62-3.77 / 4.31-4.54 / 8.35-8.76 ms against pairs' 2.10-2.16 / 2.96-2.97 /
+   3.57-3.60 / 4.13-4.19 / 8.05-8.34 (built for AVX2 on the 2-core Zen 5, 3 alternations): int4
+   with float32 rows is no default (an AVX2 CPU's is w4a8, with a layout of its own) */
 static inline __attribute__((always_inline)) void group_rows4(
     const float* x, const uint8_t* w, int64_t stride, __m256 acc[][2 * PAIRED], int64_t K,
     const int n, const int nb) {
   const __m256i low = _mm256_set1_epi32(0x0F);
-  for (int p = 0; p < 16; p++, w += 16)
+  for (int k = 0; k < 32; k += 4, w += 32)
     for (int j = 0; j < nb; j++) {
-      const uint8_t* wj = w + j * stride;
-      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)wj));
-      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(wj + 8)));
-      const __m256 k0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));  /* outputs 0-7, k */
-      const __m256 k1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));  /* 8-15, k */
-      const __m256 l0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));   /* 0-7, k + 1 */
-      const __m256 l1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));   /* 8-15, k + 1 */
-      for (int i = 0; i < n; i++) {
-        const __m256 xk = _mm256_broadcast_ss(x + i * K + 2 * p);
-        const __m256 xl = _mm256_broadcast_ss(x + i * K + 2 * p + 1);
-        acc[i][2 * j] = _mm256_fmadd_ps(xl, l0, _mm256_fmadd_ps(xk, k0, acc[i][2 * j]));
-        acc[i][2 * j + 1] = _mm256_fmadd_ps(xl, l1, _mm256_fmadd_ps(xk, k1, acc[i][2 * j + 1]));
+      const uint8_t* quad = w + j * stride;
+      const __m256i d0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)quad));  /* 0-7 */
+      const __m256i d1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(quad + 16)));
+      for (int e = 0; e < 4; e += 2) {  /* the pairs (k, k + 1) and (k + 2, k + 3) */
+        const __m256 k0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d0, 2 * e), low));
+        const __m256 k1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d1, 2 * e), low));
+        const __m256 l0 = _mm256_cvtepi32_ps(
+            _mm256_and_si256(_mm256_srli_epi32(d0, 16 + 2 * e), low));
+        const __m256 l1 = _mm256_cvtepi32_ps(
+            _mm256_and_si256(_mm256_srli_epi32(d1, 16 + 2 * e), low));
+        for (int i = 0; i < n; i++) {
+          const __m256 xk = _mm256_broadcast_ss(x + i * K + k + e);
+          const __m256 xl = _mm256_broadcast_ss(x + i * K + k + e + 1);
+          acc[i][2 * j] = _mm256_fmadd_ps(xl, l0, _mm256_fmadd_ps(xk, k0, acc[i][2 * j]));
+          acc[i][2 * j + 1] = _mm256_fmadd_ps(xl, l1, _mm256_fmadd_ps(xk, k1, acc[i][2 * j + 1]));
+        }
       }
     }
 }

@@ -130,13 +130,15 @@ def require_kernel() -> None:
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
     """weight_formats.quantize_int4's (N, K) q, (N, G) scales and minimums -> the kernel's
-    layout: (B, K / 2, 16) bytes, two inputs' q of one output a byte, 16 outputs side by side;
-    (B, G, 16) float16 scales and minimums. note: float16 as Q4_1 stores them, so a 4-bit
-    file's are kept exactly; another model's are rounded (10 bits: far below int4's own step)."""
+    layout: (B, K / 4, 32) bytes, per block and quad of inputs k..k+3 the 16 outputs' two bytes
+    side by side, output o's byte j: q[o][k + j] | q[o][k + 2 + j] << 4; (B, G, 16) float16
+    scales and minimums. note: float16 as Q4_1 stores them, so a 4-bit file's are kept exactly;
+    another model's are rounded (10 bits: far below int4's own step)."""
     N, K = q.shape
-    pairs = q.view(N // 16, 16, K // 2, 2).to(torch.uint8)  # (B, 16, K / 2, 2)
-    packed = (pairs[..., 0] | pairs[..., 1] << 4).permute(0, 2, 1).contiguous()  # (B, K/2, 16)
-    return packed, by_block(scales), by_block(minimums)  # (B, G, 16) each
+    quads = q.view(N // 16, 16, K // 4, 2, 2).to(torch.uint8)  # (B, o, quad, k // 2 % 2, k % 2)
+    packed = quads[..., 0, :] | quads[..., 1, :] << 4  # (B, o, quad, j)
+    return (packed.permute(0, 2, 1, 3).reshape(N // 16, K // 4, 32).contiguous(),
+            by_block(scales), by_block(minimums))  # (B, G, 16) each
 
 
 def pack_int4_a8(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
