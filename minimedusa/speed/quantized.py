@@ -167,7 +167,7 @@ class Int4KernelLinear(nn.Module):
                             f"outputs: this model has one of {K} and {N}")
         group_kernel.require_kernel()
         packed, scales, minimums = self.pack(*quantize_int4(linear.weight))
-        # (N / 16, K / 2, 16) uint8; w4a8's layout (N / 16, K / 8, 64)
+        # (N / 16, K / 4, 32) uint8; w4a8's layout (N / 16, K / 8, 64)
         self.register_buffer("packed", packed)
         # float16 whatever the activations' dtype (kept out of .to(bfloat16), which would round
         # them: plain attributes, not buffers)
