@@ -41,8 +41,9 @@
 
 /* Every kernel below reads its weights once a call, in order, straight from memory (the model's
    ~60 MB of blocks pass through the caches each step). Asked for only as the loop reaches them,
-   they came at ~20 GB/s a core, at 1 row and at 8 alike: a core keeps too few misses in flight,
-   and the hardware prefetcher ramps up late in each thread's run of blocks. So each group first
+   they came at ~20 GB/s a core at 1 row (the machine reads 72 GB/s), and at 8 rows the loop
+   still waited on them: a core keeps too few misses in flight, and the hardware prefetcher
+   ramps up late in each thread's run of blocks. So each group first
    asks for the bytes AHEAD further on (prefetch: no fault past an array's end, no change to any
    result). On the 2-core Zen 5 (a throwaway harness, the default model's 120 block products,
    int4, bfloat16 rows, 2 threads, the best of 20): 1 / 2 / 3 / 4 / 8 rows 1.55 / 1.63 / 1.84 /
