@@ -45,10 +45,10 @@
    still waited on them: a core keeps too few misses in flight, and the hardware prefetcher
    ramps up late in each thread's run of blocks. So each group first asks for the bytes AHEAD
    further on (prefetch: no fault past an array's end, no change to any result). On the 2-core
-   Zen 5 (a throwaway harness, the default model's 120 block products,
-   int4, bfloat16 rows, 2 threads, the best of 20): 1 / 2 / 3 / 4 / 8 rows 1.55 / 1.63 / 1.84 /
-   2.14 / 3.24 ms -> 1.09 / 1.31 / 1.66 / 1.90 / 2.62 with 8 KB ahead (4 KB: 1.13 / 1.28 / 1.57
-   / 1.78 / 2.54; 16 KB: 1.18 / 1.37 / 1.72 / 1.92 / 2.65). Other CPUs: unmeasured. */
+   Zen 5 (a throwaway harness, the default model's 120 block products, int4, bfloat16 rows, 2
+   threads, the best of 20): 1 / 2 / 3 / 4 / 8 rows 1.55 / 1.63 / 1.84 / 2.14 / 3.24 ms -> 1.09
+   / 1.31 / 1.66 / 1.90 / 2.62 with 8 KB ahead (4 KB: 1.13 / 1.28 / 1.57 / 1.78 / 2.54; 16 KB:
+   1.18 / 1.37 / 1.72 / 1.92 / 2.65). Other CPUs: unmeasured. */
 enum { AHEAD = 8192 };
 
 /* ask for the `bytes` at w + AHEAD (a group's weights, AHEAD further on); always inlined: as a
