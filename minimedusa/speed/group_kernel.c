@@ -358,15 +358,15 @@ enum {
 };
 
 /* int4: one group of nb blocks of 16 outputs (w: the first block's bytes, `stride` bytes to the
-   next) for n rows: per quad of inputs k..k+3 32 bytes a block (pack_int4), 16 of them widened
-   to 16 bits a half of the block: as 8 lanes of 32 bits, lane o holds output o's q at k in bits
-   0-3, k + 1 in 16-19, k + 2 in 4-7 and k + 3 in 20-23. Every output's sum is the same sequence
+   next) for n rows: per quad of inputs k..k+3 32 bytes a block (pack_int4), 16 of them a half of
+   the block, their pairs widened to 32 bits: lane o holds output o's q at k in bits 0-3, k + 2 in
+   4-7, k + 1 in 8-11 and k + 3 in 12-15. Every output's sum is the same sequence
    of FMAs whatever n and nb (the pairs of inputs in order): nb only puts more independent sums
    in flight where rows are few (one row's 2 sums a block wait on FMA's latency, 4 cycles, not
-   on its rate). A quad's nibbles cost 12 operations a 32 weights here, a layout of pairs' 10:
-   the default model's 120 block products, float32 rows, at 1 / 2 / 3 / 4 / 8 rows 2.46-2.58 /
-   3.03-3.16 / 3.62-3.77 / 4.31-4.54 / 8.35-8.76 ms against pairs' 2.10-2.16 / 2.96-2.97 /
-   3.57-3.60 / 4.13-4.19 / 8.05-8.34 (built for AVX2 on the 2-core Zen 5, 3 alternations): int4
+   on its rate). A quad's nibbles cost 11 operations a 32 weights here, a layout of pairs' 10:
+   the default model's 120 block products, float32 rows, at 1 / 2 / 3 / 4 / 8 rows 2.17-2.31 /
+   2.75-2.87 / 3.40-3.52 / 4.13-4.22 / 8.24-8.33 ms against pairs' 1.92-2.02 / 2.73-2.87 /
+   3.34-3.56 / 3.89-4.09 / 7.76-8.05 (built for AVX2 on the 2-core Zen 5, 3 alternations): int4
    with float32 rows is no default (an AVX2 CPU's is w4a8, with a layout of its own) */
 static inline __attribute__((always_inline)) void group_rows4(
     const float* x, const uint8_t* w, int64_t stride, __m256 acc[][2 * PAIRED], int64_t K,
@@ -375,15 +375,15 @@ static inline __attribute__((always_inline)) void group_rows4(
   for (int k = 0; k < 32; k += 4, w += 32)
     for (int j = 0; j < nb; j++) {
       const uint8_t* quad = w + j * stride;
-      const __m256i d0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)quad));  /* 0-7 */
-      const __m256i d1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(quad + 16)));
+      const __m256i d0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)quad));  /* 0-7 */
+      const __m256i d1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(quad + 16)));
       for (int e = 0; e < 4; e += 2) {  /* the pairs (k, k + 1) and (k + 2, k + 3) */
         const __m256 k0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d0, 2 * e), low));
         const __m256 k1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d1, 2 * e), low));
-        const __m256 l0 = _mm256_cvtepi32_ps(
-            _mm256_and_si256(_mm256_srli_epi32(d0, 16 + 2 * e), low));
-        const __m256 l1 = _mm256_cvtepi32_ps(
-            _mm256_and_si256(_mm256_srli_epi32(d1, 16 + 2 * e), low));
+        const __m256 l0 = _mm256_cvtepi32_ps(e ? _mm256_srli_epi32(d0, 12)  /* the top nibble */
+                                               : _mm256_and_si256(_mm256_srli_epi32(d0, 8), low));
+        const __m256 l1 = _mm256_cvtepi32_ps(e ? _mm256_srli_epi32(d1, 12)
+                                               : _mm256_and_si256(_mm256_srli_epi32(d1, 8), low));
         for (int i = 0; i < n; i++) {
           const __m256 xk = _mm256_broadcast_ss(x + i * K + k + e);
           const __m256 xl = _mm256_broadcast_ss(x + i * K + k + e + 1);
