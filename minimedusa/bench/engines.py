@@ -20,7 +20,6 @@ from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.bench.llama_cpp import load_llama_cpp
 from minimedusa.budget import (FixedSize, expected_length, expected_length_of, fixed, grow_tree,
                                nested_trees)
-from minimedusa.context_candidates import CHAIN
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.flags.load import (decoding_budget, decoding_heads, decoding_model,
                                    decoding_tree, ranked_vocab_size)
@@ -178,7 +177,7 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
             run[label + "greedy" + EAGER] = eager_engine(medusa_engine(model, heads, tree,
                                                                        greedy()))
         return run
-    trees, budget, why = decoding_budget(heads, model, spec, CHAIN if context != "off" else 0)
+    trees, budget, why = decoding_budget(heads, model, spec, context != "off")
     print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
     if eager_too:
         rules["greedy" + EAGER] = greedy()

@@ -161,13 +161,13 @@ def decoding_tree(spec: str | None, heads, model: Llama) -> tuple[str, MedusaTre
                             ranked_vocab_size(heads, model), device)
 
 
-def decoding_budget(heads, model: Llama, heads_spec: str, chain: int = 0):
+def decoding_budget(heads, model: Llama, heads_spec: str, context: bool = False):
     """(trees by size, the Budget that picks among them and plain steps, why these): the tree
     grown from the heads' calibration at every size up to 16 nodes on a CPU (where a 16-node
     step already cost 1.5-2x a plain one on the 2-core machines measured) or 64 on a GPU; for
     heads without a calibration, the default tree or plain steps. Step latencies: measured on
-    this machine at first use, then cached (budget.py). chain: the tokens a context chain
-    proposes where decoding reads them (context_candidates.CHAIN), else 0."""
+    this machine at first use, then cached (budget.py). context: whether decoding reads context
+    chains (the Budget then knows how many tokens one proposes: context_candidates.CHAIN)."""
     weight = model.embed.weight
     folder = Path(heads_spec)
     accuracy = read_calibration(folder) if folder.is_dir() else None
@@ -183,7 +183,7 @@ def decoding_budget(heads, model: Llama, heads_spec: str, chain: int = 0):
     trees, rank = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
                                ranked_vocab_size(heads, model), weight.device)
     latency, source = machine_latency(model, heads, trees)
-    return (trees, Budget([0, *sizes], expected, latency, rank, chain=chain),
+    return (trees, Budget([0, *sizes], expected, latency, rank, chain=CHAIN if context else 0),
             f"{why}, latencies {source}")
 
 
@@ -199,7 +199,7 @@ def decoding_trees(spec: str | None, heads, model: Llama, heads_spec: str, conte
     if spec is not None and spec != "ranked":
         name, tree = decoding_tree(spec, heads, model)
         return (*fixed(tree), lambda: f"tree {name} ({tree.size - 1} nodes, --tree)")
-    trees, budget, why = decoding_budget(heads, model, heads_spec, CHAIN if context else 0)
+    trees, budget, why = decoding_budget(heads, model, heads_spec, context)
     shape = "confidence-ranked tree" if spec == "ranked" else "tree"
     joined = " and context candidates" if context else ""
     return (None if spec == "ranked" else trees, budget,
