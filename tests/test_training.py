@@ -173,7 +173,9 @@ def test_training_runs_under_torchrun_with_two_processes(tiny_setup, tmp_path):
     """DistributedDataParallel on the CPU (gloo): each process takes half of every batch."""
     model_dir, data = tiny_setup
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        # --standalone: a free port for the rendezvous, not the fixed 29500 (the one failure of
+        # this test seen, in 1 of 5 full runs, was not kept; a port in use is one cause it removes)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "train.py"), "--frozen", "--model", str(model_dir), "--data", str(data),
          "--out", str(tmp_path), "--batch-size", "32", "--heads", "3", "--epochs", "2",
          "--warmup", "2", "--lr", "3e-3", "--eval-every", "5", "--device", "cpu"],
