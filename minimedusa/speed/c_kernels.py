@@ -7,8 +7,10 @@ a kernel is built for this CPU's vector units, into the user's cache folder, und
 holds a hash of its source, the flags and the CPU, so a shared home folder never hands one
 CPU's binary to another. OpenMP where the compiler has it, else one thread. Each kernel module
 loads its library at first use and keeps, for the process, the library or why there is none.
-A cache folder's accidents cost a build, never the kernel: a library that does not load is built
-again (once), and a failed build leaves nothing behind.
+A cache folder's accidents cost a build, never the kernel or the run: beside each library the
+build writes, last, its size and sha256; a library that does not match them (cut short by a
+full disk or an interrupted copy: it may still load, then fault on its first call) is never
+loaded but built again, once, and a failed build leaves nothing behind.
 The operators are C++ against torch's headers, with the kernels' flags (the C++ compiler
 torch.compile needs too: c++, or $CXX): ~18 s to build on a 2-core CPU, once per machine, torch
 version and kernels' sources.
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import cpu_features, cpu_model
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -30,10 +33,8 @@ OPERATORS = HERE / "operators.cpp"
 
 
 def kernels_folder() -> Path:
-    """Where built kernels are kept: $MINIMEDUSA_CACHE, else the user's cache folder."""
-    root = os.environ.get("MINIMEDUSA_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimedusa"
-    return Path(root) / "kernels"
+    """Where built kernels are kept: the cache folder's kernels/ (cache_folder.py)."""
+    return cache_folder() / "kernels"
 
 
 def sources_digest() -> str:
@@ -53,18 +54,47 @@ def compile_kernel(source: Path, compiler: str) -> Path:
 
 
 def built(path: Path, build_into) -> Path:
-    """`path`, built by build_into(a file) unless it is there. Written beside its final name,
-    then renamed (processes building it at once never read half a file); a failed build leaves
+    """`path`, built by build_into(a file) unless a whole copy is there (is_whole). Written
+    beside its final name under a name of this process's own, then renamed (processes
+    building it at once never read half a file), then its digest; a failed build leaves
     nothing behind."""
-    if not path.is_file():
+    if not is_whole(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
             build_into(tmp)
+            digest = file_digest(tmp)
             os.replace(tmp, path)
+            write_digest(path, digest)
         finally:
             tmp.unlink(missing_ok=True)
     return path
+
+
+def digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def file_digest(path: Path) -> str:
+    """"size sha256" of a file's bytes."""
+    data = path.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def write_digest(path: Path, digest: str) -> None:
+    tmp = digest_path(path).with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, digest_path(path))
+
+
+def is_whole(path: Path) -> bool:
+    """Whether `path` holds what its build wrote: its size and sha256 those of the digest
+    written beside it after it. note: a library cut short can keep its headers whole, so that it
+    loads and faults later (a bus error, on every run): loading is no test of a library."""
+    try:
+        return path.is_file() and digest_path(path).read_text().strip() == file_digest(path)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def build(source: Path, compiler: str, out: Path, extra: tuple[str, ...] = ()) -> None:
@@ -82,16 +112,8 @@ def build(source: Path, compiler: str, out: Path, extra: tuple[str, ...] = ()) -
 
 
 def load_library(source: Path) -> ctypes.CDLL:
-    """The built `source` (OSError or RuntimeError if it cannot be built or loaded). A built
-    library that does not load (a damaged file: a disk error, a copy cut short) is deleted and
-    built again, once."""
-    compiler = os.environ.get("CC", "cc")
-    path = compile_kernel(source, compiler)
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError:
-        path.unlink(missing_ok=True)
-        return ctypes.CDLL(str(compile_kernel(source, compiler)))
+    """The built `source` (OSError or RuntimeError if it cannot be built or loaded)."""
+    return ctypes.CDLL(str(compile_kernel(source, os.environ.get("CC", "cc"))))
 
 
 # set by the first load_operators() of the process: "problem", None or why they did not load

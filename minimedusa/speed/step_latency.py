@@ -24,6 +24,7 @@ from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, pref
 from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
 from minimedusa.sampling import greedy_tokens
 from minimedusa.speed.c_kernels import sources_digest
+from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import machine_key
 from minimedusa.speed.plug_in import how_it_runs
 from minimedusa.speed.weight_formats import format_of
@@ -93,11 +94,8 @@ def time_one_step(model, heads, tree, cache, features, draft_cache=None) -> floa
 
 
 def cache_file() -> Path:
-    """Where measured step latencies are kept: $MINIMEDUSA_CACHE, else the user's cache
-    folder ($XDG_CACHE_HOME or ~/.cache)/minimedusa."""
-    root = os.environ.get("MINIMEDUSA_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimedusa"
-    return Path(root) / "step_latency.json"
+    """Where measured step latencies are kept: in the cache folder (cache_folder.py)."""
+    return cache_folder() / "step_latency.json"
 
 
 def latency_key(model, heads, device, dtype) -> str:
