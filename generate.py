@@ -260,13 +260,15 @@ def run_chat(args) -> None:
 
 
 def run_prompts(args) -> None:
-    prompts, out = read_prompts(args.prompts), open_out(args.out)  # said before the loading
-    model, tokenizer, decode, where = load_once(args)
+    prompts = read_prompts(args.prompts)  # a bad file or --out said before the loading
+    out = open_out(args.out, args.prompts)
     try:
-        answers = answer_prompts(args, prompts, model, tokenizer, decode, out)
+        model, tokenizer, decode, where = load_once(args)
+        answers = answer_prompts(args, prompts, model, tokenizer, decode,
+                                 sys.stdout if out is None else out.file)
     finally:
-        if out is not sys.stdout:
-            out.close()
+        if out is not None:
+            out.close()  # into place if it holds an answer; else the old --out stays
     print(prompts_summary(decode.describe(), answers, f"({where}, not counted)"),
           file=sys.stderr)
 

@@ -28,6 +28,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.training import medusa2 as joint_training, pipeline
     from minimedusa.files.checkpoint import (CHECKPOINT, checkpoint_on_interrupt, resume,
                                              save_checkpoint)
+    from minimedusa.files.outputs import write_atomically
     from minimedusa.flags.cli import Parser, non_negative, non_negative_int, positive, positive_int
     from minimedusa.training.progress import progress_bar, say
     from minimedusa.files.default_model import ensure_default_model
@@ -348,7 +349,8 @@ def train_loop(mode, args, rank: int, world: int, device, say) -> int:
                     "--resume; train.py without --data resumes by itself)")
                 raise KeyboardInterrupt
     if rank == 0:
-        (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+        write_atomically(args.out / "train_log.json",
+                         lambda tmp: tmp.write_text(json.dumps(log, indent=2) + "\n"))
     return step
 
 

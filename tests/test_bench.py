@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minimedusa.bench import bench, processes as bench_generate
+from minimedusa.bench import bench, processes as bench_generate, questions as bench_questions
 from minimedusa.files.heads_files import CALIBRATION
 from minimedusa.heads import MedusaHeads
 from minimedusa.files.heads_files import save_heads
@@ -24,7 +24,8 @@ from minimedusa.files.weights import load_model, save_model
 @pytest.fixture(autouse=True)
 def no_mt_bench(tmp_path, monkeypatch):
     """No MT-Bench at the default place, as in a clone with nothing beside it."""
-    monkeypatch.setattr(bench, "MT_BENCH", tmp_path / "absent" / "mt_bench_questions.jsonl")
+    monkeypatch.setattr(bench_questions, "MT_BENCH",
+                        tmp_path / "absent" / "mt_bench_questions.jsonl")
 
 
 @pytest.fixture
@@ -162,15 +163,17 @@ def test_unknown_format_is_one_line_not_a_traceback(tiny_folder):
 def test_bench_without_mt_bench_times_the_projects_own_prompts_and_says_so(capsys):
     """Two held-out seed prompts in each of MT-Bench's 8 categories, none of them a prompt the
     shipped heads (or a CPU run of train.py) trained on, and one line on stderr saying so."""
-    questions = bench.questions_to_time(None, 2)
-    assert [q["category"] for q in questions] == [c for c in bench.CATEGORIES for _ in range(2)]
+    questions = bench_questions.questions_to_time(None, 2)
+    assert [q["category"] for q in questions] == [c for c in bench_questions.CATEGORIES
+                                                  for _ in range(2)]
     trained_on = {p["prompt"] for p in seed_prompts()[:CPU_PROMPTS]}
     assert not trained_on & {q["prompt"] for q in questions}
     assert all(q["id"].startswith("seed-") for q in questions)
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith(f"minimedusa: MT-Bench questions not found at {bench.MT_BENCH}; timing "
-                          "the project's own held-out seed prompts")
+    assert err.startswith(f"minimedusa: MT-Bench questions not found at "
+                          f"{bench_questions.MT_BENCH}; timing the project's own held-out seed "
+                          "prompts")
 
 
 def test_questions_given_are_timed_first_turn_first_per_category(tmp_path, capsys):
@@ -178,7 +181,7 @@ def test_questions_given_are_timed_first_turn_first_per_category(tmp_path, capsy
     path.write_text("".join(json.dumps({"question_id": 10 * c + i, "category": category,
                                         "turns": [f"{category} {i}?", "and then?"]}) + "\n"
                             for c, category in enumerate(("writing", "math")) for i in range(3)))
-    questions = bench.questions_to_time(path, 2)
+    questions = bench_questions.questions_to_time(path, 2)
     assert questions == [{"id": 0, "category": "writing", "prompt": "writing 0?"},
                          {"id": 1, "category": "writing", "prompt": "writing 1?"},
                          {"id": 10, "category": "math", "prompt": "math 0?"},

@@ -24,7 +24,6 @@ all of them alike. Report ratios from one run, not absolute numbers from differe
     python -m minimedusa.bench --heads untrained-shared:4 --tree cpu_8 --no-sampling
     python -m minimedusa.bench --per-category 1 --no-sampling --formats float32,int8
 """
-import json
 import sys
 from pathlib import Path
 
@@ -33,8 +32,10 @@ import torch
 from minimedusa.bench.engines import Engines, engines_to_time, plain_of
 from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.processes import report_generate_processes
+from minimedusa.bench.questions import questions_to_time
 from minimedusa.bench.report import category_table, markdown, plot, summarize
 from minimedusa.files.heads_files import read_calibration
+from minimedusa.files.outputs import check_writable, write_json
 from minimedusa.flags.cli import (Parser, add_compile_argument, add_device_arguments,
                                   add_quantize_argument, format_list, non_negative,
                                   non_negative_int, positive_int)
@@ -45,61 +46,10 @@ from minimedusa.files.default_model import (DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR
 from minimedusa.speed.machine import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.speed.memory_bandwidth import implied_bandwidth, streaming_bandwidth
-from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.bench.step_profile import (draft_times, forward_times, product_times,
                                            profile_steps, step_times)
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.speed.weight_formats import FORMATS, activation_dtype
-
-MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / \
-    "mt_bench_questions.jsonl"  # where MT-Bench is looked for when --questions is not given
-CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
-              "humanities")  # MT-Bench's 8, which the seed prompts also have (and chitchat)
-
-
-def first_turns(path: Path, per_category: int) -> list[dict]:
-    """The first `per_category` questions of each MT-Bench category, first turn only."""
-    if not path.is_file():
-        raise UserError(f"MT-Bench questions not found at {path}")
-    taken, counts = [], {}
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        if counts.get(q["category"], 0) < per_category:
-            counts[q["category"]] = counts.get(q["category"], 0) + 1
-            taken.append({"id": q["question_id"], "category": q["category"],
-                          "prompt": q["turns"][0]})
-    return taken
-
-
-def held_out_seed_prompts(per_category: int) -> list[dict]:
-    """The last `per_category` seed prompts of each of MT-Bench's categories, in its shape.
-
-    Held out as format_quality.py's are: training answers the first seed prompts in seed 0's
-    order (the shipped heads the first 6,144 of 6,617), so the last ones are prompts those heads
-    never saw. Another seed would hold out little: every seed shuffles the same templates x topics.
-    subtle: unseen, but of the templates' kind, on which heads guess better than on MT-Bench
-    (self_distill.py: first guess accepted 56% against 24%), so tokens/step come out higher."""
-    prompts = seed_prompts()
-    taken = []
-    for category in CATEGORIES:
-        last_first = [i for i in reversed(range(len(prompts)))
-                      if prompts[i]["category"] == category]
-        taken += [{"id": f"seed-{i}", **prompts[i]} for i in last_first[:per_category]]
-    return taken
-
-
-def questions_to_time(given: Path | None, per_category: int) -> list[dict]:
-    """MT-Bench's first turns, from --questions or the default place; without either, the
-    project's held-out seed prompts. One line on stderr says which."""
-    if given is None and not MT_BENCH.is_file():
-        print(f"minimedusa: MT-Bench questions not found at {MT_BENCH}; timing the project's own "
-              "held-out seed prompts, on which Medusa accepts more (give MT-Bench with "
-              "--questions)", file=sys.stderr)
-        return held_out_seed_prompts(per_category)
-    questions = first_turns(given or MT_BENCH, per_category)  # given but missing: one-line error
-    print(f"questions: MT-Bench first turns from {given or MT_BENCH}", file=sys.stderr)
-    return questions
-
 
 def add_engine_flags(p) -> None:
     """What to time: the questions, the heads, their trees and acceptance rules."""
@@ -299,7 +249,7 @@ def report(args, rows: list[dict], engines: Engines, memory: dict, device, dtype
     print()
     print(category_table(per_category))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
     if args.plot:
         plot(result, args.plot)
 
@@ -307,11 +257,14 @@ def report(args, rows: list[dict], engines: Engines, memory: dict, device, dtype
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path is not None:
+            check_writable(path, flag)  # before minutes of work
+    questions = questions_to_time(args.questions, args.per_category)  # before the loading
     folder = args.model or ensure_default_model(DEFAULT_MODEL_DIR)
     device, weight_format = device_and_format(args, folder)
     dtype = activation_dtype(weight_format)
     tokenizer = Tokenizer.from_folder(folder)
-    questions = questions_to_time(args.questions, args.per_category)
     if args.generate:
         report_generate_processes(args, questions, machine_key(device, dtype), tokenizer, folder)
         return

@@ -24,6 +24,7 @@ from minimedusa.flags.cli import Parser, format_list, positive_int
 from minimedusa.files.default_model import (DEFAULT_MODEL_DIR, ensure_default_gguf,
                                             ensure_default_model)
 from minimedusa.errors import entry_point
+from minimedusa.files.outputs import check_writable, write_json
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.training.seed_prompts import seed_prompts
@@ -104,6 +105,8 @@ def main(argv=None):
                    f"{', '.join(CPU_FORMATS)})")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.out is not None:
+        check_writable(args.out, "--out")  # before minutes of work
     folder = args.model or ensure_default_model()
     tokenizer = Tokenizer.from_folder(folder)
     float32 = load_model(folder)
@@ -120,8 +123,7 @@ def main(argv=None):
         print(f"llama.cpp Q4_1: {results['llama.cpp Q4_1']}", file=sys.stderr, flush=True)
     print(json.dumps(results, indent=1))
     if args.out:
-        args.out.write_text(json.dumps({"model": folder.name, "chats": len(chats),
-                                        "formats": results}, indent=1) + "\n")
+        write_json(args.out, {"model": folder.name, "chats": len(chats), "formats": results})
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from minimedusa.bench.llama_cpp import EngineDied, load_llama_cpp
+from minimedusa.files.outputs import write_json
 
 
 def model_flags(args) -> list[str]:
@@ -111,4 +112,4 @@ def report_generate_processes(args, questions: list[dict], machine: str, tokeniz
         shown[mode]["format"] = result[mode]["formats"][0]
     print(json.dumps(shown, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)

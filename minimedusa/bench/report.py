@@ -7,6 +7,8 @@ bench.py measured; a markdown table of each, and (if matplotlib is installed) a 
 import sys
 from pathlib import Path
 
+from minimedusa.files.outputs import write_atomically
+
 
 def summarize(rows: list[dict], engines: list[str], reference: str = "plain") -> dict:
     """Totals per engine in the paper's terms, relative to the `reference` engine (this
@@ -92,4 +94,6 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['device_name']}, {result['dtype']}, {result['threads']} threads, "
                  f"{result['max_new_tokens']} tokens per question")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # aside, then renamed; the format named, as the temporary name's suffix names none
+    write_atomically(Path(path), lambda tmp: fig.savefig(tmp, dpi=120,
+                                                         format=Path(path).suffix[1:] or "png"))

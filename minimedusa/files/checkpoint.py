@@ -1,34 +1,23 @@
-"""Writing so that a kill loses nothing finished: files replaced whole, and training's checkpoint.
+"""Training's checkpoint, so that a kill loses nothing finished.
 
-Every file a long run writes (a self-distillation shard, the heads, calibration.json, the
-training checkpoint) is written beside its final name and renamed over it: the rename is atomic,
-so a kill mid-write leaves the previous file, never half a new one. The training checkpoint
-holds the trained tensors, the optimizer and the log at a step; `resume` reads it back, and
-`checkpoint_on_interrupt` lets a Ctrl-C end the step under way so that it is checkpointed.
-Left out: checkpoints of several files written as one (each file here stands alone).
+It is written as every file a long run writes (a self-distillation shard, the heads,
+calibration.json): beside its final name and renamed over it (outputs.py), so a kill mid-write
+leaves the previous file, never half a new one. It holds the trained tensors, the optimizer and
+the log at a step; `resume` reads it back, and `checkpoint_on_interrupt` lets a Ctrl-C end the
+step under way so that it is checkpointed. Left out: checkpoints of several files written as
+one (each file here stands alone).
 """
 import contextlib
 import json
-import os
 import signal
 from pathlib import Path
 
 import torch
 
 from minimedusa.errors import UserError
+from minimedusa.files.outputs import write_atomically
 
 CHECKPOINT = "checkpoint.pt"  # in the training run's output folder
-
-
-def write_atomically(path: Path, write) -> None:
-    """write(tmp) writes the file beside its final name, then it is renamed over `path`."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj) -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1) + "\n"))
 
 
 def save_checkpoint(path: Path, state: dict) -> None:

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from minimedusa.files.checkpoint import write_atomically
+from minimedusa.files.outputs import write_atomically
 from minimedusa.errors import UserError
 from minimedusa.draft_layer import HydraPlusPlusHeads
 from minimedusa.heads import MedusaConfig, MedusaHeads
@@ -140,8 +140,9 @@ def load_heads(folder, model) -> MedusaHeads:
 def save_draft_vocab(folder, ids: torch.Tensor, counts: torch.Tensor) -> None:
     """The training answers' token ids, most frequent first, with their counts
     (heads.token_ranking): a draft vocabulary of any size V' is then the first V' ids."""
-    save_file({"ids": ids.contiguous(), "counts": counts.contiguous()},
-              Path(folder) / DRAFT_VOCAB_FILE, metadata={"format": "pt"})
+    tensors = {"ids": ids.contiguous(), "counts": counts.contiguous()}
+    write_atomically(Path(folder) / DRAFT_VOCAB_FILE,
+                     lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
 def read_draft_vocab(folder) -> tuple[torch.Tensor, torch.Tensor] | None:

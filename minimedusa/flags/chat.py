@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from minimedusa.errors import UserError
+from minimedusa.files.outputs import write_atomically
 from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
 from minimedusa.flags.prompts import ROLES, is_conversation
 from minimedusa.kv_cache import KVCache
@@ -205,7 +206,8 @@ def drop_oldest(messages: list[dict], system: int) -> list[dict]:
 
 def save(messages: list[dict], path: Path) -> None:
     try:
-        path.write_text(json.dumps(messages, indent=1, ensure_ascii=False) + "\n")
+        write_atomically(path, lambda tmp: tmp.write_text(
+            json.dumps(messages, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"))
     except OSError as e:
         return say(f"cannot write {path}: {e}")
     say(f"{len(messages)} messages saved to {path}")

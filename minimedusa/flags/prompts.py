@@ -8,12 +8,14 @@ A file is one prompt a line, or JSON lines whose every object has a "prompt": a 
 /save writes them).
 """
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
 
 from minimedusa.decoding import check_context
 from minimedusa.errors import UserError
+from minimedusa.files.outputs import WrittenAside
 from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
 from minimedusa.tokenizer import Tokenizer
 
@@ -22,8 +24,15 @@ ROLES = ("system", "user", "assistant")
 
 def prompt_from_stdin(stdin) -> str:
     """Standard input's whole text, the one prompt (its trailing newline dropped, as `echo`
-    adds one)."""
-    text = stdin.read().rstrip("\r\n")
+    adds one). Read as bytes and decoded here: UTF-8 or a one-line error, whatever the
+    locale's encoding (under a C locale Python would let bytes through as lone surrogates,
+    which no tokenizer takes)."""
+    data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode()
+    try:
+        text = data.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        raise UserError(f"standard input is not UTF-8 text (byte {data[e.start]:#04x} at "
+                        f"offset {e.start}): give the prompt as text") from None
     if not text.strip():
         raise UserError("standard input is empty: no prompt to answer (or --prompt TEXT)")
     return text
@@ -124,11 +133,13 @@ def prompts_summary(mode: str, answers: list[Answer], tail: str) -> str:
                         histogram, tail)
 
 
-def open_out(path: Path | None):
-    """Where the answers go: stdout, or --out FILE (written as they come)."""
+def open_out(path: Path | None, prompts: Path) -> WrittenAside | None:
+    """Where the answers go: None for stdout, or --out FILE, written beside it as they come and
+    renamed over it at the end (outputs.WrittenAside: a run that fails first leaves it as it
+    was). Never the prompts file itself, which the answers would replace."""
     if path is None:
-        return sys.stdout
-    try:
-        return open(path, "w")
-    except OSError as e:
-        raise UserError(f"--out {path}: cannot write it ({e})") from None
+        return None
+    if path.exists() and prompts.exists() and os.path.samefile(path, prompts):
+        raise UserError(f"--out {path} is the --prompts file: the answers would replace the "
+                        "questions; give another file")
+    return WrittenAside(path, "--out")

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from minimedusa.files.heads_files import CALIBRATION
-from minimedusa.files.checkpoint import write_json
+from minimedusa.files.outputs import write_atomically, write_json
 from minimedusa.flags.cli import dropout, non_negative, non_negative_int, positive, positive_int
 from minimedusa.files.default_model import PAPER_HEADS_DIR, ensure_default_model
 from minimedusa.errors import UserError
@@ -236,8 +236,9 @@ def quality_report(model, heads, init_heads, val_answers, args, device) -> dict:
 def save_joint(model, heads, folder: Path, out: Path, report: dict, args, step: int) -> None:
     """OUT/adapters.safetensors (the adapters alone), OUT/model (the merged backbone, HF layout,
     with the tokenizer), OUT's heads, calibration.json and quality.json."""
-    save_file(adapter_state(model), out / "adapters.safetensors",
-              metadata={"rank": str(args.lora_rank), "alpha": str(args.lora_alpha)})
+    adapters = adapter_state(model)
+    write_atomically(out / "adapters.safetensors", lambda tmp: save_file(
+        adapters, tmp, metadata={"rank": str(args.lora_rank), "alpha": str(args.lora_alpha)}))
     merge_adapters(model)
     save_model(model, out / "model")
     for name in ("tokenizer.json", "tokenizer_config.json"):

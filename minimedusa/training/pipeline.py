@@ -18,7 +18,8 @@ from minimedusa.budget import grow_tree
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.speed.step_latency import latency_key, read_cached
 from minimedusa.speed.weight_formats import QUANTIZED
-from minimedusa.files.checkpoint import CHECKPOINT, write_json
+from minimedusa.files.checkpoint import CHECKPOINT
+from minimedusa.files.outputs import write_json
 from minimedusa.flags.cli import positive_int
 from minimedusa.flags.load import decoding_heads, decoding_model
 from minimedusa.training.progress import minutes, progress_bar, say

@@ -14,6 +14,8 @@ import json
 import random
 from pathlib import Path
 
+from minimedusa.files.outputs import write_atomically
+
 TOPICS = {
     "writing": [
         "a lighthouse keeper", "the first day of spring", "a city at night", "an old library",
@@ -225,7 +227,8 @@ def main():
     args = p.parse_args()
     prompts = seed_prompts(args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(x) + "\n" for x in prompts))
+    write_atomically(args.out, lambda tmp: tmp.write_text(
+        "".join(json.dumps(x) + "\n" for x in prompts)))
     counts = {}
     for x in prompts:
         counts[x["category"]] = counts.get(x["category"], 0) + 1

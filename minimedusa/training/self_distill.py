@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from minimedusa.files.checkpoint import write_atomically
+from minimedusa.files.outputs import write_atomically
 from minimedusa.flags.cli import Parser, add_device_arguments, non_negative, positive_int
 from minimedusa.flags.load import decoding_model, device_and_dtype
 from minimedusa.training.progress import progress_bar, say
@@ -191,7 +191,7 @@ def open_folder(out: Path, folder: Path, settings: Settings, n_prompts: int, dty
     meta_path = out / "meta.json"
     if meta_path.is_file() and not same_settings(json.loads(meta_path.read_text()), meta):
         raise UserError(f"{out} holds data made with other settings; use another --out")
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
 
 
 def prompt_ids(tokenizer: Tokenizer, batch: list[dict]) -> list[list[int]]:

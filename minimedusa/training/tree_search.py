@@ -24,7 +24,7 @@ import torch
 from minimedusa.budget import SIZES, expected_length, grow_tree, nested_trees, pick_budget
 from minimedusa.files.heads_files import CALIBRATION, read_calibration
 from minimedusa.speed.step_latency import latency_key, step_latency, write_cached
-from minimedusa.files.checkpoint import write_json
+from minimedusa.files.outputs import write_json
 from minimedusa.flags.cli import (Parser, add_compile_argument, add_device_arguments,
                                   add_quantize_argument, positive_int)
 from minimedusa.flags.load import decoding_heads, decoding_model, device_and_format
