@@ -15,6 +15,7 @@ second mode of the same loop. Without --data, --frozen runs pipeline.py: data, t
 import argparse
 import functools
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.training import medusa2 as joint_training, pipeline
     from minimedusa.files.checkpoint import (CHECKPOINT, checkpoint_on_interrupt, resume,
                                              save_checkpoint)
-    from minimedusa.files.outputs import write_atomically
+    from minimedusa.files.outputs import lock_folder, write_atomically
     from minimedusa.flags.cli import Parser, non_negative, non_negative_int, positive, positive_int
     from minimedusa.training.progress import progress_bar, say
     from minimedusa.files.default_model import ensure_default_model
@@ -359,6 +360,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.data is None:
         return pipeline.from_model(args, medusa1, train_loop)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, the first process holds it
+        lock_folder(args.out, "train.py")
     rank, world, device = setup_distributed(args.device)
     tell = say if rank == 0 else (lambda msg: None)
     mode = (medusa1 if args.frozen else joint_training.medusa2)(args, device, world)

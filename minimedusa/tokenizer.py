@@ -5,10 +5,16 @@ accepted.
 For the default model, byte_level_bpe builds SmolLM2's tokenizer from the GGUF's vocabulary and
 merges (its pre-tokenizer splits every digit on its own before GPT-2's byte-level split).
 The chat template renders as transformers' apply_chat_template renders it (its tojson,
-strftime_now and raise_exception). Left out: its {% generation %} tag, which marks the assistant's
-tokens for training masks; a template that uses it fails to parse, in one clear error.
+strftime_now and raise_exception), under a budget: a template is a program from the model's
+folder, and one that loops or allocates without end costs one line, not the machine. Left out:
+its {% generation %} tag, which marks the assistant's tokens for training masks; a template
+that uses it fails to parse, in one clear error.
 """
+import contextlib
 import json
+import resource
+import signal
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -16,7 +22,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from minimedusa.errors import UserError
+from minimedusa.errors import UserError, json_kind
 
 # the tokens a chat template may name (tokenizer_config.json: a string or {"content": ...})
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -58,12 +64,84 @@ def render_chat(template: str, messages: list[dict], variables: dict) -> str:
     context = {"tools": None, "documents": None, **variables,
                "messages": messages, "add_generation_prompt": True}
     try:
-        return chat_environment().from_string(template).render(context)
+        with render_budget(TEMPLATE_SECONDS, TEMPLATE_BYTES):
+            return capped(chat_environment().from_string(template).generate(context))
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         # a template is a program: its own type errors (None + a string) are its failure too;
         # one line, even where the template's raise_exception message spans several
         raise UserError("the model's chat template failed to render: "
                         + " | ".join(line.strip() for line in str(e).splitlines())) from None
+    except (OverflowError, MemoryError, RecursionError, TemplateTimeout) as e:
+        raise UserError(f"the model's chat template exceeded its budget ({budget_problem(e)}): "
+                        "is tokenizer_config.json's chat_template the model's own?") from None
+
+
+# A chat template's budget: what a template that renders a conversation never comes near, and
+# a runaway one meets in seconds. Its output's length, its time, and the memory it may take
+# beyond what the process holds (where the system sets such limits: POSIX, the main thread).
+TEMPLATE_CHARS = 1 << 22  # 4 M characters: about a million tokens
+TEMPLATE_SECONDS = 10.0
+TEMPLATE_BYTES = 1 << 30
+
+
+class TemplateTimeout(Exception):
+    pass
+
+
+def capped(pieces) -> str:
+    """The pieces a template writes, joined, or an OverflowError past TEMPLATE_CHARS."""
+    out, length = [], 0
+    for piece in pieces:
+        out.append(piece)
+        length += len(piece)
+        if length > TEMPLATE_CHARS:
+            raise OverflowError(f"its output passed {TEMPLATE_CHARS:,} characters")
+    return "".join(out)
+
+
+def budget_problem(e: Exception) -> str:
+    if isinstance(e, MemoryError):
+        return f"it asked for more than {TEMPLATE_BYTES >> 20} MB"
+    if isinstance(e, RecursionError):
+        return "it recursed without end"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+@contextlib.contextmanager
+def render_budget(seconds: float, extra_bytes: int):
+    """Inside: a TemplateTimeout after `seconds`, and a MemoryError for an allocation that would
+    take the process's address space `extra_bytes` past its size on entry. Only where POSIX
+    lets a program set them on itself, from the main thread (signals go there); elsewhere the
+    output cap and the sandbox's range bound remain."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def timeout(signum, frame):
+        raise TemplateTimeout(f"it ran past {seconds:g} s")
+    previous = signal.signal(signal.SIGALRM, timeout)
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    size = address_space_bytes()
+    if size is not None and (limits[0] == resource.RLIM_INFINITY or limits[0] > size):
+        cap = size + extra_bytes
+        if limits[1] != resource.RLIM_INFINITY:
+            cap = min(cap, limits[1])
+        resource.setrlimit(resource.RLIMIT_AS, (cap, limits[1]))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        resource.setrlimit(resource.RLIMIT_AS, limits)
+
+
+def address_space_bytes() -> int | None:
+    """This process's virtual size (Linux's /proc), or None where it cannot be read."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def chat_environment() -> ImmutableSandboxedEnvironment:
@@ -91,8 +169,31 @@ def strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def check_unicode(text: str) -> None:
+    """Refuse text that no UTF-8 can hold: a lone surrogate, which is how Python passes on the
+    bytes of an argument or a line that were not UTF-8 (surrogateescape), or a JSON string's
+    "\\udc80". The tokenizer would stop with a TypeError."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UserError(f"the text is not valid UTF-8 ({text[e.start]!r} at character "
+                            f"{e.start}: bytes that are not UTF-8, or a lone surrogate): give "
+                            "UTF-8 text") from None
+
+
 def template_exception(message: str):
     raise jinja2.TemplateError(message)
+
+
+def read_json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"cannot read {path} as JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds {json_kind(value)}, not a JSON object")
+    return value
 
 
 class Tokenizer:
@@ -107,13 +208,18 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise UserError(f"no tokenizer.json in {folder}")
         path = folder / "tokenizer_config.json"
-        config = json.loads(path.read_text()) if path.is_file() else {}
+        config = read_json_object(path) if path.is_file() else {}
         special = {k: v.get("content") if isinstance(v, dict) else v
                    for k, v in config.items() if k in SPECIAL_TOKENS}
-        return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")),
-                   config.get("chat_template"), special)
+        try:
+            tk = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise UserError(f"cannot read {folder / 'tokenizer.json'}: "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        return cls(tk, config.get("chat_template"), special)
 
     def encode(self, text: str) -> list[int]:
+        check_unicode(text)
         return self.tk.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:

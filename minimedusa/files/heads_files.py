@@ -7,6 +7,7 @@ Beside them, draft_vocab.safetensors: the training answers' tokens by frequency.
 the layout serving engines load is export_v1.py's.
 """
 import json
+import pickle
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minimedusa.files.outputs import write_atomically
-from minimedusa.errors import UserError
+from minimedusa.errors import UserError, json_kind
 from minimedusa.draft_layer import HydraPlusPlusHeads
 from minimedusa.heads import MedusaConfig, MedusaHeads
 from minimedusa.hydra import HydraHeads
@@ -26,6 +27,7 @@ HEADS_FILE = "medusa_lm_head.safetensors"
 HEAD_KINDS = {"medusa": MedusaHeads, "hydra": HydraHeads, "hydra++": HydraPlusPlusHeads}
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # token ids by frequency in the training answers
 CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (training/tree_search.py measures it)
+MAX_HEADS = 64  # heads, and layers a head: the paper's have 5 and 1
 
 
 class HeadsError(UserError):
@@ -72,9 +74,20 @@ def read_heads_state(folder: Path) -> dict[str, torch.Tensor]:
             with safe_open(path, framework="pt", device="cpu") as st:
                 return {k: st.get_tensor(k) for k in st.keys()}
         if pt.is_file():
-            return torch.load(pt, map_location="cpu", weights_only=True)
+            state = torch.load(pt, map_location="cpu", weights_only=True)
+            if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(t)
+                                                    for k, t in state.items())):
+                raise HeadsError(f"{pt} holds no heads' tensors by name")
+            return state
+    except pickle.UnpicklingError:
+        # note: torch's own message advises weights_only=False, which would run the file's code
+        raise HeadsError(f"{pt} holds more than tensors (pickled code or objects), which is "
+                         "never run here: keep heads as medusa_lm_head.safetensors") from None
+    except HeadsError:
+        raise
     except Exception as e:  # truncation/corruption surfaces with varied exception types
-        raise HeadsError(f"cannot read the heads in {folder} (truncated or corrupt?): {e}") \
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise HeadsError(f"cannot read the heads in {folder} (truncated or corrupt?): {said}") \
             from None
     raise HeadsError(f"missing heads file {path}")
 
@@ -83,7 +96,8 @@ def heads_config(raw: dict, state: dict, model_config) -> MedusaConfig:
     """The config of heads files. Published reference heads state only medusa_num_heads and
     medusa_num_layers; the sizes and the form are then read off the tensors: the shared form is
     the one without a projection {i}.{L}.weight."""
-    missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in raw]
+    check_heads_values(raw)
+    missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if raw.get(k) is None]
     if missing:
         raise HeadsError(f"the heads' config.json lacks {', '.join(missing)}")
     L = raw["medusa_num_layers"]
@@ -105,6 +119,24 @@ def heads_config(raw: dict, state: dict, model_config) -> MedusaConfig:
     return MedusaConfig(raw["medusa_num_heads"], L, hidden, vocab, bool(shared), kind)
 
 
+def check_heads_values(raw) -> None:
+    """The heads' config.json: an object whose sizes are positive integers (heads and layers at
+    most MAX_HEADS: each is a module), whose switch is true or false and kind a name."""
+    if not isinstance(raw, dict):
+        raise HeadsError(f"the heads' config.json holds {json_kind(raw)}, not a JSON object")
+    for key in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"):
+        value = raw.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
+                                      and 0 < value and (value <= MAX_HEADS or "size" in key)):
+            raise HeadsError(f"the heads' config.json's {key} is {str(value)[:40]!r}: it must be "
+                             f"a positive integer{'' if 'size' in key else f' (<= {MAX_HEADS})'}")
+    for key, kind, fits in (("shared_lm_head", "true or false", lambda v: isinstance(v, bool)),
+                            ("head_kind", "a name", lambda v: isinstance(v, str))):
+        if raw.get(key) is not None and not fits(raw[key]):
+            raise HeadsError(f"the heads' config.json's {key} is {str(raw[key])[:40]!r}: it "
+                             f"must be {kind}")
+
+
 def load_heads(folder, model) -> MedusaHeads:
     """Heads from a folder (config.json + medusa_lm_head.safetensors or .pt), in this project's
     or the reference's layout, checked against the model."""
@@ -112,8 +144,12 @@ def load_heads(folder, model) -> MedusaHeads:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise HeadsError(f"no config.json in the heads folder {folder}")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HeadsError(f"{config_path} is not valid JSON: {e}") from None
     state = read_heads_state(folder)
-    cfg = heads_config(json.loads(config_path.read_text()), state, model.config)
+    cfg = heads_config(raw, state, model.config)
     check_heads_fit(cfg, model.config)
     heads = (HydraPlusPlusHeads(cfg, model.config) if cfg.head_kind == "hydra++"
              else HEAD_KINDS[cfg.head_kind](cfg))

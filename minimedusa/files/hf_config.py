@@ -6,9 +6,10 @@ A switch that would change the computation in a way not implemented here is an e
 never ignored. Left out: other architectures, MLP and output biases, partial rotary, other
 RoPE scalings.
 """
+import math
 from dataclasses import MISSING, asdict, fields
 
-from minimedusa.errors import UserError
+from minimedusa.errors import UserError, json_kind
 from minimedusa.model import LlamaConfig
 
 
@@ -27,6 +28,51 @@ ROPE_SCALINGS = {"linear": ("factor",),
                             "original_max_position_embeddings")}
 # the sliding_window of MistralConfig and Qwen2Config when config.json states none
 HF_DEFAULT_WINDOW = 4096
+# config.json's values and what each must be where it is given (null: not given); any other is
+# a damaged or foreign file, refused in one line that names the key
+POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                     "head_dim", "sliding_window")
+POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps")
+OBJECTS = ("rope_scaling", "rope_parameters")
+MAX_LAYERS = 1024  # the largest Llamas have 126
+
+
+def is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+def check_values(hf) -> None:
+    """Each value config.json gives of the kind HF writes: an object at the top, positive
+    integers for sizes, positive numbers, objects for the RoPE settings, token ids."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"config.json holds {json_kind(hf)}, not a JSON object")
+    kinds = ([(k, "a positive integer", lambda v: is_integer(v) and v > 0)
+              for k in POSITIVE_INTEGERS]
+             + [(k, "a positive number", is_positive_number) for k in POSITIVE_NUMBERS]
+             + [(k, "an object", lambda v: isinstance(v, dict)) for k in OBJECTS]
+             + [("model_type", "a name", lambda v: isinstance(v, str)),
+                ("architectures", "a list of names",
+                 lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v)),
+                ("tie_word_embeddings", "true or false", lambda v: isinstance(v, bool)),
+                ("bos_token_id", "a token id", lambda v: is_integer(v) and v >= 0),
+                ("eos_token_id", "a token id or a list of them", is_token_ids)])
+    for key, kind, fits in kinds:
+        if hf.get(key) is not None and not fits(hf[key]):
+            raise ConfigError(f"config.json's {key} is {str(hf[key])[:40]!r}: it must be {kind}")
+    if (hf.get("num_hidden_layers") or 0) > MAX_LAYERS:  # each a module: a typo would fill memory
+        raise ConfigError(f"config.json's num_hidden_layers is {hf['num_hidden_layers']}: more "
+                          f"than any Llama has (this code takes up to {MAX_LAYERS})")
+
+
+def is_token_ids(value) -> bool:
+    ids = value if isinstance(value, list) else [value]
+    return all(is_integer(i) and i >= 0 for i in ids)
 
 
 def family(hf: dict) -> str:
@@ -52,14 +98,15 @@ def rope_scaling(hf: dict) -> dict | None:
         if not source:
             continue
         kind = source.get("rope_type", source.get("type", "default"))
-        if kind != "default" and kind not in ROPE_SCALINGS:
+        if not isinstance(kind, str) or (kind != "default" and kind not in ROPE_SCALINGS):
             raise ConfigError(f"config.json's {key} asks for RoPE scaling {kind!r}, which "
                               f"minimedusa's Llama does not implement (only "
                               f"{', '.join(map(repr, ROPE_SCALINGS))})")
-        missing = [k for k in ROPE_SCALINGS.get(kind, ()) if k not in source]
+        missing = [k for k in ROPE_SCALINGS.get(kind, ())
+                   if not is_positive_number(source.get(k))]
         if missing:
             raise ConfigError(f"config.json's {key} asks for RoPE scaling {kind!r} but lacks "
-                              f"{', '.join(missing)}")
+                              f"{', '.join(missing)} (or it is not a positive number)")
         asked[key] = None if kind == "default" else {
             "rope_type": kind, **{k: source[k] for k in ROPE_SCALINGS[kind]}}
     if len(asked) == 2 and asked["rope_parameters"] != asked["rope_scaling"]:
@@ -125,9 +172,11 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     """Read an HF-style config.json dict (transformers 4 or 5; Llama, Mistral or Qwen2); keys
     that do not change the computation are ignored, missing ones and ones that would are an
     error."""
+    check_values(hf)
     model_type = family(hf)
     check_unsupported(hf, model_type)
-    missing = [f.name for f in fields(LlamaConfig) if f.default is MISSING and f.name not in hf]
+    missing = [f.name for f in fields(LlamaConfig)
+               if f.default is MISSING and hf.get(f.name) is None]
     if missing:
         raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
     if hf["num_attention_heads"] % hf["num_key_value_heads"]:

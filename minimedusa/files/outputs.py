@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 from pathlib import Path
+from typing import IO
 
 from minimedusa.errors import UserError
 
@@ -72,3 +73,34 @@ class WrittenAside:
             os.replace(self.tmp, self.path)
         else:
             self.tmp.unlink(missing_ok=True)
+
+
+_locks: list[IO] = []  # the lock files this process holds, open for its whole life
+
+
+def lock_folder(folder: Path, command: str) -> None:
+    """Make `folder` (one line if it cannot be made) and hold its .lock for the rest of the
+    process: a second run writing the same folder exits in one line naming the first's process,
+    instead of mixing its checkpoints and shards with the first's. The operating system drops
+    the lock when the process ends, however it ends: a killed run leaves no stale lock."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / ".lock", "a+")
+    except OSError as e:
+        raise UserError(f"--out {folder} cannot be made or written ({e.strerror or e})") from None
+    try:
+        import fcntl  # POSIX; elsewhere the folder is not locked
+    except ImportError:
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        raise UserError(f"--out {folder} is being written by another {command} (process "
+                        f"{holder}): wait for it to end, or give another --out") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    _locks.append(lock)

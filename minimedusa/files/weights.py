@@ -74,8 +74,8 @@ def read_config(folder: Path) -> LlamaConfig:
     if not path.is_file():
         raise WeightsError(f"no config.json in {folder}")
     try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     return config_from_hf(hf)
 
@@ -85,14 +85,32 @@ def safetensors_files(folder: Path) -> list[Path]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / shard for shard in shards]
+        files = [folder / shard for shard in index_shards(index)]
     else:
         files = [folder / "model.safetensors"]
     for f in files:
         if not f.is_file():
             raise WeightsError(f"missing weights file {f}")
     return files
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard files a model.safetensors.index.json names: file names in its own folder (a
+    shard named by a path, ../ or absolute, is refused: a model folder reads only itself)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (UnicodeDecodeError, ValueError, AttributeError):  # AttributeError: not an object
+        weight_map = None
+    if not (isinstance(weight_map, dict) and weight_map
+            and all(isinstance(shard, str) for shard in weight_map.values())):
+        raise WeightsError(f"{index} is not a safetensors index: a JSON object whose "
+                           "\"weight_map\" maps each tensor's name to its shard's file name")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if Path(shard).name != shard or shard in ("", ".", ".."):
+            raise WeightsError(f"{index} names the shard {shard!r}, which is not a file name in "
+                               f"{index.parent}: shards are read from the model's folder only")
+    return shards
 
 
 def file_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,6 +14,8 @@ Past the model's context the oldest exchanges are dropped, or the chat starts ov
 !!regen, !!save, !!load). Left out: messages over several lines, Hydra++ heads (their draft
 layer's cache is not kept between turns).
 """
+import contextlib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -228,18 +230,39 @@ def load(path: Path) -> list[dict] | None:
 
 def read_lines(interactive: bool):
     """The user's lines, stripped, until Ctrl-D (end of input). On a terminal with a prompt and
-    line editing (input()); Ctrl-C there drops the line typed so far."""
+    line editing (input(), through readline where Python has it); Ctrl-C there drops the line
+    typed so far. A line that is not UTF-8 is said and skipped."""
+    if interactive:
+        line_editing()
     while True:
         try:
-            line = input("> ") if interactive else sys.stdin.readline()
+            line = input("> ") if interactive else read_line(sys.stdin)
         except EOFError:
             return
         except KeyboardInterrupt:
             print(file=sys.stderr)
             continue
-        if not interactive and not line:
-            return
+        except UnicodeDecodeError as e:
+            say(f"that line is not UTF-8 text (byte {e.object[e.start]:#04x}): not sent")
+            continue
         yield line.strip()
+
+
+def line_editing() -> None:
+    """input() through GNU readline (or libedit): line editing and history, and lines of any
+    length. note: without it a terminal's own line discipline cuts a line at 4,095 bytes
+    without a word, and a pasted page loses its end."""
+    with contextlib.suppress(ImportError):
+        importlib.import_module("readline")  # importing it is what switches input() over
+
+
+def read_line(stdin) -> str:
+    """The next line of a script on standard input, decoded as UTF-8 (a UnicodeDecodeError
+    where it is not); EOFError at its end."""
+    raw = stdin.buffer.readline() if hasattr(stdin, "buffer") else stdin.readline()
+    if not raw:
+        raise EOFError
+    return raw.decode("utf-8") if isinstance(raw, bytes) else raw
 
 
 def chat(args, model, tokenizer: Tokenizer, decoder: Decoder, loaded: str) -> None:

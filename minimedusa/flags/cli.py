@@ -4,6 +4,7 @@ format, compiled step, context candidates, draft vocabulary). What the flags the
 load.py's.
 """
 import argparse
+import os
 
 
 class Parser(argparse.ArgumentParser):
@@ -15,6 +16,21 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+THREADS_PER_CORE = 4  # more only queue behind each other (and thousands exhaust the machine)
+
+
+def max_threads() -> int:
+    return THREADS_PER_CORE * (os.cpu_count() or 1)
+
+
+def thread_count(text: str) -> int:
+    value = positive_int(text)
+    if value > max_threads():
+        raise argparse.ArgumentTypeError(f"at most {max_threads()} on this machine "
+                                         f"({THREADS_PER_CORE} a core), got {value}")
     return value
 
 
@@ -46,8 +62,8 @@ def positive(text: str) -> float:
 
 def non_negative(text: str) -> float:
     value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value
 
 
@@ -75,8 +91,9 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
                         "other models bfloat16 where the CPU multiplies it natively, else "
                         "float32), float32, bfloat16, float16")
     default = threads_default or "torch's choice, one per core"
-    parser.add_argument("--threads", type=positive_int, default=threads_default,
-                        help=f"CPU threads for torch (default: {default})")
+    parser.add_argument("--threads", type=thread_count, default=threads_default,
+                        help=f"CPU threads for torch, at most {THREADS_PER_CORE} a core "
+                        f"({max_threads()} here; default: {default})")
 
 
 def add_quantize_argument(parser) -> None:

@@ -27,7 +27,8 @@ def prompt_from_stdin(stdin) -> str:
     adds one). Read as bytes and decoded here: UTF-8 or a one-line error, whatever the
     locale's encoding (under a C locale Python would let bytes through as lone surrogates,
     which no tokenizer takes)."""
-    data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode()
+    data = (stdin.buffer.read() if hasattr(stdin, "buffer")
+            else stdin.read().encode("utf-8", "surrogateescape"))
     try:
         text = data.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as e:

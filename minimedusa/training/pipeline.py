@@ -19,7 +19,7 @@ from minimedusa.files.heads_files import read_calibration
 from minimedusa.speed.step_latency import latency_key, read_cached
 from minimedusa.speed.weight_formats import QUANTIZED
 from minimedusa.files.checkpoint import CHECKPOINT
-from minimedusa.files.outputs import write_json
+from minimedusa.files.outputs import lock_folder, write_json
 from minimedusa.flags.cli import positive_int
 from minimedusa.flags.load import decoding_heads, decoding_model
 from minimedusa.training.progress import minutes, progress_bar, say
@@ -185,6 +185,7 @@ def from_model(args, medusa1, train_loop) -> None:
     check_model_folder(folder)
     args.out = args.out or WEIGHTS_DIR / f"{folder.name}-trained"
     args.data = args.out / "data"
+    lock_folder(args.out, "train.py")
     check_recipe(args)
     size = ("sized for about an hour on a 2-core CPU" if device.type == "cpu" else
             "minutes on a GPU: 4,096 prompts took 4.4 min on an H100")

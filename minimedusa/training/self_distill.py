@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from minimedusa.files.outputs import write_atomically
+from minimedusa.files.outputs import lock_folder, write_atomically
 from minimedusa.flags.cli import Parser, add_device_arguments, non_negative, positive_int
 from minimedusa.flags.load import decoding_model, device_and_dtype
 from minimedusa.training.progress import progress_bar, say
@@ -292,6 +292,7 @@ def main():
     if args.prompts == "model" and not args.limit:
         p.error("--prompts model needs --limit N: how many user turns the model writes")
 
+    lock_folder(args.out, "self-distillation")
     device, dtype = device_and_dtype(args)
     folder = args.model or ensure_default_model()
     model, tokenizer = answering_model(folder, device, dtype), Tokenizer.from_folder(folder)
