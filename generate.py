@@ -159,6 +159,8 @@ def load(args):
     step (speed/plug_in.py, through flags/load.py), the flags that must fit the model checked
     before them (check_flags)."""
     folder = args.model if args.model is not None else ensure_default_model()
+    if not folder.is_dir():
+        raise UserError(f"model folder {folder} does not exist")
     device, weight_format = device_and_format(args, folder)
     tokenizer = Tokenizer.from_folder(folder)
     model, step = decoding_model(folder, device, weight_format, args.compile,

@@ -73,7 +73,7 @@ def render_chat(template: str, messages: list[dict], variables: dict) -> str:
                         + " | ".join(line.strip() for line in str(e).splitlines())) from None
     except (OverflowError, MemoryError, RecursionError, TemplateTimeout) as e:
         raise UserError(f"the model's chat template exceeded its budget ({budget_problem(e)}): "
-                        "is tokenizer_config.json's chat_template the model's own?") from None
+                        "see chat_template in its tokenizer_config.json") from None
 
 
 # A chat template's budget: what a template that renders a conversation never comes near, and

@@ -5,7 +5,9 @@ folder; the chat takes a pasted line whole."""
 import json
 import os
 import pty
+import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -145,12 +147,13 @@ def test_a_second_run_on_a_locked_out_names_the_first_and_stops(tmp_path):
         holder.kill()
         holder.wait()
     lock_folder(folder, "train.py")  # the lock goes with its process, however it ended
-    outputs._locks.pop().close()
+    outputs._locks.pop(folder.resolve()).close()
 
 
 def read_until(fd: int, mark: bytes) -> bytes:
+    """What the terminal shows until `mark` (a regular expression) has appeared (60 s at most)."""
     got, deadline = b"", time.time() + 60
-    while mark not in got and time.time() < deadline:
+    while not re.search(mark, got) and time.time() < deadline:
         if select.select([fd], [], [], 1)[0]:
             try:
                 got += os.read(fd, 1 << 16)
@@ -168,13 +171,13 @@ def chat_line_lengths(line: str, editing: bool) -> list[str]:
     if pid == 0:  # the child: the chat's reader on the terminal
         os.chdir(REPO)
         os.execv(sys.executable, [sys.executable, "-c", reader])
-    got = read_until(fd, b"> ")  # the prompt: the line is typed when the chat waits for it
+    read_until(fd, rb"> ")  # the prompt: the line is typed when the chat waits for it
     os.write(fd, line.encode() + b"\r")
-    got = read_until(fd, b"got")
-    os.write(fd, b"\x04")  # Ctrl-D: the end
+    got = read_until(fd, rb"got \d+\s")
+    os.kill(pid, signal.SIGKILL)  # not Ctrl-D: the terminal may still hold the cut line's rest
     os.waitpid(pid, 0)
-    got += read_until(fd, b"\n")
-    return [w for w in got.decode(errors="replace").split() if w.isdigit()][-1:]
+    os.close(fd)
+    return re.findall(r"got (\d+)", got.decode(errors="replace"))
 
 
 def test_the_chat_takes_a_pasted_line_longer_than_the_terminals_whole():

@@ -75,14 +75,17 @@ class WrittenAside:
             self.tmp.unlink(missing_ok=True)
 
 
-_locks: list[IO] = []  # the lock files this process holds, open for its whole life
+_locks: dict[Path, IO] = {}  # folder -> its lock file, held open for the process's life
 
 
 def lock_folder(folder: Path, command: str) -> None:
     """Make `folder` (one line if it cannot be made) and hold its .lock for the rest of the
     process: a second run writing the same folder exits in one line naming the first's process,
     instead of mixing its checkpoints and shards with the first's. The operating system drops
-    the lock when the process ends, however it ends: a killed run leaves no stale lock."""
+    the lock when the process ends, however it ends: a killed run leaves no stale lock. A
+    process that holds it already (a second run of main in one process) goes on."""
+    if folder.resolve() in _locks:
+        return
     try:
         folder.mkdir(parents=True, exist_ok=True)
         lock = open(folder / ".lock", "a+")
@@ -103,4 +106,4 @@ def lock_folder(folder: Path, command: str) -> None:
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
     lock.flush()
-    _locks.append(lock)
+    _locks[folder.resolve()] = lock
