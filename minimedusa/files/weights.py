@@ -3,13 +3,15 @@
 config.json is read by hf_config.py; the tensors, single file or sharded, are mapped to this
 project's module names by an explicit table, and loading is strict: a missing tensor, an
 unexpected one or a wrong shape is an error that names it. Any stored dtype is cast to the
-requested one. The heads' files are heads_files.py's. No pickle of code anywhere.
+requested one, or kept. The model is read a block at a time, a weight format applied to each as
+it comes (load_model's convert_block), each tensor from a file opened for it alone. The heads'
+files are heads_files.py's. No pickle of code anywhere.
 """
 import json
 from pathlib import Path
-from typing import Iterator
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -113,60 +115,88 @@ def index_shards(index: Path) -> list[str]:
     return shards
 
 
-def file_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each (HF name, tensor) of the files, read one at a time, as stored."""
+def tensor_files(files: list[Path]) -> dict[str, Path]:
+    """Each tensor's HF name -> the file that holds it, from the files' headers alone."""
+    where = {}
     for f in files:
         try:
             with safe_open(f, framework="pt", device="cpu") as st:
-                for name in st.keys():
-                    yield name, st.get_tensor(name)
+                where.update((name, f) for name in st.keys())
         except Exception as e:  # safetensors reports truncation/corruption with varied types
             raise WeightsError(f"cannot read {f} (truncated or corrupt?): {e}") from None
+    return where
 
 
-def read_tensors(files: list[Path], device, dtype) -> dict[str, torch.Tensor]:
-    return {name: t.to(device=device, dtype=dtype) for name, t in file_tensors(files)}
-
-
-def match_names(model: Llama, hf_tensors: dict) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to ours (stacking those model.py fuses), strictly: every error names
-    the tensor as the file does."""
-    names = hf_name_map(model.config)
-    if model.config.tie_word_embeddings:
-        # note: some tied checkpoints store the LM head anyway; it is the embedding, so drop it.
-        hf_tensors.pop("lm_head.weight", None)
-    missing = [n for n in names if n not in hf_tensors]
-    unexpected = [n for n in hf_tensors if n not in names]
+def check_names(cfg: LlamaConfig, where: dict[str, Path]) -> None:
+    """Strictly the tensors the config needs, before any is read: every error names the tensor
+    as the file does."""
+    names = hf_name_map(cfg)
+    # note: some tied checkpoints store the LM head anyway; it is the embedding, so it is ignored
+    stored = [n for n in where if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    missing = [n for n in names if n not in where]
+    unexpected = [n for n in stored if n not in names]
     if missing:
         raise WeightsError(f"weights lack tensor {missing[0]}" +
                            (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if unexpected:
         raise WeightsError(f"unexpected tensor {unexpected[0]} in the weights" +
                            (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    shapes = {n: p.shape for n, p in model.state_dict().items()}
-    state = {}
-    for ours, parts in hf_parts(model.config).items():
-        for hf, rows in parts:
-            needed = shapes[ours] if rows is None else (rows, *shapes[ours][1:])
-            if hf_tensors[hf].shape != needed:
-                raise WeightsError(f"tensor {hf} has shape {tuple(hf_tensors[hf].shape)}, "
-                                   f"the config needs {tuple(needed)}")
-        state[ours] = torch.cat([hf_tensors.pop(hf) for hf, _ in parts])  # one HF tensor: as is
-    return state
 
 
-def load_model(folder, device="cpu", dtype=torch.float32) -> Llama:
-    """Build the Llama of folder/config.json and fill it from folder's safetensors."""
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor, read from its file (opened for it alone: the file's pages are not kept
+    mapped, and counted in the process's memory, beyond this read)."""
+    try:
+        with safe_open(path, framework="pt", device="cpu") as st:
+            return st.get_tensor(name)
+    except Exception as e:  # safetensors reports truncation/corruption with varied types
+        raise WeightsError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+
+
+def read_parameter(parts: list[tuple[str, int | None]], where: dict[str, Path],
+                   shape: torch.Size, device, dtype) -> torch.Tensor:
+    """One of our parameters from its HF tensors (stacked along the rows where model.py fuses
+    them), each checked against the shape the config needs, in `dtype` (None: as stored)."""
+    pieces = []
+    for hf, rows in parts:
+        t = read_tensor(where[hf], hf)
+        needed = shape if rows is None else (rows, *shape[1:])
+        if t.shape != needed:
+            raise WeightsError(f"tensor {hf} has shape {tuple(t.shape)}, the config needs "
+                               f"{tuple(needed)}")
+        pieces.append(t.to(device=device, dtype=dtype or t.dtype))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def load_model(folder, device="cpu", dtype=torch.float32, convert_block=None) -> Llama:
+    """Build the Llama of folder/config.json and fill it from folder's safetensors, a piece at a
+    time (each block, the final norm, the embedding, the LM head), each tensor in `dtype` (None:
+    as the file stores it). convert_block(block), where given, changes each block in place as
+    soon as it is read (a weight format applied while loading: speed/weight_formats.py's
+    format_block), so that the model is never held whole in its file's dtype: a model loads in
+    int4 in its int4 bytes and one block's more."""
     cfg = read_config(folder)
     with torch.device("meta"):  # no memory for random init: every tensor is replaced below
-        model = Llama(cfg)
-    state = match_names(model, read_tensors(safetensors_files(folder), device, dtype))
+        model = Llama(cfg).eval().requires_grad_(False)
+    where = tensor_files(safetensors_files(folder))
+    check_names(cfg, where)
+    parts, shapes = hf_parts(cfg), {n: p.shape for n, p in model.state_dict().items()}
+
+    def fill(module: nn.Module, prefix: str) -> None:
+        module.load_state_dict({name: read_parameter(parts[prefix + name], where,
+                                                     shapes[prefix + name], device, dtype)
+                                for name in module.state_dict()}, strict=True, assign=True)
+    for i, block in enumerate(model.layers):
+        fill(block, f"layers.{i}.")
+        if convert_block is not None:
+            convert_block(block)
+    fill(model.norm, "norm.")
+    fill(model.embed, "embed.")
     if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight  # assign=True untied them: one Parameter again
-    return model.eval().requires_grad_(False)
+        model.lm_head.weight = model.embed.weight  # one Parameter, as Llama() ties them
+    else:
+        fill(model.lm_head, "lm_head.")
+    return model.requires_grad_(False)
 
 
 def save_model(model: Llama, folder) -> None:

@@ -16,7 +16,7 @@ from minimedusa.context_candidates import CHAIN
 from minimedusa.errors import UserError
 from minimedusa.files.heads_files import (DRAFT_VOCAB_FILE, HeadsError, load_heads,
                                           read_calibration, read_draft_vocab)
-from minimedusa.files.weights import file_tensors, load_model, safetensors_files
+from minimedusa.files.weights import load_model, read_tensor, safetensors_files, tensor_files
 from minimedusa.flags.device import pick_device, pick_dtype
 from minimedusa.flags.trees import default_tree, ranked_size, tree_choices
 from minimedusa.heads import DraftVocabulary, MedusaHeads
@@ -26,7 +26,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
 from minimedusa.speed.quantized import on_four_bit_grid
 from minimedusa.speed.step_latency import machine_latency
-from minimedusa.speed.weight_formats import DTYPE_FORMATS, bf16_is_native
+from minimedusa.speed.weight_formats import DTYPE_FORMATS, bf16_is_native, block_format
 from minimedusa.tree import MedusaTree, build_tree
 
 
@@ -72,9 +72,11 @@ def decoding_model(folder: Path, device, weight_format: str, compile_flag: bool 
     the model fail there in seconds, not after the compiler's warm-up."""
     if not Path(folder).is_dir():
         raise UserError(f"model folder {folder} does not exist")
-    # int8 and int4 round the float32 weights; a dtype's weights are read straight into it, so
-    # that no float32 copy of the model is ever held beside them (peak memory)
-    model = load_model(folder, device, DTYPE_FORMATS.get(weight_format, torch.float32))
+    # each block in the format as it is read: a dtype's weights read straight into it, int8's
+    # and int4's rounded from the weights as stored; the model is never held whole in another
+    # dtype beside its format's bytes (peak memory)
+    model = load_model(folder, device, DTYPE_FORMATS.get(weight_format),
+                       convert_block=block_format(weight_format))
     if check is not None:
         check(model)
     return model, plug_in(model, weight_format, compile_flag)
@@ -260,7 +262,8 @@ def four_bit_checkpoint(folder) -> bool:
     does not (one matrix read for most models)."""
     if not Path(folder).is_dir():
         return False  # the loader says so, in its words
-    for name, tensor in file_tensors(safetensors_files(folder)):
-        if ".layers." in name and name.endswith("proj.weight") and not on_four_bit_grid(tensor):
+    for name, path in tensor_files(safetensors_files(folder)).items():
+        if (".layers." in name and name.endswith("proj.weight")
+                and not on_four_bit_grid(read_tensor(path, name))):  # one tensor in memory
             return False
     return True

@@ -24,6 +24,15 @@ from minimedusa.speed import group_kernel
 
 
 GROUP = 32  # int4: input features that share a scale and a minimum (the GGUF's Q4_1 blocks)
+# rows rounded at a time: each float32 temporary a few MB, where a whole LM head's took hundreds
+# (a 32000 x 2048 head: 262 MB each, five at once) beside the model being loaded
+ROWS = 1024
+
+
+def by_rows(quantize, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """quantize(weight), whose outputs are row by row, computed ROWS rows at a time."""
+    parts = [quantize(rows) for rows in weight.split(ROWS)]
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +78,10 @@ def quantize_int4(weight: torch.Tensor):
     w ~= q * scale + minimum, the group's minimum and (maximum - minimum) / 15, as Q4_1 does.
     A group of a 4-bit file holds its minimum at q = 0 and its maximum at q = 15, so this finds
     the file's own scale and minimum again."""
+    return by_rows(quantize_int4_rows, weight)
+
+
+def quantize_int4_rows(weight: torch.Tensor):
     N, K = weight.shape
     w = weight.detach().float().view(N, K // GROUP, GROUP)
     minimums = w.amin(dim=-1)  # (N, K / GROUP)
@@ -89,6 +102,10 @@ def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """(N, K) float -> q (N, K) int8 in -127..127 and (N, K / GROUP) float32 scales, symmetric
     per group of GROUP inputs: w ~= q * scale, scale = the group's max |w| / 127, as Q8_0 does
     (so a Q8_0 file's groups, whose largest |q| is 127, are found again)."""
+    return by_rows(quantize_int8_groups_rows, weight)
+
+
+def quantize_int8_groups_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = weight.shape
     w = weight.detach().float().view(N, K // GROUP, GROUP)
     scales = w.abs().amax(dim=-1) / 127  # (N, K / GROUP)
@@ -112,7 +129,9 @@ def eight_bit_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
         return None
     q, scales = quantize_int8_groups(weight)
     scales = scales.half().float()
-    exact = torch.equal(dequantize_int8_groups(q, scales), weight.detach().float())
+    exact = all(torch.equal(dequantize_int8_groups(q_rows, s_rows), rows.detach().float())
+                for q_rows, s_rows, rows in zip(q.split(ROWS), scales.split(ROWS),
+                                                weight.split(ROWS)))
     return (q, scales) if exact else None
 
 
@@ -121,7 +140,9 @@ def on_four_bit_grid(weight: torch.Tensor) -> bool:
     if weight.shape[1] % GROUP:
         return False
     q, scales, minimums = quantize_int4(weight)
-    error = (dequantize_int4(q, scales, minimums) - weight.float()).abs().max()
+    error = max((dequantize_int4(*part) - rows.float()).abs().max()
+                for *part, rows in zip(q.split(ROWS), scales.split(ROWS), minimums.split(ROWS),
+                                       weight.split(ROWS)))
     return bool(error <= 1e-4 * scales.max())
 
 
@@ -229,8 +250,12 @@ class Int8GroupLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The (N, K) float32 weight, for setup code that reads it (the draft vocabulary's cut);
-        computed on each read, never on a decoding step."""
-        return dequantize_int8_groups(*group_kernel.unpack_int8(self.packed, self.scales))
+        computed on each read (ROWS rows at a time), never on a decoding step."""
+        q, scales = group_kernel.unpack_int8(self.packed, self.scales)
+        weight = torch.empty(q.shape, dtype=torch.float32)  # (N, K): its only full-size copy
+        for rows, q_rows, s_rows in zip(weight.split(ROWS), q.split(ROWS), scales.split(ROWS)):
+            rows.copy_(dequantize_int8_groups(q_rows, s_rows))
+        return weight
 
     product = torch.ops.minimedusa.int8_product  # the kernel's function that multiplies
 
@@ -277,15 +302,14 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
 EIGHT_BIT_INPUTS = ("wo", "gate_up")
 
 
-def four_bit_layers(model: Llama, activations8: bool = False) -> int:
-    """Replace every nn.Linear of the model's blocks by an int4 layer, in place; with 8-bit
-    activations (w4a8), those of EIGHT_BIT_INPUTS by an Int4A8KernelLinear and the others by an
-    Int4A16KernelLinear (group_kernel.c must multiply them); how many."""
+def four_bit_layers(blocks, layer: type, activations8: bool = False) -> int:
+    """Replace every nn.Linear of the blocks by an int4 `layer` (int4_layer()), in place; with
+    8-bit activations (w4a8), those of EIGHT_BIT_INPUTS by an Int4A8KernelLinear and the others
+    by an Int4A16KernelLinear (group_kernel.c must multiply them); how many."""
     if activations8:
         group_kernel.require_kernel()
-    layer = int4_layer()
     count = 0
-    for block in model.layers:
+    for block in blocks:
         for parent in (block.attn, block.mlp):
             for name, child in parent.named_children():
                 if type(child) is nn.Linear:
