@@ -8,7 +8,7 @@ import pytest
 COMMANDS = ["generate", "train", "minimedusa.bench.bench", "minimedusa.bench.format_quality",
             "minimedusa.training.tree_search", "minimedusa.training.self_distill",
             "minimedusa.training.seed_prompts", "minimedusa.files.default_model",
-            "minimedusa.files.export_v1"]
+            "minimedusa.files.export_v1", "minimedusa.bench.model_size"]
 
 
 @pytest.mark.parametrize("module", COMMANDS)
