@@ -148,17 +148,6 @@ def test_greedy_on_the_host_accepts_what_greedy_on_the_device_accepts(choices, s
     assert greedy_on_host(logits, tree, tokens) == on_device
 
 
-@settings(max_examples=20, deadline=None)
-@given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000))
-def test_typical_at_temperature_zero_equals_greedy(choices, seed):
-    model = tiny_model(seed)
-    heads = perturbed_heads(model, 4, True, seed, 0.05)
-    tree = build_tree(choices, num_heads=4)
-    run = lambda accept: flat(medusa_decode(model, heads, *fixed(tree), [1, 2, 3], 20, accept,  # noqa: E731,E501
-                                            set()))
-    assert run(typical(0.0)) == run(greedy())
-
-
 @settings(max_examples=30, deadline=None)
 @given(choices=trees(max_nodes=16, max_depth=4), seed=st.integers(0, 10_000),
        temperature=st.sampled_from([0.5, 1.0, 2.0]))
