@@ -5,8 +5,9 @@ model's shape, beside llama.cpp's own tools on the same weights.
     python -m minimedusa.bench.model_size --shape llama-7b --formats int4 --llama-cpp DIR
 
 No real weights are needed (nor fetched): the script builds a model of the named shape with
-random weights (bfloat16 safetensors, the default model's tokenizer) in --folder, once. Each
-format is then run as a user runs it, as generate.py processes (plain decoding, greedy): twice,
+random weights (bfloat16 safetensors in shards, the default model's tokenizer) in --folder,
+once. Each format is then run as a user runs it, as generate.py processes (plain decoding,
+greedy): twice,
 the first start and a later one, each with its peak resident memory (the process's own, from
 the operating system), its loading time and tokens/s; and a forward of 1, 2, 4 and 8 rows after
 256 cached tokens (bench/step_profile.py, in a process of its own). With --llama-cpp, the folder
@@ -27,11 +28,13 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from minimedusa.errors import UserError, entry_point
 from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_model
 from minimedusa.files.outputs import check_writable, write_json
-from minimedusa.files.weights import save_model
+from minimedusa.files.hf_config import config_to_hf
+from minimedusa.files.weights import hf_parts
 from minimedusa.flags.cli import Parser, format_list, positive_int
 from minimedusa.model import Llama, LlamaConfig
 from minimedusa.speed.cache_folder import cache_root
@@ -45,7 +48,8 @@ SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                            num_attention_heads=32, num_key_value_heads=4),
     "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2),
+                       num_attention_heads=14, num_key_value_heads=2, qkv_bias=True,
+                       tie_word_embeddings=True),
     "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32),
 }
@@ -54,26 +58,41 @@ ROWS = (1, 2, 4, 8)
 
 
 def build_model(shape: str, folder: Path) -> None:
-    """A random model of `shape` in `folder` (bfloat16 safetensors, config.json, the default
-    model's tokenizer), made block by block of random normal weights (std 0.02, norms 1)."""
+    """A random model of `shape` in `folder`: config.json, bfloat16 safetensors in shards of a
+    block each (model.safetensors.index.json: a 7B model is built in one block's memory, and
+    loaded as sharded folders are), the default model's tokenizer. Random normal weights (std
+    0.02), norms 1."""
     cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=2048, rope_theta=10000.0,
                       rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **SHAPES[shape])
-    torch.manual_seed(0)
     with torch.device("meta"):
-        model = Llama(cfg)
-    model = model.to_empty(device="cpu").to(torch.bfloat16).requires_grad_(False)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0, 0.02)
+        shapes = {name: p.shape for name, p in Llama(cfg).state_dict().items()}
+    shards: dict[str, dict[str, torch.Size]] = {}  # shard file -> its HF tensors' shapes
+    for ours, parts in hf_parts(cfg).items():
+        shard = ours.split(".")[1] if ours.startswith("layers.") else "rest"
+        for hf, rows in parts:
+            shards.setdefault(shard, {})[hf] = (shapes[ours] if rows is None
+                                                else (rows, *shapes[ours][1:]))
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp)
+    tmp.mkdir(parents=True)
+    generator, weight_map = torch.Generator().manual_seed(0), {}
+    for i, (shard, tensors) in enumerate(shards.items()):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({hf: random_weight(hf, size, generator) for hf, size in tensors.items()},
+                  tmp / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
     default = ensure_default_model(DEFAULT_MODEL_DIR)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default / name, tmp / name)
     os.replace(tmp, folder)
+
+
+def random_weight(name: str, size, generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(size, dtype=torch.bfloat16)
+    return (torch.randn(size, generator=generator) * 0.02).to(torch.bfloat16)
 
 
 def run_measured(command: list[str], timeout: float) -> tuple[str, float, int]:
