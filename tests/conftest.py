@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.model import Llama, LlamaConfig
@@ -17,6 +18,11 @@ from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer
 from minimedusa.files.weights import load_model, save_model
 from minimedusa.flags.load import decoding_model
 from minimedusa.speed.c_kernels import kernels_folder
+
+# every run draws the same examples (a seed per test): a failure seen on one machine is replayed
+# on every other and in CI, where no example database is kept between runs
+settings.register_profile("replayable", derandomize=True)
+settings.load_profile("replayable")
 
 REPO = Path(__file__).resolve().parent.parent
 # Logits, greedy continuations, tokenizer ids and the chat template of the default model, made by
@@ -58,6 +64,56 @@ def copycat_model(seed: int = 0, embed_scale: float = 10.0, **kwargs) -> Llama:
     model = tiny_model(seed, tie_word_embeddings=True, **kwargs)
     model.embed.weight.mul_(embed_scale)
     return model
+
+
+def cycling_model(seed: int = 0, dtype=torch.float32, embed_scale: float = 10.0,
+                  **overrides) -> Llama:
+    """A tiny Llama whose greedy continuation walks a cycle of distinct tokens: the embeddings
+    scaled up so the residual stream is mostly the current token's (as copycat_model), and the
+    LM head the embeddings permuted, so that the next token is a fixed permutation of the
+    current one. Heads made for the cycle (cycling_heads) then guess right often, not always:
+    the lossless tests see tokens accepted and rejected, on sequences that do not repeat."""
+    model = tiny_model(seed, dtype=dtype, tie_word_embeddings=False, **overrides)
+    model.embed.weight.mul_(embed_scale)
+    model.cycle = torch.randperm(model.config.vocab_size,
+                                 generator=torch.Generator().manual_seed(seed))
+    model.lm_head.weight.copy_(model.embed.weight[model.cycle])
+    return model
+
+
+def cycling_heads(model: Llama, kind: str, seed: int, heads: int = 4):
+    """Heads that know cycling_model's permutation, perturbed so that they are wrong at times
+    (measured: 1.5-3 tokens a step): Medusa's head k projects with the LM head permuted k + 1
+    more times (it guesses the token k + 2 ahead); Hydra's reads its path's last token (the
+    shared LM head then gives the next one)."""
+    from minimedusa.heads import MedusaHeads  # the tests' own imports stay at their tops
+    from minimedusa.hydra import HydraHeads
+    C = model.config.hidden_size
+    with torch.no_grad():
+        if kind == "hydra":
+            made = HydraHeads.for_model(model, heads)
+            for head in made.heads:
+                head.read.weight[:, -C:] = torch.eye(C, dtype=head.read.weight.dtype)
+            return perturbed(made, seed, 0.2)
+        made = MedusaHeads.for_model(model, heads, num_layers=1)
+        rows = torch.arange(model.config.vocab_size)
+        for head in made.heads:
+            rows = model.cycle[rows]
+            head[-1].weight.copy_(model.embed.weight[model.cycle[rows]])
+    return perturbed(made, seed, 0.5)
+
+
+def greedy_pair(model, heads, tree, prompt: list[int], new: int) -> tuple[list, list, float]:
+    """(Medusa greedy's tokens with `tree`, plain greedy's, Medusa's tokens a step): for the
+    lossless tests, which also check that candidates were accepted (an "equal" where the tree
+    accepted nothing proves nothing)."""
+    from minimedusa.acceptance import greedy  # the tests' own imports stay at their tops
+    from minimedusa.budget import fixed
+    from minimedusa.decoding import medusa_decode, plain_decode
+    steps = list(medusa_decode(model, heads, *fixed(tree), prompt, new, greedy(), set()))
+    plain = [t for step in plain_decode(model, prompt, new, Sampling(), set()) for t in step]
+    medusa = [t for step in steps for t in step]
+    return medusa, plain, len(medusa) / len(steps)
 
 
 @pytest.fixture(scope="session")

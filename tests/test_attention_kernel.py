@@ -45,7 +45,7 @@ def step_inputs(H, G, T, S, D, dtype, seed, capacity=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H, G, D", [(9, 3, 64), (4, 2, 8), (4, 4, 80), (8, 2, 128)])
-@pytest.mark.parametrize("T", [1, 5, 17])
+@pytest.mark.parametrize("T", [1, 5, 17, 65])
 def test_kernel_gives_the_reference_attention(dtype, H, G, D, T):
     """Equal to float64 sums rounded once, within float32's precision (bfloat16: within one
     rounding of the output). Head dims that are not a multiple of 16 included (80, 8)."""

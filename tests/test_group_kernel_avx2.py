@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from minimedusa.speed import group_kernel
 from minimedusa.speed.c_kernels import build
 from minimedusa.speed.machine import cpu_features
-from minimedusa.speed.quantized import dequantize_int4, eight_bit_groups, quantize_int4
+from minimedusa.speed.grids import dequantize_int4, eight_bit_groups, quantize_int4
 from test_w4a8 import w4a8_reference
 from test_weight_formats import eight_bit_weight, four_bit_weight
 

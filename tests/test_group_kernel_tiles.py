@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from minimedusa.speed import group_kernel
 from minimedusa.speed.plug_in import how_it_runs, plug_in
-from minimedusa.speed.quantized import Int4KernelLinear, Int8GroupLinear, eight_bit_groups
+from minimedusa.speed.grids import eight_bit_groups
+from minimedusa.speed.quantized import Int4KernelLinear, Int8GroupLinear
 from test_weight_formats import eight_bit_weight, four_bit_model, four_bit_weight
 
 pytestmark = pytest.mark.skipif(

@@ -19,10 +19,9 @@ from minimedusa.hydra import HydraHeads
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
-from minimedusa.speed.quantized import (GROUP, Int4A8KernelLinear, Int4A16KernelLinear,
-                                        Int8A16GroupLinear, dequantize_int4,
-                                        dequantize_int8_groups, quantize_int4,
-                                        quantize_int8_groups)
+from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8_groups,
+                                    quantize_int4, quantize_int8_groups)
+from minimedusa.speed.quantized import Int4A8KernelLinear, Int4A16KernelLinear, Int8A16GroupLinear
 from minimedusa.speed.plug_in import how_it_runs
 from minimedusa.speed.weight_formats import apply_format, format_of
 from minimedusa.tree import build_tree
@@ -82,9 +81,10 @@ def test_a_w4a8_rows_product_has_the_same_bits_whatever_rows_beside_it(kind):
     with torch.no_grad():
         linear.weight.copy_(four_bit_weight(576, 1536))
     layer = kind(linear)
-    rows = torch.randn(17, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
+    rows = torch.randn(65, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
     alone = layer(rows[:1])  # (1, N)
-    assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
+    # every tree size up to the paper's 65 rows
+    assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 66))
     assert torch.equal(layer(rows.flip(0))[-1:], alone)
 
 
@@ -108,10 +108,11 @@ def test_a_w4a8_lm_head_rows_product_has_the_same_bits_whatever_rows_beside_it()
     weight = torch.randn(4096, 576, generator=torch.Generator().manual_seed(1))
     q, scales = quantize_int8_groups(weight)
     layer = Int8A16GroupLinear(q, scales)
-    rows = torch.randn(17, 576, generator=torch.Generator().manual_seed(0))
+    rows = torch.randn(65, 576, generator=torch.Generator().manual_seed(0))
     rows = rows if group_kernel.takes_float32() else rows.bfloat16()
     alone = layer(rows[:1])
-    assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 18))
+    # every tree size up to the paper's 65 rows
+    assert all(torch.equal(layer(rows[:m])[:1], alone) for m in range(2, 66))
 
 
 @pytest.mark.skipif(not group_kernel.uses_vnni(), reason="group_kernel.c has no VNNI path here")

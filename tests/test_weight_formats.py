@@ -19,10 +19,10 @@ from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
 from minimedusa.flags import load
 from minimedusa.flags.load import four_bit_checkpoint
-from minimedusa.speed.quantized import (GROUP, Int4KernelLinear, Int4Linear, Int8GroupLinear,
-                                        Int8Linear, dequantize_int4, dequantize_int8,
-                                        dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
-                                        quantize_int4, quantize_int8, quantize_int8_groups)
+from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8,
+                                    dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
+                                    quantize_int4, quantize_int8, quantize_int8_groups)
+from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
 from minimedusa.speed.weight_formats import (activation_dtype, apply_format, bf16_is_native,
                                             format_of)
 from minimedusa.files.weights import save_model
@@ -102,9 +102,10 @@ def test_an_int4_rows_product_has_the_same_bits_whatever_rows_beside_it(layer):
     with torch.no_grad():
         linear.weight.copy_(four_bit_weight(576, 1536))
     int4 = layer(linear)
-    rows = torch.randn(17, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
+    rows = torch.randn(65, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
     alone = int4(rows[:1])  # (1, O)
-    assert all(torch.equal(int4(rows[:m])[:1], alone) for m in range(2, 18))
+    # every tree size up to the paper's 65 rows
+    assert all(torch.equal(int4(rows[:m])[:1], alone) for m in range(2, 66))
     assert torch.equal(int4(rows.flip(0))[-1:], alone)
 
 
@@ -163,9 +164,10 @@ def test_a_wide_eight_bit_product_gives_float32_sums_that_round_to_the_narrow_on
 @needs_group_kernel
 def test_an_eight_bit_lm_heads_row_has_the_same_bits_whatever_rows_beside_it():
     head = Int8GroupLinear(*eight_bit_groups(eight_bit_weight(160, 576)))
-    rows = torch.randn(17, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
+    rows = torch.randn(65, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
     alone = head(rows[:1])  # (1, V)
-    assert all(torch.equal(head(rows[:m])[:1], alone) for m in range(2, 18))
+    # every tree size up to the paper's 65 rows
+    assert all(torch.equal(head(rows[:m])[:1], alone) for m in range(2, 66))
     assert torch.equal(head(rows.flip(0))[-1:], alone)
 
 

@@ -24,7 +24,7 @@ from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
-from minimedusa.speed.quantized import on_four_bit_grid
+from minimedusa.speed.grids import on_four_bit_grid
 from minimedusa.speed.step_latency import machine_latency
 from minimedusa.speed.weight_formats import DTYPE_FORMATS, bf16_is_native, block_format
 from minimedusa.tree import MedusaTree, build_tree
