@@ -72,8 +72,7 @@ def test_medusa_greedy_equals_the_formats_plain_greedy_and_accepts(weight_format
 
 
 @pytest.mark.parametrize("draft", ["ranked", "context", "budget"])
-@pytest.mark.parametrize("weight_format, step", [("float32", "eager"), ("int4", "fused"),
-                                                 ("w4a8", "fused")])
+@pytest.mark.parametrize("weight_format, step", MATRIX, ids=[f"{f}-{s}" for f, s in MATRIX])
 def test_every_kind_of_draft_stays_lossless_and_accepts(draft, weight_format, step):
     """Trees the heads rank each step, a chain copied from the sequence merged in, and the
     Budget moving between nested trees and plain steps: each the same tokens as plain greedy."""
