@@ -19,9 +19,15 @@ ROWS = 1024
 
 
 def by_rows(quantize, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """quantize(weight), whose outputs are row by row, computed ROWS rows at a time."""
-    parts = [quantize(rows) for rows in weight.split(ROWS)]
-    return tuple(torch.cat(outputs) for outputs in zip(*parts))
+    """quantize(weight), whose outputs are row by row, computed ROWS rows at a time, each chunk
+    written into outputs made once (concatenating the chunks copied every output again)."""
+    chunks = weight.split(ROWS)
+    first = quantize(chunks[0])
+    outputs = tuple(torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype) for t in first)
+    for i, chunk in enumerate(chunks):
+        for out, part in zip(outputs, first if i == 0 else quantize(chunk)):
+            out[i * ROWS:i * ROWS + len(chunk)] = part
+    return outputs
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
