@@ -110,9 +110,9 @@ def test_the_steps_accept_candidates_so_the_test_is_not_of_plain_sampling():
     assert emitted / steps > 1.3
 
 
-def argmax_a_quarter_of_the_time(temperature):
+def argmax_a_quarter_of_the_time(temperature, top_p=1.0):
     def verify(logits, tree, tokens, g):
-        draws = torch.multinomial(probabilities(logits, temperature, 1.0), 1, generator=g)[:, 0]
+        draws = torch.multinomial(probabilities(logits, temperature, top_p), 1, generator=g)[:, 0]
         argmax = logits.argmax(dim=-1)
         biased = torch.rand(draws.shape, generator=g) < 0.25
         return pick_by_draws(torch.where(biased, argmax, draws), tree, tokens)

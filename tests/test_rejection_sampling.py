@@ -3,15 +3,19 @@ sampling from the model, at any temperature and top-p (seeded chi-square tests o
 with a 5-token vocabulary, 3-token continuations). The same test rejects a deliberately wrong
 sampler, so it can fail. Both kinds of heads: the paper's and Hydra's."""
 import functools
+import itertools
 from collections import Counter
 
 import pytest
 import torch
 
 from conftest import tiny_model
-from minimedusa.budget import fixed
+from minimedusa.budget import Budget, fixed, nested_trees
 from minimedusa.acceptance import Acceptance, pick_by_draws, rejection
-from minimedusa.heads import MedusaHeads
+from minimedusa.heads import DraftVocabulary, MedusaHeads
+from minimedusa.model import causal_mask
+from minimedusa.speed.plug_in import plug_in, plug_in_heads
+from test_rejection_exact import ALPHA, argmax_a_quarter_of_the_time, goodness_of_fit
 from minimedusa.draft_layer import HydraPlusPlusHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.decoding import medusa_decode, plain_decode
@@ -87,3 +91,71 @@ def test_chi_square_test_rejects_a_wrong_sampler():
     p = chi_square_p_value(medusa_samples(resampling_from_p_not_the_residual(1.0)),
                            plain_samples(1.0, 1.0))
     assert p < 0.001, f"the wrong sampler went unnoticed (p = {p:.2g})"
+
+
+DEFAULT_NODES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (2,)]
+DEFAULT_RUNS, TEMPERATURE, TOP_P = 3000, 1.0, 0.8
+
+
+@functools.cache
+def default_path():
+    """A model and heads as generate.py samples with by default on a CPU: int4 weights and the
+    fused step where group_kernel.c multiplies (else int4 in torch's kernel), Hydra heads that
+    draft from a draft vocabulary (48 of 64 tokens), in the model's format; cycling_model with
+    its LM head softened, so that a step's nucleus holds a likely token and a long tail."""
+    from conftest import cycling_heads, cycling_model
+    model = cycling_model(1, hidden_size=64, intermediate_size=128)
+    model.lm_head.weight.mul_(0.006)  # logits ~5, not ~750: a distribution to sample from
+    heads = cycling_heads(model, "hydra", 1)
+    plug_in(model, "int4", None)
+    heads.vocabulary = DraftVocabulary(torch.arange(48), model.lm_head)
+    return model, plug_in_heads(heads.float(), model)
+
+
+def default_path_samples(accept: Acceptance, runs: int, seed: int) -> tuple[Counter, float]:
+    """The first 2 tokens of `runs` answers, each decoded with context candidates and the Budget
+    between nested trees and plain steps (a counting clock: every step one second); and the
+    tokens a step over all the runs."""
+    model, heads = default_path()
+    trees, rank = nested_trees(DEFAULT_NODES, [3, 8], 4, model.config.vocab_size, "cpu")
+    counts, tokens, steps = Counter(), 0, 0
+    for s in range(seed, seed + runs):
+        budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2}, rank)
+        answer = list(medusa_decode(model, heads, trees, budget, PROMPT, 6, accept, set(), seed=s,
+                                    context=True, clock=itertools.count().__next__))
+        flat = [t for step in answer for t in step]
+        counts[tuple(flat[:2])] += 1
+        tokens, steps = tokens + len(flat), steps + len(answer)
+    return counts, tokens / steps
+
+
+PROMPT = [5, 9, 13, 5, 9]
+
+
+def default_path_law() -> dict[tuple, float]:
+    """Plain sampling's law of the first 2 tokens, from the model's own forwards."""
+    model, _ = default_path()
+
+    def next_law(ids):
+        with torch.inference_mode():
+            logits, _ = model(torch.tensor([ids]), torch.arange(len(ids))[None],
+                              causal_mask(0, len(ids)))
+        p = probabilities(logits[0, -1].float(), TEMPERATURE, TOP_P).double()
+        return {t: p[t].item() for t in p.nonzero()[:, 0].tolist()}
+    return {(a, b): pa * pb for a, pa in next_law(PROMPT).items()
+            for b, pb in next_law(PROMPT + [a]).items()}
+
+
+def test_sampling_through_the_default_path_emits_the_plain_law():
+    counts, per_step = default_path_samples(rejection(TEMPERATURE, TOP_P), DEFAULT_RUNS, 0)
+    p = goodness_of_fit(counts, default_path_law())
+    assert p > ALPHA, f"the default path's samples do not follow plain sampling (p = {p:.2g})"
+    assert per_step > 1.1  # candidates were accepted
+
+
+def test_a_biased_draw_in_the_default_path_fails_the_same_test():
+    """The control: the draws take the backbone's argmax a quarter of the time."""
+    broken = Acceptance("biased", argmax_a_quarter_of_the_time(TEMPERATURE, TOP_P),
+                        rejection(TEMPERATURE, TOP_P).first)
+    counts, _ = default_path_samples(broken, DEFAULT_RUNS, DEFAULT_RUNS)
+    assert goodness_of_fit(counts, default_path_law()) < ALPHA
