@@ -168,13 +168,15 @@ def read_parameter(parts: list[tuple[str, int | None]], where: dict[str, Path],
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def load_model(folder, device="cpu", dtype=torch.float32, convert_block=None) -> Llama:
+def load_model(folder, device="cpu", dtype=torch.float32, convert_block=None,
+               kept_blocks=None) -> Llama:
     """Build the Llama of folder/config.json and fill it from folder's safetensors, a piece at a
     time (each block, the final norm, the embedding, the LM head), each tensor in `dtype` (None:
     as the file stores it). convert_block(block), where given, changes each block in place as
     soon as it is read (a weight format applied while loading: speed/weight_formats.py's
-    format_block), so that the model is never held whole in its file's dtype: a model loads in
-    int4 in its int4 bytes and one block's more."""
+    block_format), so that the model is never held whole in its file's dtype: a model loads in
+    int4 in its int4 bytes and one block's more. kept_blocks, where given, fills each block as a
+    previous run's convert_block left it (speed/kept_weights.py), instead of the files."""
     cfg = read_config(folder)
     with torch.device("meta"):  # no memory for random init: every tensor is replaced below
         model = Llama(cfg).eval().requires_grad_(False)
@@ -187,6 +189,9 @@ def load_model(folder, device="cpu", dtype=torch.float32, convert_block=None) ->
                                                      shapes[prefix + name], device, dtype)
                                 for name in module.state_dict()}, strict=True, assign=True)
     for i, block in enumerate(model.layers):
+        if kept_blocks is not None:
+            kept_blocks.fill(i, block)
+            continue
         fill(block, f"layers.{i}.")
         if convert_block is not None:
             convert_block(block)

@@ -25,6 +25,7 @@ from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
 from minimedusa.speed.grids import on_four_bit_grid
+from minimedusa.speed.kept_weights import KeptBlocksError, keep, read_kept, worth_keeping
 from minimedusa.speed.step_latency import machine_latency
 from minimedusa.speed.weight_formats import DTYPE_FORMATS, bf16_is_native, block_format
 from minimedusa.tree import MedusaTree, build_tree
@@ -72,14 +73,29 @@ def decoding_model(folder: Path, device, weight_format: str, compile_flag: bool 
     the model fail there in seconds, not after the compiler's warm-up."""
     if not Path(folder).is_dir():
         raise UserError(f"model folder {folder} does not exist")
-    # each block in the format as it is read: a dtype's weights read straight into it, int8's
-    # and int4's rounded from the weights as stored; the model is never held whole in another
-    # dtype beside its format's bytes (peak memory)
-    model = load_model(folder, device, DTYPE_FORMATS.get(weight_format),
-                       convert_block=block_format(weight_format))
+    model = formatted_model(folder, device, weight_format)
     if check is not None:
         check(model)
     return model, plug_in(model, weight_format, compile_flag)
+
+
+def formatted_model(folder: Path, device, weight_format: str) -> Llama:
+    """The model, each block in the format as it is read: a dtype's weights read straight into
+    it, int8's and int4's rounded from the weights as stored, so that the model is never held
+    whole in another dtype beside its format's bytes (peak memory). A large model's rounded
+    blocks are kept after the first run and read back by later ones (speed/kept_weights.py)."""
+    dtype, convert = DTYPE_FORMATS.get(weight_format), block_format(weight_format)
+    kept = read_kept(folder, weight_format) if device.type == "cpu" else None
+    if kept is not None:
+        try:
+            return load_model(folder, device, dtype, convert, kept)
+        except KeptBlocksError as e:
+            print(f"minimedusa: the kept weights were damaged ({e}); rounding again",
+                  file=sys.stderr)
+    model = load_model(folder, device, dtype, convert)
+    if device.type == "cpu" and worth_keeping(model.config, weight_format):
+        keep(folder, weight_format, model)
+    return model
 
 
 def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):

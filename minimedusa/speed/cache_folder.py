@@ -1,5 +1,6 @@
 """The one folder where this machine's own measurements and builds are kept: the C kernels
-(c_kernels.py) and the step latencies (step_latency.py).
+(c_kernels.py), the step latencies (step_latency.py) and large models' rounded weights
+(kept_weights.py).
 
 $MINIMEDUSA_CACHE, else $XDG_CACHE_HOME/minimedusa, else ~/.cache/minimedusa. Where it cannot be
 written (a read-only home, MINIMEDUSA_CACHE naming a file, a full disk), decoding loses nothing
