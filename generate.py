@@ -34,12 +34,12 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
                                       probability)
     from minimedusa.flags.load import (decoding_acceptance, decoding_heads, decoding_model,
                                        decoding_tree, decoding_trees, device_and_format,
-                                       ranked_vocab_size)
+                                       four_bit_checkpoint, ranked_vocab_size)
     from minimedusa.flags.prompts import (answer_prompts, open_out, prompt_from_stdin,
                                           prompt_ids, prompts_summary, read_prompts)
     from minimedusa.flags.trees import ranked_size
     from minimedusa.sampling import Sampling
-    from minimedusa.speed.weight_formats import format_of
+    from minimedusa.speed.weight_formats import describe_weights, format_of
     from minimedusa.tokenizer import StreamDecoder, Tokenizer
     from minimedusa.tree import NAMED_TREES
 
@@ -155,9 +155,9 @@ def input_mode(args) -> str:
 
 
 def load(args):
-    """(model, how its step runs, tokenizer) as the flags ask: the weight format, the compiled
-    step (speed/plug_in.py, through flags/load.py), the flags that must fit the model checked
-    before them (check_flags)."""
+    """(model, how its step runs, its weights in words, tokenizer) as the flags ask: the weight
+    format, the compiled step (speed/plug_in.py, through flags/load.py), the flags that must
+    fit the model checked before them (check_flags)."""
     folder = args.model if args.model is not None else ensure_default_model()
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist")
@@ -165,7 +165,9 @@ def load(args):
     tokenizer = Tokenizer.from_folder(folder)
     model, step = decoding_model(folder, device, weight_format, args.compile,
                                  check=lambda model: check_flags(args, model, tokenizer))
-    return model, step, tokenizer
+    rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
+                                          and not four_bit_checkpoint(folder))
+    return model, step, describe_weights(model.config, weight_format, rounded, device), tokenizer
 
 
 def check_flags(args, model, tokenizer) -> None:
@@ -227,7 +229,7 @@ def decoder(args, model) -> Decoder:
 def run(args) -> dict:
     """One prompt (--prompt or standard input), streamed unless --json: the result's numbers."""
     start = time.perf_counter()
-    model, step, tokenizer = load(args)
+    model, step, weights, tokenizer = load(args)
     decode = decoder(args, model)
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system)  # timed from here
@@ -242,18 +244,17 @@ def run(args) -> dict:
             "seconds": round(seconds, 4), "tokens_per_s": round(len(output) / seconds, 2),
             "load_seconds": round(loaded, 3), "mode": decode.describe(),
             "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
-            "format": format_of(model), "step": step}
+            "format": format_of(model), "weights": weights, "step": step}
 
 
 def load_once(args):
     """(model, tokenizer, decoder, where and how it runs in words): for a chat or a file of
     prompts, the model, heads and tree budget loaded once for all their answers."""
     start = time.perf_counter()
-    model, step, tokenizer = load(args)
+    model, step, weights, tokenizer = load(args)
     decode = decoder(args, model)
-    return model, tokenizer, decode, (f"{model.embed.weight.device}, {format_of(model)} "
-                                      f"weights, {step} step; loaded once in "
-                                      f"{time.perf_counter() - start:.1f} s")
+    return model, tokenizer, decode, (f"{model.embed.weight.device}, {weights}, {step} step; "
+                                      f"loaded once in {time.perf_counter() - start:.1f} s")
 
 
 def run_chat(args) -> None:
@@ -290,7 +291,7 @@ def main(argv=None):
         print()
     print(summary_line(result["mode"], result["new_tokens"], result["seconds"], result["steps"],
                        result["accepted_histogram"],
-                       f"({result['device']}, {result['format']} weights, {result['step']} step; "
+                       f"({result['device']}, {result['weights']}, {result['step']} step; "
                        f"loaded in {result['load_seconds']:.1f} s, not counted)"), file=sys.stderr)
 
 

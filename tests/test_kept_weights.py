@@ -1,6 +1,6 @@
 """Kept weights (speed/kept_weights.py): a later run reads a model's rounded blocks back to the
 bit, and never serves them for a model file that changed, nor from a damaged file. On a tiny
-model, kept here whatever its size (KEEP_FROM set to 0)."""
+model, kept here whatever its size (LARGE set to 0)."""
 import os
 
 import pytest
@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def keep_every_model(monkeypatch):
-    monkeypatch.setattr(kept_weights, "KEEP_FROM", 0)
+    monkeypatch.setattr(kept_weights, "LARGE", 0)
 
 
 def model_folder(tmp_path, seed: int):
@@ -71,7 +71,7 @@ def test_a_changed_model_file_is_never_served_its_old_kept_blocks(change, tmp_pa
     capsys.readouterr()
     new = formatted_model(folder, CPU, "int4")
     assert "weights kept in" in capsys.readouterr().err  # rounded again, and kept anew
-    kept_weights.KEEP_FROM = 10 ** 12  # the reference: rounded from the file, nothing kept
+    kept_weights.LARGE = 10 ** 12  # the reference: rounded from the file, nothing kept
     fresh = formatted_model(folder, CPU, "int4")
     assert torch.equal(logits(new), logits(fresh))
     assert change != "other weights" or not torch.equal(logits(new), logits(old))

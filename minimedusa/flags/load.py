@@ -84,6 +84,7 @@ def formatted_model(folder: Path, device, weight_format: str) -> Llama:
     it, int8's and int4's rounded from the weights as stored, so that the model is never held
     whole in another dtype beside its format's bytes (peak memory). A large model's rounded
     blocks are kept after the first run and read back by later ones (speed/kept_weights.py)."""
+    device = torch.device(device)
     dtype, convert = DTYPE_FORMATS.get(weight_format), block_format(weight_format)
     kept = read_kept(folder, weight_format) if device.type == "cpu" else None
     if kept is not None:
@@ -275,11 +276,17 @@ def default_format(device: torch.device, folder=None) -> str:
 def four_bit_checkpoint(folder) -> bool:
     """Whether every weight of the model's blocks in `folder` lies on a 4-bit grid of GROUP
     (what a GGUF's Q4_0, Q4_1 or Q4_K file converted to floats holds); stops at the first that
-    does not (one matrix read for most models)."""
+    does not (one matrix read for most models). Asked once a process for a folder as it is
+    (the default format asks, and the summary line)."""
     if not Path(folder).is_dir():
         return False  # the loader says so, in its words
-    for name, path in tensor_files(safetensors_files(folder)).items():
-        if (".layers." in name and name.endswith("proj.weight")
-                and not on_four_bit_grid(read_tensor(path, name))):  # one tensor in memory
-            return False
-    return True
+    files = safetensors_files(folder)
+    key = (str(Path(folder).resolve()), *((f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key not in _four_bit:
+        _four_bit[key] = all(on_four_bit_grid(read_tensor(path, name))  # one tensor in memory
+                             for name, path in tensor_files(files).items()
+                             if ".layers." in name and name.endswith("proj.weight"))
+    return _four_bit[key]
+
+
+_four_bit: dict[tuple, bool] = {}  # four_bit_checkpoint's answers, by folder and files

@@ -31,10 +31,9 @@ from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import cpu_features
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4A16KernelLinear, Int4KernelLinear,
                                         Int4Linear, Int8Linear)
-from minimedusa.speed.weight_formats import activation_dtype
+from minimedusa.speed.weight_formats import LARGE, activation_dtype, block_weights
 
 KEPT_FORMATS = ("int8", "int4", "w4a8")  # the formats that round: the others read as stored
-KEEP_FROM = 300_000_000  # block weights: a 0.5B model's blocks and larger
 LAYERS = {cls.__name__: cls for cls in (Int8Linear, Int4Linear, Int4KernelLinear,
                                         Int4A8KernelLinear, Int4A16KernelLinear)}
 # the code whose output a kept file holds: a change there is another key
@@ -87,12 +86,9 @@ def rebuilt_layer(kind: str, sizes: list[int], tensors: dict[str, torch.Tensor])
 
 
 def worth_keeping(config, weight_format: str) -> bool:
-    """Whether a model's rounded blocks are kept: a format that rounds, and blocks of at least
-    KEEP_FROM weights (below, rounding them again costs about what reading them would)."""
-    C, I, H, G, D = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                     config.num_key_value_heads, config.head_dim)
-    block = C * (H + 2 * G) * D + H * D * C + 3 * C * I  # wqkv, wo, gate_up and down
-    return weight_format in KEPT_FORMATS and config.num_hidden_layers * block >= KEEP_FROM
+    """Whether a model's rounded blocks are kept: a format that rounds, and a model of real size
+    (weight_formats.LARGE: below, rounding again costs about what reading them back would)."""
+    return weight_format in KEPT_FORMATS and block_weights(config) >= LARGE
 
 
 def quantized_layers(block: nn.Module) -> dict[str, nn.Module]:

@@ -154,6 +154,44 @@ def format_of(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
+# a model of this many weights in its blocks is one of real size: its format's memory and speed
+# are worth a word (describe_weights), its rounded blocks worth keeping (kept_weights.py)
+LARGE = 300_000_000
+
+
+def block_weights(config) -> int:
+    """The weights of a model's blocks (wqkv, wo, gate_up and down), from its config."""
+    C, I, H, G, D = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                     config.num_key_value_heads, config.head_dim)
+    return config.num_hidden_layers * (C * (H + 2 * G) * D + H * D * C + 3 * C * I)
+
+
+def weight_bytes(config, name: str) -> int:
+    """About the bytes a model takes in format `name`: its blocks' weights (int4 and w4a8: 4
+    bits, and a float16 scale and minimum a group of 32; int8: a byte), its embedding in the
+    activations' dtype, its LM head too (int8: a byte; tied, none but int8's copy)."""
+    per_weight = {"int4": 0.625, "w4a8": 0.625, "int8": 1.0}
+    size = torch.empty(0, dtype=activation_dtype(name)).element_size()
+    table = config.vocab_size * config.hidden_size
+    lm_head = 1 if name == "int8" else 0 if config.tie_word_embeddings else size
+    return int(block_weights(config) * per_weight.get(name, size) + table * (size + lm_head))
+
+
+def describe_weights(config, name: str, rounded: bool, device: torch.device) -> str:
+    """The summary line's words for the weights: the format and its size; where they were
+    rounded from the file's (lossy), so; and for a model of real size in a float format on a
+    CPU where group_kernel.c multiplies, int4's size (faster there: fewer bytes a token)."""
+    said = f"{name} weights, {weight_bytes(config, name) / 1e9:.2f} GB"
+    if rounded:
+        said += (", rounded from the file's (lossy: python -m minimedusa.bench.format_quality "
+                 "--model DIR measures how much)")
+    elif (name in DTYPE_FORMATS and device.type == "cpu" and block_weights(config) >= LARGE
+          and group_kernel.kernel_problem() is None):
+        int4 = weight_bytes(config, "int4") / 1e9
+        said += f"; --quantize int4: {int4:.2f} GB, faster here, lossy"
+    return said
+
+
 def activation_dtype(name: str) -> torch.dtype:
     """The dtype a format's activations, KV cache and heads run in."""
     if name == "w4a8" and group_kernel.takes_float32():
