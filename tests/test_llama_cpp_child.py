@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from minimedusa.bench import bench, llama_cpp, processes
+from minimedusa.bench.llama_cpp_tools import BINDING
 from minimedusa.bench.engines import Engines
 from minimedusa.files.default_model import DEFAULT_GGUF
 
@@ -30,7 +31,7 @@ for line in sys.stdin:
     print(json.dumps(reply), flush=True)
 open(ended, "w").close()
 """
-LLAMA = "llama.cpp Q4_1"
+LLAMA = BINDING
 # a stand-in tokenizer: a prompt's ids are its words' lengths
 WORDS = SimpleNamespace(chat_prompt=lambda messages: messages[-1]["content"],
                         encode=lambda text: [len(w) for w in text.split()])
@@ -107,8 +108,9 @@ def test_generate_processes_report_the_processes_when_llama_cpp_dies(stand_in, m
         return {"new_tokens": 4, "seconds": 0.5, "mode": mode, "format": "float32",
                 "step": "eager", "output_ids": [1] * 4}, 1.0
     monkeypatch.setattr(processes, "generate_process", process)
-    monkeypatch.setattr(processes, "load_llama_cpp", lambda folder, threads: stand_in(1))
-    args = Namespace(no_llama_cpp=False, threads=1, max_new_tokens=4, rounds=1,
+    monkeypatch.setattr(processes, "llama_cpp_engines",
+                        lambda args, folder, threads, tokenizer: {LLAMA: stand_in(1)})
+    args = Namespace(no_llama_cpp=False, llama_cpp=None, threads=1, max_new_tokens=4, rounds=1,
                      baseline_flags="", out=None)
     processes.report_generate_processes(args, QUESTIONS, "cpu", WORDS, None)
     out, err = capsys.readouterr()

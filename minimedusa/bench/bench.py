@@ -96,8 +96,13 @@ def add_engine_variants(p) -> None:
     p.add_argument("--no-transformers", action="store_true",
                    help="skip the transformers baseline even if the library is installed")
     p.add_argument("--no-llama-cpp", action="store_true",
-                   help="skip llama.cpp even if llama-cpp-python is installed (it runs the "
-                   "default model's Q4_1 GGUF file, fetched into weights/ on first use)")
+                   help="skip llama.cpp even where its tools or llama-cpp-python are at hand "
+                   "(it runs the default model's Q4_1 GGUF file, fetched into weights/ on first "
+                   "use)")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
+                   help="llama.cpp's own tools (llama-completion, llama-bench), built: in DIR "
+                   "or DIR/build/bin (default: on PATH, if there); the Python binding runs "
+                   "beside them where installed")
     p.add_argument("--context", choices=("on", "off", "both"), default="on",
                    help="context candidates in the adapted trees and --sizes' trees (branches "
                    "read from the prompt and the answer so far, context_candidates.py): on "
@@ -286,7 +291,7 @@ def main(argv=None):
                 print(step_times(model, heads, accuracy, cached))
             print(draft_times(model, heads, accuracy))
         return
-    engines = engines_to_time(args, model, folder, device, dtype)
+    engines = engines_to_time(args, model, folder, device, dtype, tokenizer)
     if args.reference not in engines.run:
         raise UserError(f"--reference {args.reference!r} is not one of the engines: "
                         f"{', '.join(engines.run)}")

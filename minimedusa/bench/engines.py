@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from minimedusa.acceptance import greedy, rejection, typical
-from minimedusa.bench.llama_cpp import load_llama_cpp
+from minimedusa.bench.llama_cpp_tools import llama_cpp_engines
 from minimedusa.budget import (FixedSize, expected_length, expected_length_of, fixed, grow_tree,
                                nested_trees)
 from minimedusa.files.heads_files import read_calibration
@@ -47,9 +47,10 @@ class Engines:
             table.pop(name, None)
 
 
-def engines_to_time(args, model, folder: Path, device, dtype) -> Engines:
+def engines_to_time(args, model, folder: Path, device, dtype, tokenizer) -> Engines:
     """Plain decoding and the Medusa engines in the --dtype / --quantize format, the same in
-    each of --formats, and, where they are installed, transformers' generate and llama.cpp."""
+    each of --formats, and, where they are installed, transformers' generate and llama.cpp
+    (its own llama-completion, its Python binding)."""
     engines = Engines()
     engines.run["plain"], engines.step_bytes["plain"] = plain_engine(model), weight_bytes(model)
     if args.eager_too:
@@ -64,9 +65,7 @@ def engines_to_time(args, model, folder: Path, device, dtype) -> Engines:
     elif not args.no_transformers:
         print("transformers is not installed: it is left out of the comparison "
               "(pip install transformers, in a scratch environment, to compare)", file=sys.stderr)
-    llama_cpp = None if args.no_llama_cpp else load_llama_cpp(folder, torch.get_num_threads())
-    if llama_cpp is not None:
-        engines.run["llama.cpp Q4_1"] = llama_cpp
+    engines.run |= llama_cpp_engines(args, folder, torch.get_num_threads(), tokenizer)
     return engines
 
 

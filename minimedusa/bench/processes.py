@@ -4,8 +4,10 @@ One generate.py process per question, its default flags against --baseline (plus
 --baseline-flags, e.g. "--dtype float32 --no-compile"), alternating which goes first: each
 process's own tokens/s (from the prompt to the last token) and its wall time, loading included,
 summed over the questions and rounds, and how many answers the two gave alike (greedy Medusa is
-lossless: all, where --baseline-flags keeps the format); and llama.cpp, loaded once in a process
-of its own (llama_cpp.py), on the same prompt ids, where llama-cpp-python is installed.
+lossless: all, where --baseline-flags keeps the format); and llama.cpp on the same prompts: its
+own llama-completion, a process a question, where found (llama_cpp_tools.py: and llama-bench's
+decoding alone), and its Python binding, loaded once in a process of its own (llama_cpp.py),
+where installed.
 """
 import json
 import shlex
@@ -14,7 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from minimedusa.bench.llama_cpp import EngineDied, load_llama_cpp
+from minimedusa.bench.llama_cpp import EngineDied
+from minimedusa.bench.llama_cpp_tools import (COMPLETION, decoding_rate, find_tools,
+                                              llama_cpp_engines)
+from minimedusa.files.default_model import ensure_default_gguf
 from minimedusa.files.outputs import write_json
 
 
@@ -97,14 +102,17 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
 def report_generate_processes(args, questions: list[dict], machine: str, tokenizer,
                               folder: Path) -> None:
     """--generate: print (and with --out save) generate_processes' totals."""
-    in_process = {}
-    llama_cpp = None if args.no_llama_cpp else load_llama_cpp(folder, args.threads)
-    if llama_cpp is not None:  # the prompt ids generate.py decodes from: the chat template's
-        in_process["llama.cpp Q4_1"] = (llama_cpp, lambda prompt: tokenizer.encode(
-            tokenizer.chat_prompt([{"role": "user", "content": prompt}])))
+    def prompt_ids(prompt: str) -> list[int]:  # what generate.py decodes from: the template's
+        return tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": prompt}]))
+    in_process = {name: (engine, prompt_ids) for name, engine
+                  in llama_cpp_engines(args, folder, args.threads, tokenizer).items()}
+    tools = None if args.no_llama_cpp else find_tools(args.llama_cpp)
     result = {"machine": machine, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
               "questions": len(questions), "baseline_flags": args.baseline_flags,
               **generate_processes(args, questions, in_process)}
+    if COMPLETION in result:  # and llama.cpp's decoding alone, as its users quote it
+        result["llama-bench tokens/s"] = decoding_rate(tools, ensure_default_gguf(), args.threads,
+                                                       args.max_new_tokens)
     modes = ("default", "baseline", *in_process)
     shown = {k: v for k, v in result.items() if k not in modes}
     for mode in modes:

@@ -1,0 +1,73 @@
+"""llama.cpp's own tools in `bench` (bench/llama_cpp_tools.py): found where the user built them,
+run as a user runs them, their own prompt and decoding times read from their log. Stand-in
+programs here print what the real ones print; the real ones run where they are on PATH."""
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from minimedusa.bench.llama_cpp import EngineDied
+from minimedusa.bench.llama_cpp_tools import completion_engine, decoding_rate, find_tools
+from minimedusa.errors import UserError
+
+COMPLETION = f"""#!{sys.executable}
+import sys
+args = sys.argv[1:]
+log = args[args.index("--log-file") + 1]
+n = int(args[args.index("-n") + 1])
+open(log, "w").write(
+    "0.01.000.000 I common_perf_print:        load time =     500.07 ms\\n"
+    "0.01.000.001 I common_perf_print: prompt eval time =     225.70 ms /    16 tokens\\n"
+    f"0.01.000.002 I common_perf_print:        eval time =    3079.55 ms /    {{n - 1}} runs\\n"
+    "0.01.000.003 I common_perf_print:       total time =    3435.56 ms /    79 tokens\\n")
+print(args[args.index("-p") + 1])
+"""
+BENCH = f"""#!{sys.executable}
+print('[{{"n_gen": 64, "avg_ts": 143.2345}}]')
+"""
+WORDS = type("Words", (), {"decode": staticmethod(lambda ids: " ".join(map(str, ids)))})
+
+
+def stand_ins(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in (("llama-completion", COMPLETION), ("llama-bench", BENCH)):
+        (folder / name).write_text(text)
+        (folder / name).chmod((folder / name).stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+@pytest.mark.parametrize("where", ["the folder", "its build/bin"])
+def test_the_tools_are_found_where_the_user_built_them(where, tmp_path):
+    folder = stand_ins(tmp_path / "build" / "bin" if where == "its build/bin" else tmp_path)
+    assert find_tools(tmp_path) == {"llama-completion": folder / "llama-completion",
+                                    "llama-bench": folder / "llama-bench"}
+
+
+def test_a_folder_without_the_tools_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="no llama-completion or llama-bench there"):
+        find_tools(tmp_path)
+
+
+def test_a_completion_is_timed_from_its_own_log(tmp_path):
+    tools = find_tools(stand_ins(tmp_path / "bin"))
+    run = completion_engine(tools, tmp_path / "model.gguf", 2, WORDS)
+    assert run([1, 2, 3], 64, 0) == (None, pytest.approx(3.30525), 64)
+    assert decoding_rate(tools, tmp_path / "model.gguf", 2, 64) == 143.23
+
+
+def test_a_completion_that_fails_is_an_engine_that_died(tmp_path):
+    tools = find_tools(stand_ins(tmp_path / "bin"))
+    (tmp_path / "bin" / "llama-completion").write_text("#!/bin/sh\nexit 3\n")
+    with pytest.raises(EngineDied, match="exit status 3"):
+        completion_engine(tools, tmp_path / "model.gguf", 2, WORDS)([1], 4, 0)
+
+
+@pytest.mark.skipif(None in (shutil.which("llama-completion"), shutil.which("llama-bench")),
+                    reason="llama.cpp's tools are not on PATH")
+def test_the_real_tools_decode_the_default_models_gguf():
+    from minimedusa.files.default_model import ensure_default_gguf
+    tools = find_tools(None)
+    _, seconds, n = completion_engine(tools, ensure_default_gguf(), 2, WORDS)([1, 2, 3], 8, 0)
+    assert n == 8 and seconds > 0
