@@ -9,7 +9,7 @@
 Medusa-1 (paper section 4), in the order it runs: the data (h_t at every answer position, stored
 with the self-distilled answers: the backbone is frozen), the heads, the loss sum_k 0.8^k
 CE(head k, token t+k+1), AdamW with warm-up and cosine decay, the step, the validation and an
-atomic checkpoint that --resume continues from exactly. Medusa-2 (joint_training.Medusa2) is a
+atomic checkpoint that --resume continues from exactly. Medusa-2 (medusa2.Medusa2) is a
 second mode of the same loop. Without --data, --frozen runs pipeline.py: data, training, trees.
 """
 import argparse
@@ -26,7 +26,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     import torch
     import torch.distributed as dist
 
-    from minimedusa.training import medusa2 as joint_training, pipeline
+    from minimedusa.training import medusa2, pipeline
     from minimedusa.files.checkpoint import (CHECKPOINT, checkpoint_on_interrupt, resume,
                                              save_checkpoint)
     from minimedusa.files.outputs import lock_folder, write_atomically
@@ -126,7 +126,7 @@ def parse_args(argv=None):
                "heads learn (Medusa-1); without it the backbone is tuned too, through LoRA, with "
                "a KL self-distillation loss that keeps it close to the original (Medusa-2). "
                "Each mode has its own batch size and learning rate flags, in its group below.")
-    add_loop_flags(p), add_medusa1_flags(p), joint_training.add_flags(p), pipeline.add_flags(p)
+    add_loop_flags(p), add_medusa1_flags(p), medusa2.add_flags(p), pipeline.add_flags(p)
     args = p.parse_args(argv)
     if args.data is None and not args.frozen:
         p.error("Medusa-2 trains on --data made beforehand (python -m "
@@ -318,7 +318,7 @@ def train_step(mode, args, step: int, total: int, index: torch.Tensor, autocast)
 
 
 def train_loop(mode, args, rank: int, world: int, device, say) -> int:
-    """Train `mode` (Medusa1, or joint_training.Medusa2) from step 0 or the checkpoint to the
+    """Train `mode` (Medusa1, or medusa2.Medusa2) from step 0 or the checkpoint to the
     last step, validating every --eval-every steps and checkpointing every --save-every; returns
     the step it stopped at."""
     total, last = total_steps(args, mode.rows(), mode.batch_size())
@@ -364,7 +364,7 @@ def main(argv=None):
         lock_folder(args.out, "train.py")
     rank, world, device = setup_distributed(args.device)
     tell = say if rank == 0 else (lambda msg: None)
-    mode = (medusa1 if args.frozen else joint_training.medusa2)(args, device, world)
+    mode = (medusa1 if args.frozen else medusa2.medusa2)(args, device, world)
     step = train_loop(mode, args, rank, world, device, tell)
     good = mode.finish(step, tell) if rank == 0 else True
     if world > 1:

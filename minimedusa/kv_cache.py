@@ -44,8 +44,7 @@ class KVCache:
         shape = (batch_size, num_kv_heads, capacity, head_dim)  # (B, G, M, D) for each layer
         # note: one pair of tensors per layer rather than one for the model, so that a layer's
         # step (speed/compiled_step.py) owns its own and writes them in place: a write into a
-        # slice of
-        # one shared tensor made the compiler copy the whole of it at every layer
+        # slice of one shared tensor made the compiler copy the whole of it at every layer
         self.layers = [LayerCache(shape, device, dtype) for _ in range(num_layers)]
         self.capacity = capacity
         self.device = torch.device(device)

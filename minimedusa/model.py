@@ -7,8 +7,7 @@ returns the logits AND the last hidden state (after the final norm), which the M
 Runs Llama 2/3.x (RoPE scaling "linear" and "llama3", an explicit head dim D != C / H), Qwen2/2.5
 (q, k, v biases) and Mistral within its sliding window (files/hf_config.py caps the context at the
 window, where a Mistral computes exactly a Llama). Left out, and refused by files/hf_config.py:
-other
-RoPE scalings (yarn, dynamic, longrope), partial rotary dims, MLP or output biases, other
+other RoPE scalings (yarn, dynamic, longrope), partial rotary dims, MLP or output biases, other
 activations, attention beyond a sliding window.
 
 Shapes: B batch, T new tokens, S attended cache slots, C model dim, H query heads,

@@ -4,7 +4,7 @@ MT-Bench (Zheng et al. 2023: FastChat's question.jsonl, 80 questions in 8 catego
 authors' text and is not shipped: give it with --questions, or put it at ../shared/data/ beside
 the repository. Without it the benchmark times the project's own held-out seed prompts instead.
 
-Engines (bench_engines.py): this project's plain decoding; Medusa with the given heads, verified
+Engines (engines.py): this project's plain decoding; Medusa with the given heads, verified
 greedily and (at --temperature) by typical acceptance and by rejection sampling, its tree's size
 adapted step by step as generate.py does (budget.py; the steps run at each size are reported),
 or with a fixed --tree; optionally Medusa with trees of several sizes grown from the heads'

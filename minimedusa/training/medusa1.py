@@ -10,7 +10,7 @@ independent for the heads, so rows are shuffled freely. Only answer tokens are r
 prompt and the padding carry no loss by construction.
 Here: the rows, the loss, its validation metrics, the batches' order and the learning-rate
 schedule, and what a training mode returns; the training loop, shared with Medusa-2
-(joint_training.py, which tunes the backbone too), is train.py's.
+(medusa2.py, which tunes the backbone too), is train.py's.
 
 Shapes: M rows (answer positions), C model dim, K heads, V vocab, B batch rows.
 """

@@ -4,7 +4,7 @@ The tuned backbone must stay the model users chose: on held-out answers, the mea
 KL(p_original || p_tuned) must stay under --max-kl, and the greedy continuations of both are
 compared token by token. Both are reported beside those of the original model run in bfloat16,
 a change everyone calls "the same model", as a yardstick. Here: the greedy agreement, the
-bfloat16 yardstick and the verdict; the KL is joint_training.mean_kl. Left out: task benchmarks.
+bfloat16 yardstick and the verdict; the KL is joint_loss.mean_kl. Left out: task benchmarks.
 """
 import copy
 
