@@ -8,8 +8,8 @@ probable node that hangs off the tree, repeatedly, gives the best tree of EVERY 
 
 The size, the budget: a bigger tree accepts more tokens per step, but each step costs more;
 where the balance lies is a fact of the machine (its vector units, memory bandwidth, caches),
-not of its name: the 4-node tree tuned on one 2-core "AMD EPYC" ran at 0.97x plain decoding on
-another that reports the same name but has AVX2 only. So nothing here is assumed from elsewhere:
+not of its name: a tree tuned on one CPU ran slower than plain decoding on another that reports
+the same name but has narrower vector units. So nothing here is assumed from elsewhere:
 1. The step latency of each tree size, plain decoding (size 0) included, is measured at first
    use on this machine (a few seconds) and cached under the user's cache folder, never in the
    repository (speed/step_latency.py; the Budget is handed the numbers).
@@ -141,8 +141,8 @@ class Budget:
         chain accept far more, held-out chat less), its growth with the size much less so; but
         for a chain alone (a group > 0, n <= chain) the chain's own: its k-th token taken as
         right as often as its first (a^k; copies stay right a little more often than that).
-        With the calibration's growth, steps after a 3-token match never grew past 1 node (1.79
-        tokens a step); at 4, 3.33-3.49 (8 MT-Bench questions, int4, the 2-core Zen 5)."""
+        With the calibration's growth, steps after a 3-token match never grew past 1 node, where
+        4 nodes accepted nearly twice the tokens (weights/RESULTS.md)."""
         if self.expected.get(n) is None:
             return None
         steps = self.steps.get(group, {})

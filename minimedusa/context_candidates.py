@@ -9,19 +9,15 @@ are a guess at what follows now: the chain. It is merged into the heads' tree fo
 hangs below as new nodes, and the heads' least probable nodes make room, so the step verifies
 no more nodes than its budget. Verification is unchanged, so decoding stays lossless.
 
-Measured offline on the default model's greedy answers to 16 MT-Bench questions, the chain
-alone (longest match of 3, 2 or 1 tokens, 5 tokens proposed) would accept 1.74 tokens a step
-(2.7 in extraction), as many as the shipped Hydra heads; merged with their trees, 2.15 on 8
-questions where the heads alone accepted 1.64 (README, Results). Chains of 3 to 6 tokens were
-measured; 5 was best, by a little.
+On the default model's answers to MT-Bench questions the chain alone accepts about as many
+tokens a step as the shipped Hydra heads, and merged with their trees more than either
+(weights/RESULTS.md); chains of 3 to 6 tokens were tried, 5 was best, by a little.
 
 The step's budget (budget.Budget) sizes each step by how long a suffix its chain matched (its
-group): on the default model's int4 answers to 16 MT-Bench questions, a chain after a 3-token
-match had its first token right 78% of the time, after a 2-token match 54%, after a 1-token
-match 19%; so a step whose chain matched 3 tokens gains from a bigger tree, one with a 1-token
-match or none does not. A 1-token match proposes no chain (MIN_MATCH): its chain alone filled a
-1-node step, guessing worse than the heads' top guess (8 MT-Bench questions, int4 on the 2-core
-Zen 5: 1.24 tokens a step on those steps, 29% of them, against 1.34 with the heads' guess).
+group): the longer the match, the more often the chain is right (a 3-token match's first token
+far more often than a 1-token match's), so a step whose chain matched 3 tokens gains from a
+bigger tree, one with a 1-token match or none does not. A 1-token match proposes no chain
+(MIN_MATCH): its chain alone filled a 1-node step, guessing worse than the heads' top guess.
 Left out: several chains a step (the most recent match only), a suffix automaton over a corpus.
 
 Shapes: N tree nodes.
@@ -90,8 +86,8 @@ def copied(tokens: list[int], start: int, length: int) -> list[int]:
 def merged_tree(paths: tuple[tuple, ...], device: torch.device) -> MedusaTree:
     """build_tree's tree of these node paths, built once: a step's merged tree takes one of a
     few hundred shapes (where the chain leaves the heads' nodes, how long it is), and building
-    one costs ~0.4 ms of Python, 3% of a step on the 2-core AVX2 EPYC (with_chain took 0.53 ms
-    a call). Trees are never changed once built, so steps may share one."""
+    one in Python costs a few percent of a CPU step. Trees are never changed once built, so
+    steps may share one."""
     return build_tree(paths, device=device)
 
 
@@ -130,8 +126,8 @@ def with_chain(tree: MedusaTree, tokens: torch.Tensor, rank: dict, size: int,
 def chain_alone(root: int, chain: list[int], device) -> tuple[MedusaTree, torch.Tensor, dict]:
     """with_chain's result where the chain fills the step (as many tokens as the tree has
     nodes: the heads' nodes get no room): the chain alone, a path from the root, its tokens
-    (N,) and ranks, so that the heads need not draft at all (~0.14 ms of a ~4.5 ms int4 step
-    on the 2-core Zen 5). The same tokens as with_chain keeps, tested."""
+    (N,) and ranks, so that the heads need not draft at all (a draft is a few percent of a CPU
+    step). The same tokens as with_chain keeps, tested."""
     paths = tuple((0,) * depth for depth in range(1, len(chain) + 1))
     tree = merged_tree(paths, torch.device(device))
     return tree, torch.tensor([root, *chain], device=device), {p: len(p) for p in paths}

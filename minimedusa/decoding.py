@@ -87,7 +87,7 @@ def prefill(model: Llama, cache: KVCache, prompt: torch.Tensor):
     every position: a draft layer reads them all, other heads the last).
     Logits come back in float32 (or float64) whatever the weights' dtype, as from every step: the
     acceptance and sampling math runs in float32 (and on a CPU torch's argmax over bfloat16 is
-    4x slower than over float32: 0.9 ms for a 9-node tree's logits).
+    several times slower than over float32).
     subtle: in chunks of at most EXACT_ATTENTION_TOKENS, so that a long prompt never switches to
     SDPA (model.attention), whose sums round otherwise: a token's row is then the same bits
     whether it came in a prompt, a chat's later turn or a decoding step, and a conversation

@@ -59,10 +59,10 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> tor
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1), (..., V) -> (...,) int64: the first maximum of each row, a NaN
-    counting as one. On a CPU by numpy, whose argmax is vectorised: torch's took ~95 us for one
-    49,152-token row on a 2-core EPYC and ~530 us for 8 rows, numpy's ~7 and ~50 (a plain step
-    there is ~8-13 ms). Plain decoding and greedy acceptance both pick their tokens here, so
-    the two stay compared like for like."""
+    counting as one. On a CPU by numpy, whose argmax is vectorised: torch's took about ten times
+    as long over a 49,152-token row, a noticeable share of a CPU step (weights/RESULTS.md).
+    Plain decoding and greedy acceptance both pick their tokens here, so the two stay compared
+    like for like."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
         return logits.argmax(dim=-1)
     return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
