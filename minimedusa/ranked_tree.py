@@ -4,11 +4,11 @@ keeps the N nodes whose paths the heads themselves find most probable at this st
 The static tree (training/tree_search.py, budget.grow_tree) is the best tree on average: its
 nodes were chosen from the heads' accuracies measured offline. But at each step the heads say
 how sure they are: after "The capital of France is" head 1 may put 0.9 on " Paris", elsewhere
-0.2 on its best guess. The path probability of node (r_1, ..., r_d) is the product of the heads' probabilities
-of the guesses on its path, p_1(r_1) ... p_d(r_d): for Medusa heads each head's own
-distribution; for Hydra heads head d's distribution given the path's tokens. It estimates how
-likely the path is to be accepted, so the N most probable nodes are this step's best guess of
-the best tree of N nodes. The tree and its mask are built anew each step; the tree forward,
+0.2 on its best guess. The path probability of node (r_1, ..., r_d) is the product of the
+heads' probabilities of the guesses on its path, p_1(r_1) ... p_d(r_d): for Medusa heads each
+head's own distribution; for Hydra heads head d's distribution given the path's tokens. It
+estimates how likely the path is to be accepted, so the N most probable nodes are this step's
+best guess of the best tree of N nodes. The tree and its mask are built anew each step; the tree forward,
 acceptance and KV compaction are unchanged, so decoding stays lossless.
 
 A node path's ranks mean what they mean in a static tree: (r_1, ..., r_d) is the r_d-th best
