@@ -33,6 +33,8 @@ def fused(model, weight_format: str, dtype: torch.dtype):
     only where group_kernel.c multiplies them (its AVX2 path); bfloat16 rows on any CPU."""
     if dtype == torch.float32 and not group_kernel.takes_float32():
         pytest.skip("this CPU's group_kernel.c multiplies bfloat16 rows only")
+    if weight_format == "bfloat16" and not group_kernel.multiplies_bfloat16():
+        pytest.skip("this CPU's group_kernel.c does not multiply bfloat16 weights")
     model = apply_format(model, weight_format).to(dtype)
     assert fusable(model) is None
     fuse_blocks(model)
@@ -69,8 +71,9 @@ def forward(model, tokens, start, mask, cache, eager: bool):
     return logits[0]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("weight_format", ["int4", "w4a8"])
+@pytest.mark.parametrize("weight_format, dtype", [
+    ("int4", torch.float32), ("int4", torch.bfloat16), ("w4a8", torch.float32),
+    ("w4a8", torch.bfloat16), ("bfloat16", torch.bfloat16)])
 def test_a_fused_step_gives_the_eager_blocks_logits(weight_format, dtype):
     model = fused(four_bit_model(0), weight_format, dtype)
     g = torch.Generator().manual_seed(0)
@@ -121,7 +124,8 @@ def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed, dtype
 
 def test_a_model_the_fused_step_does_not_serve_says_why():
     model = apply_format(four_bit_model(0), "float32")
-    assert fusable(model) == "its products are not group_kernel.c's int4 layers without biases"
+    assert fusable(model) == ("its products are not group_kernel.c's int4 or bfloat16 layers "
+                              "without biases")
     half = apply_format(four_bit_model(0), "int4").half()
     assert fusable(half) == "its activations are float16, not float32 or bfloat16"
     wide_heads = apply_format(four_bit_model(0, head_dim=288), "int4")

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from minimedusa.speed import group_kernel
 from minimedusa.speed.grids import GROUP, dequantize_int8_groups, eight_bit_groups
-from minimedusa.speed.quantized import Int4KernelLinear, Int8GroupLinear
+from minimedusa.speed.quantized import BF16KernelLinear, Int4KernelLinear, Int8GroupLinear
 from test_weight_formats import eight_bit_weight, four_bit_weight
 
 pytestmark = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
@@ -69,4 +69,23 @@ def test_an_eight_bit_product_at_a_real_shape_is_within_the_derived_bound(N, K, 
     assert within_bound(got, weight, x).all()
     wrong = weight.clone()
     wrong[5, GROUP:2 * GROUP] *= 2
+    assert not within_bound(got, wrong, x).all()
+
+
+@pytest.mark.skipif(not group_kernel.multiplies_bfloat16(),
+                    reason="group_kernel.c multiplies bfloat16 weights on AVX-512 BF16 only")
+@pytest.mark.parametrize("N, K", SHAPES)
+def test_a_bfloat16_product_at_a_real_shape_is_within_the_derived_bound(N, K):
+    """bfloat16 weights times bfloat16 rows: each product exact in float32 (8 + 8 bits), the
+    sums float32's, the output rounded to bfloat16; and every row's bits the same whatever rows
+    sit beside it, up to the paper's 65."""
+    linear = nn.Linear(K, N, bias=False)
+    layer, x = BF16KernelLinear(linear), rows_for(K, 65)
+    weight = linear.weight.detach().bfloat16().float()
+    with torch.inference_mode():
+        got = layer(x)
+        assert all(torch.equal(layer(x[:m])[:1], got[:1]) for m in (1, 2, 5, 17, 65))
+    assert within_bound(got, weight, x).all()
+    wrong = weight.clone()
+    wrong[0, :GROUP] *= 2
     assert not within_bound(got, wrong, x).all()

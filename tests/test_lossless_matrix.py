@@ -5,7 +5,8 @@ both accepting and rejecting were exercised). On cycling_model, whose greedy tex
 of distinct tokens, with heads that know the cycle but are perturbed (conftest.py).
 
 formats: float32, bfloat16, int8, int4, w4a8 (w4a8 where group_kernel.c multiplies);
-steps: eager, fused (int4 and w4a8 where the blocks fuse), compiled (float32, bfloat16, int8);
+steps: eager, fused (int4, w4a8 and bfloat16 where the blocks fuse), compiled (float32,
+bfloat16, int8);
 drafts: Medusa and Hydra heads on a fixed tree, a ranked tree (each step's most probable
 nodes), context candidates, and the Budget choosing among nested trees and plain steps."""
 import itertools
@@ -54,7 +55,7 @@ def steps_of(model, heads, trees, budget, prompt, context=False) -> tuple[list, 
 
 
 MATRIX = ([(f, "eager") for f in ("float32", "bfloat16", "int8", "int4", "w4a8")]
-          + [(f, "fused") for f in ("int4", "w4a8")]
+          + [(f, "fused") for f in ("int4", "w4a8", "bfloat16")]
           + [(f, "compiled") for f in ("float32", "bfloat16", "int8")])
 
 

@@ -103,9 +103,9 @@ def test_a_stopped_run_keeps_the_answers_it_finished(answers, monkeypatch):
     assert sorted(os.listdir(out.parent)) == sorted([prompts.name, out.name])
 
 
-@pytest.mark.parametrize("content", [b"not json\n", b"\xff\xfe\x00\x01", b"[1, 2]\n",
-                                     b'{"category": "math"}\n', b'{"category": 5, "turns": ["a"]}\n',
-                                     b'{"category": "math", "turns": []}\n', b"\n\n"])
+@pytest.mark.parametrize("content", [
+    b"not json\n", b"\xff\xfe\x00\x01", b"[1, 2]\n", b'{"category": "math"}\n',
+    b'{"category": 5, "turns": ["a"]}\n', b'{"category": "math", "turns": []}\n', b"\n\n"])
 def test_a_questions_file_that_is_not_mt_bench_is_one_line_before_the_loading(content, tmp_path,
                                                                               monkeypatch):
     questions = tmp_path / "question.jsonl"

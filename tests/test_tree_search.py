@@ -16,13 +16,12 @@ from minimedusa.budget import (SIZES, expected_length, expected_length_of, grow_
 from minimedusa.files.heads_files import CALIBRATION, read_calibration
 from minimedusa.speed.step_latency import latency_key, read_cached, step_latency
 from minimedusa.flags.load import decoding_budget, decoding_tree
-from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
 from minimedusa.heads import MedusaHeads
 from minimedusa.training.medusa1 import IGNORE, Rows, head_metrics
 from minimedusa.tree import build_tree, dense_tree
 from minimedusa.training.tree_search import head_accuracies
 from minimedusa.files.heads_files import load_heads, save_heads
-from minimedusa.flags.load import default_format
+from minimedusa.flags.load import decoding_model, default_format
 from minimedusa.speed.weight_formats import activation_dtype, apply_format
 
 
@@ -153,10 +152,8 @@ def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_
     assert chosen == nodes[:len(chosen)]
     build_tree(chosen, num_heads=3)
     weight_format = default_format(torch.device("cpu"), model_dir)  # the format decoding picks
-    model = apply_format(model, weight_format)  # the step tree_search timed, as generate.py's
+    model, _ = decoding_model(model_dir, torch.device("cpu"), weight_format, None)  # its step
     heads = load_heads(tmp_path, model)
-    if compiler_problem() is None:
-        compile_blocks(model)
     cached = read_cached(latency_key(model, heads, torch.device("cpu"),
                                      activation_dtype(weight_format)))
     assert set(cached) == {0, 1, 2, 3, 4}  # sizes up to --max-nodes 6, and plain

@@ -1,5 +1,5 @@
-"""A fused decoding step: all the transformer blocks of an int4 (or w4a8) model in ONE call of
-a C++ operator (operators.cpp's blocks_step), instead of a compiled graph.
+"""A fused decoding step: all the transformer blocks of an int4 (or w4a8, or bfloat16) model in
+ONE call of a C++ operator (operators.cpp's blocks_step), instead of a compiled graph.
 
 Why: on a 2-core CPU a compiled block spends about as long in Python as in its products. A
 plain int4 step of ~21 ms on the 2-core AVX2 EPYC (Zen 3) was ~44% Python and dispatch on the
@@ -22,7 +22,8 @@ is the reference (tests/test_fused_block.py: the same outputs within float32's r
 within bfloat16's for bfloat16 activations).
 
 Where: the blocks of a model whose four products are group_kernel.c's int4 layers
-(quantized.Int4KernelLinear; for w4a8 Int4A8KernelLinear and Int4A16KernelLinear) without biases,
+(quantized.Int4KernelLinear; for w4a8 Int4A8KernelLinear and Int4A16KernelLinear; for bfloat16,
+where the CPU multiplies it, BF16KernelLinear) without biases,
 its activations in float32 (the AVX2 path's: group_kernel.takes_float32) or bfloat16 (the AVX-512
 BF16 path's; the residual stream float32 as in model.py), its attention the C kernel's. Decoding's
 forwards only (one sequence in inference mode, a cache, at most model.EXACT_ATTENTION_TOKENS rows),
@@ -36,7 +37,8 @@ import torch.nn as nn
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Blocks, Llama
 from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.packed_linear import OPERATORS
-from minimedusa.speed.quantized import Int4A8KernelLinear, Int4A16KernelLinear, Int4KernelLinear
+from minimedusa.speed.quantized import (BF16KernelLinear, Int4A8KernelLinear, Int4A16KernelLinear,
+                                        Int4KernelLinear)
 
 # x (1, T, C) float32, cos and sin (1, 1, T, D), mask (1, 1, T, S); per block: its layer's
 # cache k and v (1, G, capacity, D), written at slots (T,), and its norms' weights (C,), in the
@@ -49,7 +51,8 @@ OPERATORS.define("blocks_step(Tensor x, Tensor cos, Tensor sin, Tensor mask, "
 
 # the layers a fused block multiplies with, and the bits each rounds its rows to inside the
 # kernel (0: float rows as they are)
-ROW_BITS = {Int4KernelLinear: 0, Int4A8KernelLinear: 8, Int4A16KernelLinear: 16}
+ROW_BITS = {Int4KernelLinear: 0, Int4A8KernelLinear: 8, Int4A16KernelLinear: 16,
+            BF16KernelLinear: 1}  # 1: operators.cpp's BF16_WEIGHTS, bfloat16 weights
 
 
 def products(block: Block) -> list[nn.Module]:
@@ -62,7 +65,7 @@ def fusable(model: Llama) -> str | None:
     block = model.layers[0]
     if not all(type(layer) in ROW_BITS and layer.bias is None
                for b in model.layers for layer in products(b)):
-        return "its products are not group_kernel.c's int4 layers without biases"
+        return "its products are not group_kernel.c's int4 or bfloat16 layers without biases"
     dtype = block.attn_norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"its activations are {str(dtype).removeprefix('torch.')}, not float32 or bfloat16"

@@ -114,6 +114,7 @@ static inline __m512bh pair_weights8(const uint8_t* bytes) {
    for both paths below (minimums and x_sum unread for 8 bits) */
 static inline __m512 add_group(__m512 out, __m512 sums, const uint16_t* scales,
                                const uint16_t* minimums, float x_sum, const int bits) {
+  if (bits == 16) return _mm512_add_ps(out, sums);  /* bfloat16 weights: no scale, no minimum */
   __m512 q_part = _mm512_mul_ps(sums, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)scales)));
   if (bits == 4) {
     const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)minimums));
@@ -149,8 +150,8 @@ static inline void store_rows(const __m512* out, void* y, int64_t b, int64_t m0,
 }
 
 /* one block of 16 outputs for `n` rows from row m0, weights of `bits` bits (4: with minimums
-   and the rows' sums; 8: without). n and bits are constants in each copy the switch below
-   makes: the accumulators then live in registers. */
+   and the rows' sums; 8: without; 16: bfloat16 weights, no scales). n and bits are constants
+   in each copy the switch below makes: the accumulators then live in registers. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* minimums,
     const float* sums, void* y, int64_t b, int64_t m0, int64_t N, int64_t K,
@@ -165,7 +166,10 @@ static inline __attribute__((always_inline)) void block_rows(
     for (int p = 0; p < 16; p += 2) {
       const uint8_t* pair = w + p * pair_bytes;  /* int4: the quad of pairs p, p + 1 */
       __m512bh w0, w1;
-      if (bits == 4) {
+      if (bits == 16) {  /* bfloat16 weights, stored as VDPBF16PS reads them */
+        w0 = (__m512bh)_mm512_loadu_si512(pair);
+        w1 = (__m512bh)_mm512_loadu_si512(pair + pair_bytes);
+      } else if (bits == 4) {
         quad_weights(pair, table, &w0, &w1);
       } else {
         w0 = pair_weights8(pair);
@@ -200,7 +204,8 @@ static inline __attribute__((always_inline)) void product(
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < N / 16; b++) {
     const uint8_t* w = packed + b * G * 64 * bits;  /* 16 pairs of pair_bytes a group */
-    const uint16_t *s = scales + b * G * 16, *mn = bits == 4 ? minimums + b * G * 16 : NULL;
+    const uint16_t *s = bits == 16 ? NULL : scales + b * G * 16;
+    const uint16_t *mn = bits == 4 ? minimums + b * G * 16 : NULL;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
       switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
 #define ROWS_OF(n) \
@@ -1060,6 +1065,25 @@ int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, v
   (void)x, (void)packed, (void)scales, (void)y, (void)M, (void)N, (void)K, (void)wide;
   return 1;
 #endif
+}
+
+/* bfloat16 weights (the bfloat16 format's block products: pack_bfloat16's layout, each pair of
+   inputs' 16 outputs side by side as VDPBF16PS reads them) times bfloat16 rows, float32 sums;
+   y bfloat16, or float32 where `wide`. The AVX-512 BF16 path only: elsewhere oneDNN multiplies
+   (packed_linear.py). Never on the tiles: their layout is int4's */
+int bf16_product(const void* x, const uint8_t* packed, void* y, int64_t M, int64_t N, int64_t K,
+                 int floats, int wide) {
+#if defined(BF16_PATH)
+  if (!floats) {
+    if (wide)
+      product(x, packed, NULL, NULL, NULL, y, M, N, K, 16, 1);
+    else
+      product(x, packed, NULL, NULL, NULL, y, M, N, K, 16, 0);
+    return 0;
+  }
+#endif
+  (void)x, (void)packed, (void)y, (void)M, (void)N, (void)K, (void)floats, (void)wide;
+  return 1;
 }
 
 #if defined(A8_PATH)

@@ -162,6 +162,15 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor):
     return pairs.reshape(N // 16, K // 2, 32).view(torch.uint8).contiguous(), by_block(scales)
 
 
+def pack_bfloat16(weight: torch.Tensor) -> torch.Tensor:
+    """An (N, K) weight -> the kernel's bfloat16 layout: (B, 32 K) bytes, per block and pair of
+    inputs the 16 outputs' two weights side by side, as VDPBF16PS pairs them (pack_int8's
+    order, in bfloat16)."""
+    N, K = weight.shape
+    pairs = weight.detach().bfloat16().view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3)
+    return pairs.contiguous().view(torch.uint8).reshape(N // 16, 32 * K)  # (B, K/2, 16, 2)
+
+
 def unpack_int8(packed: torch.Tensor, scales: torch.Tensor):
     """pack_int8's inverse: (N, K) int8 q and (N, G) float32 scales."""
     B, G = scales.shape[:2]
@@ -192,6 +201,7 @@ OPERATORS.define("int8_product(Tensor rows, Tensor packed, Tensor scales, bool w
                  "-> Tensor")
 OPERATORS.define("int8_a16_product(Tensor rows, Tensor packed, Tensor scales, bool wide=False) "
                  "-> Tensor")
+OPERATORS.define("bf16_product(Tensor rows, Tensor packed, bool wide=False) -> Tensor")
 
 
 @torch.library.register_fake("minimedusa::int4_product")
@@ -218,4 +228,10 @@ def _(rows, packed, scales, wide=False):
 @torch.library.register_fake("minimedusa::int8_a16_product")
 def _(rows, packed, scales, wide=False):
     return rows.new_empty(rows.shape[0], scales.shape[0] * 16,
+                          dtype=torch.float32 if wide else rows.dtype)
+
+
+@torch.library.register_fake("minimedusa::bf16_product")
+def _(rows, packed, wide=False):
+    return rows.new_empty(rows.shape[0], packed.shape[0] * 16,
                           dtype=torch.float32 if wide else rows.dtype)

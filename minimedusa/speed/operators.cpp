@@ -1,5 +1,6 @@
 /* The torch operators of this project's C kernels (minimedusa::int4_product, ::int4_a8_product,
-   ::int4_a16_product, ::int8_product, ::int8_a16_product, ::step_attention), in C++: each checks
+   ::int4_a16_product, ::int8_product, ::int8_a16_product, ::bf16_product, ::step_attention), in
+   C++: each checks
    its tensors, allocates its output and calls the kernel's C function, linked from the kernel's
    library (group_kernel.c, attention_kernel.c; built by c_kernels.py). And ::blocks_step, all
    the transformer blocks of an int4 model in one call (the fused step, fused_block.py), and
@@ -39,6 +40,8 @@ int int8_product(const void* x, const uint8_t* packed, const uint16_t* scales, v
                  int64_t M, int64_t N, int64_t K, int floats, int wide);
 int int8_a16_product(const void* x, const uint8_t* packed, const uint16_t* scales, void* y,
                      int64_t M, int64_t N, int64_t K, int floats, int wide);
+int bf16_product(const void* x, const uint8_t* packed, void* y, int64_t M, int64_t N, int64_t K,
+                 int floats, int wide);
 
 /* attention_kernel.c's Step and entry point (0 done, 1 a shape it does not take, 2 out of
    memory): the tensors' addresses, sizes and strides in elements */
@@ -140,6 +143,19 @@ at::Tensor int8_a16_op(const at::Tensor& rows, const at::Tensor& packed,
   return int8_layout(int8_a16_product, "the rows' 16-bit copy", rows, packed, scales, wide);
 }
 
+/* bfloat16 weights (pack_bfloat16's layout: (B, 32 K) bytes) times bfloat16 rows: (M, N), the
+   rows' dtype, or float32 where `wide` */
+at::Tensor bf16_op(const at::Tensor& rows_, const at::Tensor& packed, bool wide) {
+  const at::Tensor rows = rows_.contiguous();
+  at::Tensor y = at::empty({rows.size(0), packed.size(0) * 16},
+                           rows.options().dtype(wide ? at::kFloat : rows.scalar_type()));
+  check(bf16_product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(),
+                     y.mutable_data_ptr(), rows.size(0), y.size(1), rows.size(1), floats(rows),
+                     wide),
+        "nothing");
+  return y;
+}
+
 /* q (1, H, T, D), k and v (1, G, S, D) with each key a contiguous row of D (cache slices), mask
    (1, 1, T, S) bool -> (1, H, T, D) laid out as (1, T, H, D): the block's next reshape to
    (1, T, H * D) is then a view, not a copy (attention_kernel.new_output, its fake twin) */
@@ -213,10 +229,19 @@ void rope_head(const E* x, const float* cos, const float* sin, E* out, int64_t D
 
 /* one of the block's 4 products, y (T, N) = x (T, K) W^T: W's packed weights, scales and
    minimums are products[3 i], [3 i + 1], [3 i + 2]; row_bits[i]: the bits its rows are rounded
-   to inside the kernel (8, 16), or 0: float rows as they are */
+   to inside the kernel (8, 16), or 0: float rows as they are, times int4 weights; or BF16_WEIGHTS:
+   bfloat16 weights, whose scales and minimums are empty */
+constexpr int64_t BF16_WEIGHTS = 1;
+
 template <typename E>
 void block_product(const at::TensorList products, at::IntArrayRef row_bits, int i, const E* x, E* y,
                    int64_t T, int64_t N, int64_t K) {
+  if (row_bits[i] == BF16_WEIGHTS) {
+    check(bf16_product(x, products[3 * i].const_data_ptr<uint8_t>(), y, T, N, K,
+                       std::is_same_v<E, float>, 0),
+          "nothing");
+    return;
+  }
   const auto product = row_bits[i] == 8    ? int4_a8_product
                        : row_bits[i] == 16 ? int4_a16_product
                                            : int4_product;
@@ -367,8 +392,10 @@ at::Tensor blocks_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Ten
               "blocks_step takes, for each block, its caches, 2 norms, 4 products and their "
               "row bits");
   const at::Tensor& k0 = k_caches[0];
-  const Sizes z = {x.size(1), x.size(2), H, k0.size(1), k0.size(3), mask.size(-1), k0.size(2),
-                   products[10].size(1) * 32};  /* I: down's groups of 32 */
+  /* I: down's inputs, its groups of 32 (int4) or its packed bytes over 32 (bfloat16) */
+  const int64_t I = row_bits[3] == BF16_WEIGHTS ? products[9].size(1) / 32
+                                                : products[10].size(1) * 32;
+  const Sizes z = {x.size(1), x.size(2), H, k0.size(1), k0.size(3), mask.size(-1), k0.size(2), I};
   const auto dtype = k0.scalar_type();
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
                   (dtype == at::kFloat || dtype == at::kBFloat16),
@@ -532,6 +559,7 @@ TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
   m.impl("int4_a16_product", TORCH_FN(int4_a16_op));
   m.impl("int8_product", TORCH_FN(int8_op));
   m.impl("int8_a16_product", TORCH_FN(int8_a16_op));
+  m.impl("bf16_product", TORCH_FN(bf16_op));
   m.impl("step_attention", TORCH_FN(attention_op));
   m.impl("blocks_step", TORCH_FN(blocks_op));
   m.impl("hydra_draft", TORCH_FN(hydra_draft_op));

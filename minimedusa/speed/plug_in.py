@@ -29,9 +29,9 @@ from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
 from minimedusa.speed.fused_draft import fusable_draft, fuse_draft
 from minimedusa.speed.group_kernel import uses_tiles, uses_vnni
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
-from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4A16KernelLinear,
-                                        Int4KernelLinear, Int4Linear, Int8A16GroupLinear,
-                                        Int8GroupLinear, Int8Linear)
+from minimedusa.speed.quantized import (BF16KernelLinear, Int4A8KernelLinear,
+                                        Int4A16KernelLinear, Int4KernelLinear, Int4Linear,
+                                        Int8A16GroupLinear, Int8GroupLinear, Int8Linear)
 from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
 
 
@@ -78,6 +78,8 @@ def how_it_runs(model: Llama) -> str:
     block = model.layers[0]
     fmt = format_of(model)
     weights = f" | {fmt} weights" if fmt in QUANTIZED else ""  # the dtype says the rest
+    if any(isinstance(layer, BF16KernelLinear) for layer in block.modules()):
+        weights = " | bfloat16 weights (group_kernel.c)"
     if any(isinstance(layer, Int4A8KernelLinear) for layer in block.modules()):
         weights += " (group_kernel.c, AVX-512 VNNI)" if uses_vnni() else " (group_kernel.c)"
     elif any(isinstance(layer, Int4KernelLinear) for layer in block.modules()):
@@ -95,7 +97,7 @@ def how_it_runs(model: Llama) -> str:
         step += ", C attention"
     layers = [layer for layer in block.modules()
               if isinstance(layer, (nn.Linear, PackedLinear, Int8Linear, Int4Linear,
-                                    Int4KernelLinear))]
+                                    Int4KernelLinear, BF16KernelLinear))]
     rows = (f", of >= {MIN_ROWS} rows" if any(isinstance(layer, PackedLinear) for layer in layers)
             else "")
     kernels = (f" | C kernels {kernels_version()}"

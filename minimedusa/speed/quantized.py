@@ -10,6 +10,8 @@ slow reference it must equal: quantize, then dequantize and multiply (grids.py).
     Int8GroupLinear  8-bit groups of 32 with a scale (the GGUF's Q8_0), group_kernel.c: an LM
                      head whose weights already lie on that grid, and the heads' layers
     Int8A16GroupLinear  the same, times 16-bit activations (the w4a8 format's LM head)
+    BF16KernelLinear bfloat16 weights, not rounded: the bfloat16 format's block products where
+                     group_kernel.c multiplies bfloat16 (AVX-512 BF16), in its layout
 
 Shapes: N output features, K input features, M rows.
 """
@@ -132,6 +134,33 @@ class Int4A16KernelLinear(Int4KernelLinear):
     product = torch.ops.minimedusa.int4_a16_product
 
 
+class BF16KernelLinear(nn.Module):
+    """y = x W^T (+ b), W as bfloat16 in the kernel's layout (group_kernel.pack_bfloat16),
+    multiplied by group_kernel.c's VDPBF16PS loop: bfloat16 rows, float32 sums, each row's bits
+    the same whatever rows beside it (what keeps greedy Medusa lossless), and a fused step of
+    the blocks (fused_block.py) where oneDNN's products need a compiled one."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        N, K = linear.weight.shape
+        if N % 16 or K % 32:
+            raise UserError(f"group_kernel.c's bfloat16 products need layers of a multiple of 16 "
+                            f"outputs and 32 inputs: this model has one of {N} and {K}")
+        group_kernel.require_kernel()
+        self.register_buffer("packed", group_kernel.pack_bfloat16(linear.weight))  # (B, 32 K)
+        self.scales = self.minimums = torch.empty(0)  # none: what a fused step passes for them
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.detach().to(torch.bfloat16), False)
+        self.in_features, self.out_features = K, N
+
+    product = torch.ops.minimedusa.bf16_product
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = self.product(rows, self.packed).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class Int8GroupLinear(nn.Module):
     """y = x (q * scale)^T (+ bias), weights held as 8-bit groups (Q8_0's), multiplied by
     group_kernel.c: for an LM head whose weights already lie on that grid (eight_bit_groups' q
@@ -219,6 +248,22 @@ def four_bit_layers(blocks, layer: type, activations8: bool = False) -> int:
                 if type(child) is nn.Linear:
                     kind = w4a8_layer(name) if activations8 else layer
                     setattr(parent, name, kind(child))
+                    count += 1
+    return count
+
+
+def bfloat16_layers(blocks) -> int:
+    """Replace every nn.Linear of the blocks by a BF16KernelLinear, in place, where
+    group_kernel.c multiplies bfloat16 rows and the layer's sizes fit its blocks; how many."""
+    if not group_kernel.multiplies_bfloat16():
+        return 0
+    count = 0
+    for block in blocks:
+        for parent in (block.attn, block.mlp):
+            for name, child in parent.named_children():
+                if (type(child) is nn.Linear and child.weight.device.type == "cpu"
+                        and child.out_features % 16 == 0 and child.in_features % 32 == 0):
+                    setattr(parent, name, BF16KernelLinear(child))
                     count += 1
     return count
 

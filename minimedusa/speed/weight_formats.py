@@ -5,9 +5,12 @@ memory's bandwidth: 540 MB for the default model in float32. model.py stays plai
 reading path); a format is applied to a loaded model, as gpt-fast does:
 
     float32   PackedLinear (packed_linear.py): oneDNN's prepacked layout, 4 bytes a weight.
-    bfloat16  the whole model in bfloat16, its layers prepacked for oneDNN: 2 bytes a weight.
-              oneDNN multiplies bfloat16 natively only where the CPU has avx512_bf16 or AMX
-              (torch.ops.mkldnn._is_mkldnn_bf16_supported); elsewhere it is slower than float32.
+    bfloat16  the whole model in bfloat16: 2 bytes a weight. Where the CPU has avx512_bf16 the
+              blocks' products are group_kernel.c's (BF16KernelLinear: its VDPBF16PS loop, the
+              weights read once for any rows), and the blocks one fused call (fused_block.py);
+              elsewhere the layers are prepacked for oneDNN, which multiplies bfloat16 natively
+              only where the CPU has avx512_bf16 or AMX (torch.ops.mkldnn.
+              _is_mkldnn_bf16_supported), and is slower than float32 there otherwise.
     int8      weight-only int8 with a float scale per output channel, ~1 byte a weight, through
               torch's _weight_int8pack_mm, vectorised for bfloat16 activations only (so the
               rest of the model runs in bfloat16); the LM head and the heads' projections too.
@@ -68,9 +71,9 @@ from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, Int4Linear,
-                                        Int8GroupLinear, Int8Linear, eight_bit_head_layers,
-                                        eight_bit_lm_heads, four_bit_layers, int4_layer,
-                                        quantize_linear_layers)
+                                        Int8GroupLinear, Int8Linear, bfloat16_layers,
+                                        eight_bit_head_layers, eight_bit_lm_heads,
+                                        four_bit_layers, int4_layer, quantize_linear_layers)
 
 DTYPE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = (*DTYPE_FORMATS, "int8", "int4", "w4a8")
@@ -124,6 +127,8 @@ def block_format(name: str):
             quantize_linear_layers(block)
         elif name in ("int4", "w4a8"):
             four_bit_layers([block], layer, activations8=name == "w4a8")
+        elif name == "bfloat16":
+            bfloat16_layers([block])  # group_kernel.c's, where it multiplies bfloat16
         block.to(dtype)
         if can_pack(next(block.parameters()).device, dtype):
             pack_linear_layers(block)

@@ -16,6 +16,7 @@ import torch
 
 from minimedusa.budget import grow_tree
 from minimedusa.files.heads_files import read_calibration
+from minimedusa.speed import group_kernel
 from minimedusa.speed.step_latency import latency_key, read_cached
 from minimedusa.speed.weight_formats import QUANTIZED
 from minimedusa.files.checkpoint import CHECKPOINT
@@ -152,10 +153,13 @@ def tree_stage(args, folder: Path, device, say) -> None:
     weight_format = decode_format(args.decode_format, device, folder)
     if weight_format in QUANTIZED:
         device = torch.device("cpu")
-    # timed on the step generate.py decodes with where that costs no warm-up (int4 and w4a8:
-    # the fused step, ~2.5x faster than their eager one: a tree's worth is another there);
-    # other formats on their eager step (a compiled one's warm-up: minutes on a 2-core CPU)
-    step = None if weight_format in ("int4", "w4a8") else False
+    # timed on the step generate.py decodes with where that costs no warm-up (int4, w4a8, and
+    # bfloat16 where group_kernel.c multiplies it: the fused step, ~2.5x faster than their
+    # eager one: a tree's worth is another there); other formats on their eager step (a
+    # compiled one's warm-up: minutes on a 2-core CPU)
+    fused = weight_format in ("int4", "w4a8") or (weight_format == "bfloat16"
+                                                  and group_kernel.multiplies_bfloat16())
+    step = None if fused else False
     model, _ = decoding_model(folder, device, weight_format, step)
     heads = decoding_heads(str(args.out), model)
     dtype = model.embed.weight.dtype
