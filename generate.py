@@ -24,7 +24,7 @@ from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
     from minimedusa.decoding import check_context, medusa_decode, plain_decode
-    from minimedusa.draft_layer import HydraPlusPlusHeads
+    from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
     from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
     from minimedusa.flags.chat import chat
@@ -33,7 +33,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
                                       add_quantize_argument, non_negative, positive_int,
                                       probability)
     from minimedusa.flags.load import (decoding_acceptance, decoding_heads, decoding_model,
-                                       decoding_tree, decoding_trees, device_and_format,
+                                       decoding_draft, decoding_tree, device_and_format,
                                        four_bit_checkpoint, ranked_vocab_size)
     from minimedusa.flags.prompts import (answer_prompts, open_out, prompt_from_stdin,
                                           prompt_ids, prompts_summary, read_prompts)
@@ -178,7 +178,7 @@ def check_flags(args, model, tokenizer) -> None:
     here are dropped; decoder() reads them again, in the model's final format."""
     spec = heads_spec(args)
     if spec is not None:
-        decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps, args.delta)
+        decoding_acceptance(args, model.embed.weight.device)
         heads = decoding_heads(spec, model, args.draft_vocab)
         if args.tree is not None and args.tree.startswith("ranked:"):
             ranked_size(args.tree)
@@ -215,13 +215,11 @@ def decoder(args, model) -> Decoder:
                         "cache is not kept between turns): use other heads or --baseline")
     kind = heads.config.head_kind + (f" heads (draft vocabulary {ranked_vocab_size(heads, model)})"
                                      if heads.vocabulary is not None else " heads")
-    accept = decoding_acceptance(args.acceptance, args.temperature, args.top_p, args.eps,
-                                 args.delta)
+    accept = decoding_acceptance(args, model.embed.weight.device)
     context = args.context and args.tree in (None, "ranked")  # with the adapted trees only
-    trees, budget, tree = decoding_trees(args.tree, heads, model, spec, context)
-    return Decoder(lambda ids, cache=None: medusa_decode(model, heads, trees, budget, ids, n,
-                                                         accept, stops, args.seed,
-                                                         context=context, cache=cache),
+    draft, budget, tree = decoding_draft(args.tree, heads, model, spec, context)
+    return Decoder(lambda ids, cache=None: medusa_decode(model, draft, budget, accept, ids, n,
+                                                         stops, cache),
                    lambda: f"{kind}, {tree()}, {accept.name}",
                    max(budget.sizes) + 1)  # a step's tree tokens, written before compaction
 

@@ -33,7 +33,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.flags.cli import Parser, non_negative, non_negative_int, positive, positive_int
     from minimedusa.training.progress import progress_bar, say
     from minimedusa.files.default_model import ensure_default_model
-    from minimedusa.draft_layer import HydraPlusPlusHeads
+    from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.training.draft_layer_rows import (ANSWERS_PER_BATCH, AnswerRows, answer_rows,
                                                       featured_rows)
     from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
@@ -98,8 +98,8 @@ def add_medusa1_flags(p) -> None:
                     help="medusa: the paper's heads, each reads h_t alone (default with --data); "
                     "hydra: each also reads the tokens drafted before it (hydra.py; default from "
                     "the model alone); hydra++: Hydra heads behind one decoder layer over the "
-                    "whole accepted sequence (draft_layer.py; with --init-heads of the hydra "
-                    "kind, those heads behind a fresh layer)")
+                    "whole accepted sequence (experiments/draft_layer.py; with --init-heads of "
+                    "the hydra kind, those heads behind a fresh layer)")
     m1.add_argument("--distill", action="store_true", help="learn the backbone's whole "
                     "next-token distribution (read off the stored hidden states) instead of the "
                     "data's one token: Hydra++'s teacher loss (default: cross-entropy on tokens)")

@@ -4,7 +4,8 @@ Every verify function takes the backbone's logits at each tree node, (N, V) (nod
 predict the token of node i's children), the tree and its tokens (N,), and returns three 0-d
 tensors: the chosen root-to-leaf path, how many candidates along it were accepted (0..D), and
 the next token, drawn from the backbone's distribution at the last accepted node; it becomes the
-next step's root. Nothing here syncs with the host: the decoding step does, once.
+next step's root. Nothing there syncs with the host: accepted_on_host does, once a step. Each
+rule is an Acceptance (its accept and its first token), which the decoding loop runs.
 
 - greedy: a candidate is accepted iff it is the argmax. Lossless: output == plain greedy.
 - rejection sampling: draw y ~ p at every node; a child is accepted iff its token is y. With
@@ -14,6 +15,8 @@ next step's root. Nothing here syncs with the host: the decoding step does, once
   the child that matches; a draw that matches no child is the residual sample. Lossless.
 - typical: a candidate x is accepted iff p(x) > min(eps, delta * exp(-H(p))), p at temperature
   T; the next token is greedy, so each step yields >= 1 token. Not lossless; eps is the knob.
+- greedy walked on the host: greedy's nodes and tokens from a walk of the paths in Python, for a
+  CPU's logits (the flags choose it there: flags/load.decoding_acceptance).
 
 Shapes: N tree nodes, V vocab, P root-to-leaf paths, D max depth.
 """
@@ -54,7 +57,7 @@ def greedy_acceptance(logits, tree: MedusaTree, tokens, generator=None):
 def greedy_on_host(logits, tree: MedusaTree, tokens) -> tuple[list[int], list[int]]:
     """Greedy acceptance walked on the host, for logits (N, V) on a CPU: (the accepted nodes'
     indices, root first; the new tokens: the accepted candidates, then the next token), what
-    greedy_acceptance followed by decoding.accepted_on_host gives (tested).
+    greedy_acceptance followed by accepted_on_host gives (tested).
 
     Why: on a CPU there is no device to keep busy, and those two take ~15 small torch
     operators (indexing, compare, cumprod, argmax, cat), each with its dispatch: a few percent
@@ -95,21 +98,60 @@ def typical_acceptance(logits, tree: MedusaTree, tokens, generator, temperature,
 
 @dataclass
 class Acceptance:
-    """A verify rule and the rule for the very first token (from the prompt's logits), which
-    must draw from the same distribution as the verify rule's next token; and, where it has
-    one, the same rule walked on the host for logits on a CPU (greedy_on_host)."""
+    """A step's rule: accept(logits (N, V), tree, tokens (N,), generator) -> (the accepted
+    nodes' indices, root first; the new tokens: the accepted candidates, then the next token),
+    Python lists, the step's one host sync; first(logits (V,), generator) -> the very first
+    token (), drawn from the distribution the rule draws its next tokens from; seed: the seed
+    of the run's random draws (None: from the system), as Sampling's for plain decoding."""
     name: str
-    verify: Callable  # (logits (N, V), tree, tokens (N,), generator) -> (path, length, next)
-    first: Callable  # (logits (V,), generator) -> token ()
-    on_host: Callable | None = None  # (logits, tree, tokens) -> (nodes, new tokens), lists
+    accept: Callable
+    first: Callable
+    seed: int | None = None
+
+
+def on_device(verify: Callable) -> Callable:
+    """accept for a rule verified on the device, verify(logits, tree, tokens, generator) ->
+    (path, length, next) 0-d tensors: nothing waits until accepted_on_host's one sync."""
+    def accept(logits, tree: MedusaTree, tokens, generator):
+        return accepted_on_host(tree, tokens, *verify(logits, tree, tokens, generator))
+    return accept
+
+
+def accepted_on_host(tree: MedusaTree, tokens, path, length, next_token):
+    """(the accepted nodes' indices, root first; the new tokens: the accepted candidates and the
+    next token) as Python lists.
+
+    note: the one host sync of a Medusa step. The accepted length decides which slots to keep
+    and how many tokens to emit, so the host must wait for it; everything before this runs
+    on the device without waiting. One .tolist() of one small tensor brings all of it back.
+    """
+    path_tokens = tokens[tree.paths[path]]  # (D + 1,): the chosen path's tokens, root first
+    host = torch.cat([path_tokens, torch.stack([path, length, next_token])]).tolist()
+    path_i, length_i, next_i = host[-3:]
+    nodes = tree.paths_host[path_i][:length_i + 1]  # paths_host: the same paths, on the host
+    return nodes, host[1:length_i + 1] + [next_i]
 
 
 def greedy() -> Acceptance:
-    return Acceptance("greedy", greedy_acceptance, lambda logits, g: greedy_tokens(logits),
-                      greedy_on_host)
+    return Acceptance("greedy", on_device(greedy_acceptance),
+                      lambda logits, g: greedy_tokens(logits))
 
 
-def rejection(temperature: float, top_p: float = 1.0) -> Acceptance:
+def greedy_walked_on_host() -> Acceptance:
+    """greedy, its paths walked on the host (greedy_on_host): the same nodes and tokens, fewer
+    operators, for logits on a CPU, where there is no device to keep busy."""
+    return Acceptance("greedy", lambda logits, tree, tokens, g: greedy_on_host(logits, tree,
+                                                                               tokens),
+                      lambda logits, g: greedy_tokens(logits))
+
+
+def greedy_for(device) -> Acceptance:
+    """The greedy rule for logits on `device`: walked on the host on a CPU, where there is no
+    device to keep busy (the same nodes and tokens, tested), else verified on the device."""
+    return greedy_walked_on_host() if torch.device(device).type == "cpu" else greedy()
+
+
+def rejection(temperature: float, top_p: float = 1.0, seed: int | None = None) -> Acceptance:
     if temperature == 0:
         return greedy()  # the T -> 0 limit of sampling
 
@@ -119,7 +161,8 @@ def rejection(temperature: float, top_p: float = 1.0) -> Acceptance:
     def first(logits, g):
         return torch.multinomial(probabilities(logits, temperature, top_p), 1, generator=g)[0]
 
-    return Acceptance(f"rejection(T={temperature}, top_p={top_p})", verify, first)
+    return Acceptance(f"rejection(T={temperature}, top_p={top_p})", on_device(verify), first,
+                      seed)
 
 
 def typical(temperature: float, eps: float = 0.09, delta: float = 0.3) -> Acceptance:
@@ -129,5 +172,5 @@ def typical(temperature: float, eps: float = 0.09, delta: float = 0.3) -> Accept
     def verify(logits, tree, tokens, g):
         return typical_acceptance(logits, tree, tokens, g, temperature, eps, delta)
 
-    return Acceptance(f"typical(T={temperature}, eps={eps}, delta={delta})", verify,
+    return Acceptance(f"typical(T={temperature}, eps={eps}, delta={delta})", on_device(verify),
                       lambda logits, g: greedy_tokens(logits))

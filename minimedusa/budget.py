@@ -28,10 +28,12 @@ Shapes: K heads, R ranks calibrated (top-R guesses per head).
 import heapq
 import math
 import statistics
+import time
 from collections import deque
 
 import torch
 
+from minimedusa.draft import TreeDraft
 from minimedusa.tree import MedusaTree, build_tree
 
 
@@ -104,8 +106,10 @@ class Budget:
     calibration does not predict (prior)."""
 
     def __init__(self, sizes, expected: dict, latency: dict, rank: dict, prior_steps: int = 8,
-                 window: int = 16, trusted: int = 3, margin: float = 0.05, chain: int = 0):
+                 window: int = 16, trusted: int = 3, margin: float = 0.05, chain: int = 0,
+                 clock=time.perf_counter):
         self.sizes = sorted(sizes)
+        self.clock = clock  # what the decoding loop times each step with (tests: a fake one)
         self.expected, self.latency, self.rank = expected, latency, rank
         self.chain = chain
         self.prior_steps = prior_steps  # how many steps' worth of evidence the prior counts for
@@ -235,8 +239,8 @@ class FixedSize:
     """The budget of one tree size every step: the paper's setting (one tree, chosen offline:
     --tree) or a ranked tree of N nodes (--tree ranked:N). It counts the steps, nothing more."""
 
-    def __init__(self, n: int, rank: dict | None = None):
-        self.sizes, self.rank, self.steps = [n], rank or {}, 0
+    def __init__(self, n: int, rank: dict | None = None, clock=time.perf_counter):
+        self.sizes, self.rank, self.steps, self.clock = [n], rank or {}, 0, clock
 
     def choose(self, group: int = 0) -> int:
         return self.sizes[0]
@@ -249,11 +253,13 @@ class FixedSize:
         return f"{self.sizes[0]} nodes"
 
 
-def fixed(tree: MedusaTree) -> tuple[dict[int, MedusaTree], FixedSize]:
-    """(trees, budget) that make decoding.medusa_decode run `tree` every step: the paper's
-    Medusa, the simplest case of the loop (each node path ranked in the tree's own order)."""
+def fixed(heads, tree: MedusaTree) -> tuple[TreeDraft, FixedSize]:
+    """(draft, budget) that make decoding.medusa_decode run `tree` every step, drafted by
+    `heads`: the paper's Medusa, the simplest case of the loop (each node path ranked in the
+    tree's own order)."""
     n = tree.size - 1
-    return {n: tree}, FixedSize(n, {path: i + 1 for i, path in enumerate(tree.nodes[1:])})
+    return (TreeDraft(heads, {n: tree}),
+            FixedSize(n, {path: i + 1 for i, path in enumerate(tree.nodes[1:])}))
 
 
 def nested_trees(nodes: list[tuple], sizes, num_heads: int, vocab_size: int, device):

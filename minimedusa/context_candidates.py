@@ -131,3 +131,37 @@ def chain_alone(root: int, chain: list[int], device) -> tuple[MedusaTree, torch.
     paths = tuple((0,) * depth for depth in range(1, len(chain) + 1))
     tree = merged_tree(paths, torch.device(device))
     return tree, torch.tensor([root, *chain], device=device), {p: len(p) for p in paths}
+
+
+class ContextDraft:
+    """Another draft (draft.py's verbs) with context candidates: each step's chain, read from
+    the sequence so far (ContextIndex), takes the least probable nodes' places in the draft's
+    tree (with_chain), all of them where it has as many tokens (chain_alone: no draft at all);
+    how long a suffix it matched is the step's group for the Budget."""
+
+    def __init__(self, draft):
+        self.draft, self.index, self.chain = draft, None, []
+
+    def start(self, prompt_ids: list[int], cache) -> None:
+        self.index = ContextIndex(prompt_ids)
+        self.draft.start(prompt_ids, cache)
+
+    def read(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft.read(hidden)
+
+    def match(self, root: int) -> int:
+        """The step's group; its chain kept for tree()."""
+        self.index.extend([root])
+        group, self.chain = self.index.match()
+        return group
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+        if len(self.chain) >= n:
+            return chain_alone(root, self.chain[:n], features.device)
+        tree, tokens, rank = self.draft.tree(model, n, root, features, rank)
+        return with_chain(tree, tokens, rank, n, self.chain) if self.chain else (tree, tokens,
+                                                                                 rank)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+        self.draft.extend(tokens)

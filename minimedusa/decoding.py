@@ -5,8 +5,8 @@ holds the prompt's first tokens: the rest is prefilled), then one forward per ne
 what every speedup is measured against (acceleration rate 1.0, paper section 7) and what
 Medusa's greedy output must equal token for token.
 Medusa (paper sections 2-3), one step: the heads' top-k at the last accepted position give the
-candidates (the draft: Medusa heads guess every depth at once, Hydra heads depth by depth,
-hydra.py); all N tree tokens run through the model in ONE forward after the cached prefix,
+candidates (the draft, draft.py: Medusa heads guess every depth at once, Hydra heads depth by
+depth, hydra.py); all N tree tokens run through the model in ONE forward after the cached prefix,
 with the tree mask; acceptance verifies the candidates along the root-to-leaf paths; the
 accepted tokens' keys/values are copied into place (KV compaction); the heads read the hidden
 state at the last accepted node, which gives the next step's candidates with no extra forward.
@@ -15,7 +15,6 @@ loop without per-step Python (CUDA graphs).
 
 Shapes: T tokens, V vocab, C model dim, K heads, N tree nodes, D max depth, n cached tokens.
 """
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -23,15 +22,9 @@ from typing import Iterator
 import torch
 
 from minimedusa.acceptance import Acceptance
-from minimedusa.context_candidates import ContextIndex, chain_alone, with_chain
-from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
 from minimedusa.errors import UserError
-from minimedusa.heads import (DraftVocabulary, MedusaHeads, as_features, drafting_lm_head,
-                              token_ids)
-from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32, causal_mask
-from minimedusa.ranked_tree import ranked_draft
 from minimedusa.sampling import Sampling, make_generator, next_token
 from minimedusa.tree import MedusaTree
 
@@ -139,18 +132,6 @@ def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampl
 
 # --- Medusa decoding: one forward of the candidate tree per step -------------------------------
 
-def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree,
-               vocabulary: DraftVocabulary | None = None) -> torch.Tensor:
-    """The tree's tokens: (N,) int64, from the root token () and the heads' logits (K, V).
-
-    The heads' top-k are laid out flat as [root, head 1's top-k, head 2's top-k, ...], and
-    tree.token_index says where each node's token sits in that list (tree.py). `vocabulary`:
-    the draft vocabulary whose columns the heads score, if any (heads.DraftVocabulary)."""
-    top = token_ids(vocabulary, head_logits[:tree.num_heads].topk(tree.top_k, dim=-1).indices)
-    flat = torch.cat([root.reshape(1), top.reshape(-1)])  # (1 + D * top_k,)
-    return flat[tree.token_index]
-
-
 def tree_mask(tree: MedusaTree, n: int) -> torch.Tensor:
     """(1, N, n + N) bool: every tree token sees the whole cached prefix, then the tree mask
     (itself and its ancestors, never a sibling or another branch)."""
@@ -172,21 +153,6 @@ def tree_forward(model: Llama, cache: KVCache, tree: MedusaTree, tokens: torch.T
     return at_least_float32(logits[0]), hidden[0]
 
 
-def accepted_on_host(tree: MedusaTree, tokens, path, length, next_token):
-    """(the accepted nodes' indices, root first; the new tokens: the accepted candidates and the
-    next token) as Python lists.
-
-    note: the one host sync of a Medusa step. The accepted length decides which slots to keep
-    and how many tokens to emit, so the host must wait for it; everything before this runs
-    on the device without waiting. One .tolist() of one small tensor brings all of it back.
-    """
-    path_tokens = tokens[tree.paths[path]]  # (D + 1,): the chosen path's tokens, root first
-    host = torch.cat([path_tokens, torch.stack([path, length, next_token])]).tolist()
-    path_i, length_i, next_i = host[-3:]
-    nodes = tree.paths_host[path_i][:length_i + 1]  # paths_host: the same paths, on the host
-    return nodes, host[1:length_i + 1] + [next_i]
-
-
 def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, tokens: torch.Tensor,
                 acceptance: Acceptance, generator):
     """One step: verify the tree's candidate tokens (N,) (the root first: the last token
@@ -197,47 +163,9 @@ def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, tokens: torch.Te
     accepted nodes, the last of which the heads guess the next step's candidates from).
     """
     logits, hidden = tree_forward(model, cache, tree, tokens)  # (N, V), (N, C)
-    if acceptance.on_host is not None and logits.device.type == "cpu":  # the same, cheaper
-        nodes, new_tokens = acceptance.on_host(logits, tree, tokens)
-    else:  # on the device, then its one host sync
-        nodes, new_tokens = accepted_on_host(tree, tokens,
-                                             *acceptance.verify(logits, tree, tokens, generator))
+    nodes, new_tokens = acceptance.accept(logits, tree, tokens, generator)  # the one host sync
     cache.compact(nodes)  # the accepted nodes' keys/values into place; rejected ones dropped
     return new_tokens, nodes, hidden[nodes]
-
-
-@torch.inference_mode()
-def guess(heads: MedusaHeads, model: Llama, hidden: torch.Tensor) -> torch.Tensor:
-    """The heads' logits (K, V) at one position, from its hidden state (C,) (V': over the
-    heads' draft vocabulary, when they have one)."""
-    return heads(hidden, drafting_lm_head(heads.vocabulary, model.lm_head))
-
-
-def draft(heads: MedusaHeads | HydraHeads, model: Llama, tree: MedusaTree, root: int,
-          hidden: torch.Tensor) -> torch.Tensor:
-    """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
-    (or a draft layer's output there, context_reader) is hidden (C,). Medusa heads guess every
-    depth at once from h_t alone; Hydra heads read the draft's own tokens, so they guess depth by
-    depth (hydra.py)."""
-    root = torch.tensor(root, device=hidden.device)
-    if isinstance(heads, HydraHeads):
-        return hydra_candidates(heads, model, hidden, root, tree)
-    return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary)
-
-
-def context_reader(heads, capacity: int, cached: int = 0):
-    """What the heads read after each forward, from the backbone's hidden states (a, C) at the
-    a positions it kept: the last one's, or for Hydra++ heads the draft layer's output there,
-    the layer reading every kept position into its own cache (draft_layer.py). Refused for
-    Hydra++ heads where the backbone's cache already holds `cached` tokens of a conversation:
-    their draft layer would have to read them again (its cache is not kept between runs)."""
-    if not isinstance(heads, HydraPlusPlusHeads):
-        return lambda hidden: as_features(heads, hidden[-1])
-    if cached:
-        raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
-                        "cache is not kept between turns): use other heads or --baseline")
-    cache = new_draft_cache(heads, capacity)
-    return lambda hidden: read_accepted(heads, cache, as_features(heads, hidden))
 
 
 def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, generator):
@@ -248,48 +176,27 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
     return [acceptance.first(logits[0], generator).item()], [0], hidden
 
 
-def step_tree(model: Llama, heads, trees: dict[int, MedusaTree] | None, rank: dict, n: int,
-              root: int, features: torch.Tensor, chain: list[int]):
-    """(the step's tree of n nodes, its tokens (n + 1,), root first, each node path's rank):
-    trees[n] drafted by the heads, or (trees None) the n nodes they find most probable now
-    (ranked_tree.py); a chain read from the sequence, if any, takes the least probable nodes'
-    places (context_candidates.py), all of them when it has n tokens: then no draft at all."""
-    if len(chain) >= n:
-        return chain_alone(root, chain[:n], features.device)
-    if trees is None:  # the step's own order ranks its nodes: its first m are its tree of m
-        tree, tokens, order = ranked_draft(heads, model, root, features, n)
-        rank = {path: i + 1 for i, path in enumerate(order)}
-    else:
-        tree, tokens = trees[n], draft(heads, model, trees[n], root, features)
-    if chain:
-        tree, tokens, rank = with_chain(tree, tokens, rank, n, chain)
-    return tree, tokens, rank
-
-
-def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
-                  trees: dict[int, MedusaTree] | None, budget, prompt_ids: list[int],
-                  max_new_tokens: int, acceptance: Acceptance, stop_ids: set[int],
-                  seed: int | None = None, context: bool = False, clock=time.perf_counter,
+def medusa_decode(model: Llama, draft, budget, acceptance: Acceptance, prompt_ids: list[int],
+                  max_new_tokens: int, stop_ids: set[int],
                   cache: KVCache | None = None) -> Iterator[list[int]]:
     """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
     first the prefill's token, then each step's accepted candidates + the next token.
 
-    Each step's tree is trees[n] for the size n that `budget` chooses: budget.FixedSize for
-    the paper's one tree every step (budget.fixed(tree)), or a budget.Budget that adapts n to
-    this machine's step times and the accepted lengths, 0 being a plain step; trees None: the
-    n nodes the heads find most probable at that step (ranked_tree.py). With `context`, a
-    chain read from the sequence itself joins the tree (context_candidates.py; step_chain).
-    Every step's time, group and accepted path go back to the budget. Lossless under greedy
-    acceptance whatever the trees. `cache`: a conversation's, or None (decoding_cache)."""
+    Each step: the draft's tree of the size n that `budget` chooses (budget.FixedSize: the
+    paper's one tree every step, budget.fixed; a budget.Budget adapts n to this machine's step
+    times and the accepted lengths, 0 being a plain step) and its tokens (draft.py: the heads'
+    guesses; ranked trees and context candidates are drafts too), verified in one forward by
+    `acceptance`; every step's time, group and accepted path go back to the budget. Lossless
+    under greedy acceptance whatever the draft. `cache`: a conversation's, or None
+    (decoding_cache)."""
     device = model.embed.weight.device
-    generator = make_generator(device, seed)
+    generator = make_generator(device, acceptance.seed)
     # the margin: a step writes all its tree's tokens before compaction drops the rejected ones
     cache = decoding_cache(model, cache, prompt_ids, max_new_tokens, max(budget.sizes) + 1)
-    read = context_reader(heads, cache.capacity, cache.length)
-    sequence = ContextIndex(prompt_ids) if context else None
+    draft.start(prompt_ids, cache)
     rest = torch.tensor([prompt_ids[cache.length:]], device=device)  # (1, T): not yet cached
     logits, hidden = prefill(model, cache, rest)
-    new, features = [acceptance.first(logits[0], generator).item()], read(hidden)
+    new, features = [acceptance.first(logits[0], generator).item()], draft.read(hidden)
     produced = 0
     while True:
         new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
@@ -298,31 +205,21 @@ def medusa_decode(model: Llama, heads: MedusaHeads | HydraHeads,
         if stop or produced == max_new_tokens:
             cache.rewind(len(prompt_ids) + produced - 1)  # a cut step's later tokens: dropped
             return
-        start, root = clock(), new[-1]  # root: the last token emitted
-        matched, chain = step_chain(sequence, root)
-        n = budget.choose(matched)
+        start, root = budget.clock(), new[-1]  # root: the last token emitted
+        group = draft.match(root)
+        n = budget.choose(group)
         if n == 0:
             new, nodes, hidden = root_step(model, cache, root, acceptance, generator)
             accepted, rank = [], None
         else:
-            tree, tokens, rank = step_tree(model, heads, trees, budget.rank, n, root, features,
-                                           chain)
+            tree, tokens, rank = draft.tree(model, n, root, features, budget.rank)
             new, nodes, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
             accepted = [tree.nodes[i] for i in nodes[1:]]
-        # note: a step's time includes reading its kept positions into a draft layer (read):
-        # every step pays it, plain ones too
-        features = read(hidden)
-        budget.record(n, clock() - start, accepted, rank, matched)
-        if sequence is not None:
-            sequence.extend(new[:-1])  # the accepted candidates; the last is the next root
-
-
-def step_chain(sequence: ContextIndex | None, root: int) -> tuple[int, list[int]]:
-    """(the budget's group: how long a suffix the chain matched, 0 for none; the chain)."""
-    if sequence is None:
-        return 0, []
-    sequence.extend([root])
-    return sequence.match()
+        # note: a step's time includes what the draft reads of its kept positions (a draft
+        # layer reads them all): every step pays it, plain ones too
+        features = draft.read(hidden)
+        budget.record(n, budget.clock() - start, accepted, rank, group)
+        draft.extend(new[:-1])  # the accepted candidates; the last is the next root
 
 
 def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:

@@ -48,9 +48,6 @@ class HydraHeads(nn.Module):
         self.heads = nn.ModuleList([HydraHead(k, cfg.hidden_size, cfg.medusa_num_layers)
                                     for k in range(1, cfg.medusa_num_heads + 1)])
         self.vocabulary = None  # a DraftVocabulary, set for decoding (flags/load.decoding_heads)
-        # the draft in one C++ call, plugged in after loading where it runs (speed/fused_draft.py:
-        # what hydra_candidates does, as one operator); None: hydra_candidates itself
-        self.drafter = None
 
     @classmethod
     def for_model(cls, model, num_heads: int, num_layers: int = 1) -> "HydraHeads":
@@ -83,8 +80,6 @@ def hydra_candidates(heads: HydraHeads, model, hidden: torch.Tensor, root: torch
     At depth d, head d runs once over the M nodes of depth d-1 that have children, each reading
     its own path's tokens; node p + (r,) gets the r-th best guess at its parent p (among the
     heads' draft vocabulary, if they have one)."""
-    if heads.drafter is not None:  # the same, in one C++ call (speed/fused_draft.py)
-        return heads.drafter(hidden, root, tree)
     lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
     tokens = root.reshape(1).expand(tree.size).clone()  # (N,): filled in depth by depth
     for d in range(1, tree.num_heads + 1):

@@ -8,8 +8,8 @@ how sure they are: after "The capital of France is" head 1 may put 0.9 on " Pari
 heads' probabilities of the guesses on its path, p_1(r_1) ... p_d(r_d): for Medusa heads each
 head's own distribution; for Hydra heads head d's distribution given the path's tokens. It
 estimates how likely the path is to be accepted, so the N most probable nodes are this step's
-best guess of the best tree of N nodes. The tree and its mask are built anew each step; the tree forward,
-acceptance and KV compaction are unchanged, so decoding stays lossless.
+best guess of the best tree of N nodes. The tree and its mask are built anew each step; the
+tree forward, acceptance and KV compaction are unchanged, so decoding stays lossless.
 
 A node path's ranks mean what they mean in a static tree: (r_1, ..., r_d) is the r_d-th best
 guess at its parent (r_1, ..., r_{d-1}). A child is never more probable than its parent, so the
@@ -21,7 +21,7 @@ import heapq
 
 import torch
 
-from minimedusa.heads import drafting_lm_head, token_ids
+from minimedusa.heads import as_features, drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads
 from minimedusa.tree import MedusaTree, build_tree
 
@@ -97,3 +97,27 @@ def ranked_draft(heads, model, root: int, hidden: torch.Tensor,
     if isinstance(heads, HydraHeads):
         return ranked_hydra_draft(heads, model, root, hidden, size)
     return ranked_medusa_draft(heads, model, root, hidden, size)
+
+
+class RankedDraft:
+    """A draft (draft.py's verbs) whose tree of n nodes is this step's n most probable nodes,
+    each step's own order ranking them (its first m paths: its tree of m nodes)."""
+
+    def __init__(self, heads):
+        self.heads = heads
+
+    def start(self, prompt_ids: list[int], cache) -> None:
+        pass
+
+    def read(self, hidden: torch.Tensor) -> torch.Tensor:
+        return as_features(self.heads, hidden[-1])
+
+    def match(self, root: int) -> int:
+        return 0
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+        tree, tokens, order = ranked_draft(self.heads, model, root, features, n)
+        return tree, tokens, {path: i + 1 for i, path in enumerate(order)}
+
+    def extend(self, tokens: list[int]) -> None:
+        pass

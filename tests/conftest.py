@@ -104,13 +104,15 @@ def cycling_heads(model: Llama, kind: str, seed: int, heads: int = 4):
 
 
 def greedy_pair(model, heads, tree, prompt: list[int], new: int) -> tuple[list, list, float]:
-    """(Medusa greedy's tokens with `tree`, plain greedy's, Medusa's tokens a step): for the
+    """(Medusa greedy's tokens with `tree` (greedy as decoding runs it on the model's device),
+    plain greedy's, Medusa's tokens a step): for the
     lossless tests, which also check that candidates were accepted (an "equal" where the tree
     accepted nothing proves nothing)."""
-    from minimedusa.acceptance import greedy  # the tests' own imports stay at their tops
+    from minimedusa.acceptance import greedy_for  # the tests' own imports stay at their tops
     from minimedusa.budget import fixed
     from minimedusa.decoding import medusa_decode, plain_decode
-    steps = list(medusa_decode(model, heads, *fixed(tree), prompt, new, greedy(), set()))
+    steps = list(medusa_decode(model, *fixed(heads, tree), greedy_for(model.embed.weight.device),
+                               prompt, new, set()))
     plain = [t for step in plain_decode(model, prompt, new, Sampling(), set()) for t in step]
     medusa = [t for step in steps for t in step]
     return medusa, plain, len(medusa) / len(steps)

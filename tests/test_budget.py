@@ -16,6 +16,8 @@ from minimedusa.budget import Budget, grow_tree, nested_trees
 from minimedusa.speed import step_latency
 from minimedusa.speed.step_latency import machine_latency
 from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.draft import TreeDraft
+from minimedusa.ranked_tree import RankedDraft
 from minimedusa.speed.machine import machine_key
 from minimedusa.heads import MedusaHeads
 from minimedusa.sampling import Sampling
@@ -169,11 +171,12 @@ def test_switching_tree_sizes_mid_run_keeps_greedy_output_identical_to_plain(see
     trees, rank = nested_trees(nodes, sizes, 4, model.config.vocab_size, "cpu")
     rng = random.Random(seed)  # a prior that makes the budget wander over every size
     budget = Budget([0, *sizes], {n: rng.uniform(1, 3) for n in sizes},
-                    {n: rng.uniform(0.5, 2) for n in [0, *sizes]}, rank)
+                    {n: rng.uniform(0.5, 2) for n in [0, *sizes]}, rank,
+                    clock=lambda: rng.random())  # a lying clock
     prompt = [3, 5, 7, 3, 5]
     flat = lambda steps: [t for step in steps for t in step]  # noqa: E731
-    medusa = flat(medusa_decode(model, heads, None if ranked else trees, budget, prompt, 60,
-                                greedy(), set(), clock=lambda: rng.random()))  # a lying clock
+    draft = RankedDraft(heads) if ranked else TreeDraft(heads, trees)
+    medusa = flat(medusa_decode(model, draft, budget, greedy(), prompt, 60, set()))
     assert medusa == flat(plain_decode(model, prompt, 60, Sampling(), set()))
     assert len([n for n, c in budget.used.items() if c]) >= 2  # it did switch
 

@@ -18,8 +18,9 @@ from conftest import cached_keys_values, copycat_model, tiny_model
 from minimedusa import decoding
 from minimedusa.acceptance import greedy
 from minimedusa.budget import fixed
+from minimedusa.flags.load import wrapped
 from minimedusa.decoding import decode_step, medusa_decode, plain_decode, prefill
-from minimedusa.draft_layer import HydraPlusPlusHeads
+from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.errors import UserError
 from minimedusa.files.weights import save_model
 from minimedusa.flags.chat import COMMANDS
@@ -69,8 +70,10 @@ def test_a_prompts_rows_are_the_same_bits_however_it_is_split():
 def conversation_decoder(kind: str, model, heads, tree, max_new: int, stop: set[int]):
     if kind == "plain":
         return lambda ids, cache=None: plain_decode(model, ids, max_new, Sampling(), stop, cache)
-    return lambda ids, cache=None: medusa_decode(model, heads, *fixed(tree), ids, max_new,
-                                                 greedy(), stop, cache=cache)
+    draft, budget = fixed(heads, tree)
+    draft = wrapped(draft, heads, False)  # Hydra++ heads read through their draft layer
+    return lambda ids, cache=None: medusa_decode(model, draft, budget, greedy(), ids, max_new,
+                                                 stop, cache)
 
 
 @pytest.mark.parametrize("kind", ["plain", "medusa"])

@@ -72,7 +72,7 @@ def test_compiled_medusa_greedy_equals_compiled_plain_greedy_and_never_recompile
     with torch.compiler.set_stance("fail_on_recompile"):
         plain = [t for s in plain_decode(compiled, prompt.tolist(), 24, Sampling(), set())
                  for t in s]
-        medusa = [t for s in medusa_decode(compiled, heads, *fixed(tree), prompt.tolist(), 24,
-                                           greedy(), set()) for t in s]
+        medusa = [t for s in medusa_decode(compiled, *fixed(heads, tree), greedy(),
+                                           prompt.tolist(), 24, set()) for t in s]
     assert medusa == plain
 

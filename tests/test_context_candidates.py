@@ -11,8 +11,9 @@ from hypothesis import given, settings, strategies as st
 from conftest import copycat_model
 from minimedusa.acceptance import greedy
 from minimedusa.budget import Budget, nested_trees
-from minimedusa.context_candidates import ContextIndex, chain_alone, with_chain
+from minimedusa.context_candidates import ContextDraft, ContextIndex, chain_alone, with_chain
 from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.draft import TreeDraft
 from minimedusa.heads import MedusaHeads
 from minimedusa.sampling import Sampling
 
@@ -136,8 +137,8 @@ def test_decoding_with_context_candidates_stays_lossless_and_accepts_the_chain()
     steps = {}
     for context in (False, True):
         budget = Budget([0, 4, 8], {4: 2.0, 8: 2.0}, {0: 1.0, 4: 1.0, 8: 1.0}, rank)
-        out = list(medusa_decode(model, heads, trees, budget, prompt, 48, greedy(), set(),
-                                   context=context))
+        draft = ContextDraft(TreeDraft(heads, trees)) if context else TreeDraft(heads, trees)
+        out = list(medusa_decode(model, draft, budget, greedy(), prompt, 48, set()))
         assert [t for s in out for t in s] == plain
         steps[context] = len(out)
     assert steps[True] < steps[False]

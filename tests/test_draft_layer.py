@@ -1,9 +1,9 @@
-"""Hydra++'s draft layer (draft_layer.py): a fresh one passes h_t through (a fresh Hydra++ draft
-is a fresh Hydra draft); its cache equals a fresh prefill of the accepted sequence after any
-steps; what it reads while decoding equals what training feeds it (teacher forcing, an
-off-by-one in the answer's positions caught); decoding with it is lossless over adapted trees
-with plain steps (over random trees: test_hydra.py's test, for both kinds); its files hold the
-layer; train.py --kind hydra++ learns, with and without --distill."""
+"""Hydra++'s draft layer (experiments/draft_layer.py): a fresh one passes h_t through (a fresh
+Hydra++ draft is a fresh Hydra draft); its cache equals a fresh prefill of the accepted
+sequence after any steps; what it reads while decoding equals what training feeds it (teacher
+forcing, an off-by-one in the answer's positions caught); decoding with it is lossless over
+adapted trees with plain steps (over random trees: test_hydra.py's test, for both kinds); its
+files hold the layer; train.py --kind hydra++ learns, with and without --distill."""
 import json
 
 import pytest
@@ -16,9 +16,12 @@ from conftest import copycat_model, perturbed, tiny_model
 from minimedusa.acceptance import greedy
 from minimedusa.budget import Budget, fixed, nested_trees
 from minimedusa.flags.load import decoding_heads
-from minimedusa.decoding import (context_reader, draft, medusa_decode,
-                                 medusa_step, new_cache, plain_decode, prefill, root_step)
-from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
+from minimedusa.context_candidates import ContextDraft
+from minimedusa.decoding import (medusa_decode, medusa_step, new_cache, plain_decode, prefill,
+                                 root_step)
+from minimedusa.draft import TreeDraft, tree_tokens
+from minimedusa.experiments.draft_layer import (HydraPlusPlusHeads, PlusPlusDraft, new_draft_cache,
+                                                read_accepted)
 from minimedusa.training.draft_layer_rows import ANSWERS_PER_BATCH, answer_rows, layer_features
 from minimedusa.files.heads_files import load_heads, save_heads
 from minimedusa.hydra import HydraHeads
@@ -78,7 +81,7 @@ def test_the_draft_cache_equals_a_fresh_prefill_of_the_accepted_sequence(choices
         if plain:
             new, _, kept = root_step(model, cache, sequence[-1], greedy(), None)
         else:
-            tokens = draft(heads, model, tree, sequence[-1], features)
+            tokens = tree_tokens(heads, model, tree, sequence[-1], features)
             new, _, kept = medusa_step(model, tree, cache, tokens, greedy(), None)
         features = read_accepted(heads, draft_cache, kept)
         sequence += new
@@ -110,12 +113,13 @@ def test_decoding_reads_what_training_feeds_the_layer(tiny_setup):
     decoded = []
     for prompt, answer, _ in answers:
         cache = new_cache(model, len(prompt), len(answer))
-        read = context_reader(heads, cache.capacity)
+        draft = PlusPlusDraft(TreeDraft(heads, {}))
+        draft.start(prompt.tolist(), cache)
         _, hidden = prefill(model, cache, prompt[None])
-        decoded.append(read(hidden))  # row 0: predicts answer[0]
+        decoded.append(draft.read(hidden))  # row 0: predicts answer[0]
         for token in answer[:-1].tolist():
             _, _, kept = root_step(model, cache, token, greedy(), None)
-            decoded.append(read(kept))  # row i: the state after answer[i - 1]
+            decoded.append(draft.read(kept))  # row i: the state after answer[i - 1]
     # the stored rows are bfloat16, so the two agree to bfloat16's precision
     torch.testing.assert_close(trained, torch.stack(decoded), rtol=0.05, atol=0.05)
     shifted = torch.cat([trained[1:], trained[-1:]])
@@ -175,8 +179,9 @@ def test_hydra_pp_adapted_trees_with_plain_steps_stay_lossless(seed, context):
     trees, rank = nested_trees(NODES[:8], [4, 8], 4, model.config.vocab_size, "cpu")
     prompt = [3, 5, 7, 9, 3, 5, 7, 9, 3]
     budget = Budget([0, 4, 8], {4: 2.0, 8: 2.4}, {0: 1.0, 4: 1.2, 8: 1.5}, rank)
-    out = medusa_decode(model, heads, trees, budget, prompt, 40, greedy(), set(),
-                          context=context)
+    draft = PlusPlusDraft(TreeDraft(heads, trees))
+    out = medusa_decode(model, ContextDraft(draft) if context else draft, budget, greedy(),
+                        prompt, 40, set())
     assert flat(out) == flat(plain_decode(model, prompt, 40, Sampling(), set()))
 
 
@@ -187,10 +192,13 @@ def test_trained_hydra_heads_behind_a_fresh_layer_draft_as_before():
     heads = train.with_draft_layer(hydra, model)
     tree = build_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]], num_heads=3)
     prompt = [4, 8, 15, 16]
-    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 30, greedy(), set())) == \
-        flat(plain_decode(model, prompt, 30, Sampling(), set()))
+    draft, budget = fixed(heads, tree)
+    assert flat(medusa_decode(model, PlusPlusDraft(draft), budget, greedy(), prompt, 30,
+                              set())) == flat(plain_decode(model, prompt, 30, Sampling(), set()))
     cache = new_cache(model, len(prompt), 1)
+    reader = PlusPlusDraft(draft)
+    reader.start(prompt, cache)
     _, hidden = prefill(model, cache, torch.tensor([prompt]))
-    features = context_reader(heads, cache.capacity)(hidden)
-    torch.testing.assert_close(draft(heads, model, tree, 9, features),
-                               draft(hydra, model, tree, 9, hidden[-1]), rtol=0, atol=0)
+    features = reader.read(hidden)
+    torch.testing.assert_close(tree_tokens(heads, model, tree, 9, features),
+                               tree_tokens(hydra, model, tree, 9, hidden[-1]), rtol=0, atol=0)

@@ -119,7 +119,7 @@ def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed, dtype
         tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
         prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
-        assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain
+        assert flat(medusa_decode(model, *fixed(heads, tree), greedy(), prompt, 40, set())) == plain
 
 
 def test_a_model_the_fused_step_does_not_serve_says_why():

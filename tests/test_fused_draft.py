@@ -16,7 +16,8 @@ from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
-from minimedusa.speed.fused_draft import fusable_draft, fuse_draft
+from minimedusa.draft import TreeDraft
+from minimedusa.speed.fused_draft import FusedHydraDraft, fast_draft, fusable_draft
 from minimedusa.speed.plug_in import plug_in_heads
 from minimedusa.speed.weight_formats import apply_format
 from minimedusa.tree import build_tree
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
 def setup(seed: int, dtype: torch.dtype, vocabulary: int = 0, scale: float = 0.5):
     """A 4-bit model (its LM head on an 8-bit grid) in int4 with `dtype` activations, and
     perturbed Hydra heads of 2 blocks a head in its format (with a draft vocabulary of that
-    many tokens, if any), the fused draft plugged in."""
+    many tokens, if any), whose draft fuses."""
     if dtype == torch.float32 and not group_kernel.takes_float32():
         pytest.skip("this CPU's group_kernel.c multiplies bfloat16 rows only")
     model = apply_format(four_bit_model(seed), "int4").to(dtype)
@@ -42,16 +43,14 @@ def setup(seed: int, dtype: torch.dtype, vocabulary: int = 0, scale: float = 0.5
         heads.vocabulary = DraftVocabulary(ids.sort().values, model.lm_head)
     heads = apply_format(heads, "int4").to(dtype)  # plug_in_heads' format, in `dtype`
     assert fusable_draft(heads, model) is None
-    fuse_draft(heads, model)
     return model, heads
 
 
 def drafts(heads, model, hidden, root, tree) -> tuple[torch.Tensor, torch.Tensor]:
     """(hydra_candidates' tokens, the fused draft's) for the same step."""
-    fused, heads.drafter = heads.drafter, None
     reference = hydra_candidates(heads, model, hidden, root, tree)
-    heads.drafter = fused
-    return reference, hydra_candidates(heads, model, hidden, root, tree)
+    fused = FusedHydraDraft(heads, {tree.size - 1: tree}, model)
+    return reference, fused.tree(model, tree.size - 1, int(root), hidden, {})[1]
 
 
 @settings(max_examples=30, deadline=None)
@@ -89,13 +88,17 @@ def test_medusa_greedy_with_the_fused_draft_equals_plain_greedy(seed):
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
-    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain
+    draft, budget = fixed(heads, tree)
+    draft = fast_draft(draft, model)
+    assert isinstance(draft, FusedHydraDraft)
+    assert flat(medusa_decode(model, draft, budget, greedy(), prompt, 40, set())) == plain
 
 
-def test_plug_in_heads_plugs_the_fused_draft_into_hydra_heads_it_serves():
+def test_the_fused_draft_is_swapped_in_for_hydra_heads_it_serves():
     model = apply_format(four_bit_model(0), "int4")  # its activations as this CPU's int4 has them
     heads = plug_in_heads(HydraHeads.for_model(model, 3, num_layers=2).float(), model)
-    assert heads.drafter is not None
+    tree = build_tree([[0], [1]], num_heads=3)
+    assert isinstance(fast_draft(TreeDraft(heads, {2: tree}), model), FusedHydraDraft)
 
 
 def test_heads_the_fused_draft_does_not_serve_say_why():
@@ -104,6 +107,7 @@ def test_heads_the_fused_draft_does_not_serve_say_why():
     assert fusable_draft(medusa, model).startswith("they are not Hydra heads")
     float_model = apply_format(four_bit_model(0), "float32")
     hydra = plug_in_heads(HydraHeads.for_model(float_model, 2).float(), float_model)
-    assert hydra.drafter is None
+    tree = build_tree([[0], [1]], num_heads=2)
+    assert type(fast_draft(TreeDraft(hydra, {2: tree}), float_model)) is TreeDraft
     assert fusable_draft(hydra, float_model) == ("their layers or LM head are not "
                                                  "group_kernel.c's 8-bit groups")

@@ -14,9 +14,10 @@ import train
 from conftest import DEVICES, copycat_model, perturbed, tiny_model
 from minimedusa.budget import fixed
 from minimedusa.acceptance import greedy
-from minimedusa.decoding import draft, medusa_decode, plain_decode
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.draft import tree_tokens
 from minimedusa.heads import DraftVocabulary, MedusaHeads
-from minimedusa.draft_layer import HydraPlusPlusHeads
+from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import tokenizer_fingerprint
@@ -120,7 +121,9 @@ def test_hydra_greedy_equals_plain_greedy(device, kind, choices, seed, scale, re
                            generator=torch.Generator().manual_seed(seed)).tolist()
     stop = {int(seed % VOCAB)}
     plain = flat(plain_decode(model, prompt, max_new, Sampling(), stop))
-    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, max_new, greedy(), stop)) == plain
+    draft, budget = fixed(heads, tree)
+    draft = PlusPlusDraft(draft) if kind is HydraPlusPlusHeads else draft  # through its layer
+    assert flat(medusa_decode(model, draft, budget, greedy(), prompt, max_new, stop)) == plain
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
@@ -136,10 +139,10 @@ def test_a_draft_vocabulary_restricts_the_guesses_never_the_output(kind, choices
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:size]
     heads.vocabulary = DraftVocabulary(ids, model.lm_head)
     hidden = torch.randn(32, dtype=torch.float64)
-    guessed = draft(heads, model, tree, 1, hidden)[1:]
+    guessed = tree_tokens(heads, model, tree, 1, hidden)[1:]
     assert torch.isin(guessed, ids).all()
     prompt = [3, 9, 27]
-    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 25, greedy(), set())) == \
+    assert flat(medusa_decode(model, *fixed(heads, tree), greedy(), prompt, 25, set())) == \
         flat(plain_decode(model, prompt, 25, Sampling(), set()))
 
 

@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from conftest import cycling_heads, cycling_model, greedy_pair
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import greedy_for
+from minimedusa.context_candidates import ContextDraft
 from minimedusa.budget import Budget, FixedSize, fixed, nested_trees
 from minimedusa.decoding import medusa_decode
+from minimedusa.draft import TreeDraft
+from minimedusa.ranked_tree import RankedDraft
 from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.speed.fused_block import is_fused
@@ -45,11 +48,13 @@ def format_model(weight_format: str, step: str, seed: int):
     return model
 
 
-def steps_of(model, heads, trees, budget, prompt, context=False) -> tuple[list, float]:
-    """(tokens, tokens a step); every step timed as one second whatever its tree (a clock that
-    counts its calls), so that the Budget's choices do not hang on this machine's timings."""
-    steps = list(medusa_decode(model, heads, trees, budget, prompt, NEW, greedy(), set(),
-                               context=context, clock=itertools.count().__next__))
+def steps_of(model, draft, budget, prompt) -> tuple[list, float]:
+    """(tokens, tokens a step); every step timed as one second whatever its tree (the budget's
+    clock counts its calls), so that the Budget's choices do not hang on this machine's
+    timings."""
+    budget.clock = itertools.count().__next__
+    steps = list(medusa_decode(model, draft, budget, greedy_for(model.embed.weight.device),
+                               prompt, NEW, set()))
     tokens = [t for step in steps for t in step]
     return tokens, len(tokens) / len(steps)
 
@@ -84,12 +89,12 @@ def test_every_kind_of_draft_stays_lossless_and_accepts(draft, weight_format, st
     _, plain, _ = greedy_pair(model, heads, build_tree(TREE, num_heads=4), prompt, NEW)
     vocab, device = model.config.vocab_size, model.embed.weight.device
     if draft == "ranked":
-        tokens, per_step = steps_of(model, heads, None, FixedSize(6), prompt)
+        tokens, per_step = steps_of(model, RankedDraft(heads), FixedSize(6), prompt)
     elif draft == "context":
-        tokens, per_step = steps_of(model, heads, *fixed(build_tree(TREE, 4, vocab, device)),
-                                    prompt, context=True)
+        tree_draft, budget = fixed(heads, build_tree(TREE, 4, vocab, device))
+        tokens, per_step = steps_of(model, ContextDraft(tree_draft), budget, prompt)
     else:
         trees, rank = nested_trees(NODES, [3, 8], 4, vocab, device)
         budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2}, rank)
-        tokens, per_step = steps_of(model, heads, trees, budget, prompt)
+        tokens, per_step = steps_of(model, TreeDraft(heads, trees), budget, prompt)
     assert tokens == plain and per_step > 1.2

@@ -11,12 +11,14 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, copycat_model, perturbed, tiny_model
 from minimedusa.budget import fixed
-from minimedusa.acceptance import greedy, greedy_acceptance, greedy_on_host, typical
+from minimedusa.acceptance import (accepted_on_host, greedy, greedy_acceptance, greedy_on_host,
+                                   typical)
 from minimedusa.heads import MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.kv_cache import KVCache
-from minimedusa.decoding import (StepStats, accepted_on_host, draft, medusa_decode, medusa_step,
-                                 new_cache, plain_decode, prefill, tree_forward)
+from minimedusa.decoding import (StepStats, medusa_decode, medusa_step, new_cache, plain_decode,
+                                 prefill, tree_forward)
+from minimedusa.draft import tree_tokens
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
@@ -78,7 +80,7 @@ def test_medusa_greedy_equals_plain_greedy(device, choices, seed, shared, scale,
                            generator=torch.Generator().manual_seed(seed)).tolist()
     stop = {int(seed % VOCAB)}  # a stop token that sometimes appears, sometimes not
     plain = flat(plain_decode(model, prompt, max_new, Sampling(), stop))
-    medusa = flat(medusa_decode(model, heads, *fixed(tree), prompt, max_new, greedy(), stop))
+    medusa = flat(medusa_decode(model, *fixed(heads, tree), greedy(), prompt, max_new, stop))
     assert medusa == plain
 
 
@@ -91,10 +93,10 @@ def test_lossless_test_sees_real_acceptance(kind):
              HydraHeads.for_model(model, 4).eval())
     tree = build_tree([[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     stats = StepStats()
-    for step in medusa_decode(model, heads, *fixed(tree), [5, 6, 7], 60, greedy(), set()):
+    for step in medusa_decode(model, *fixed(heads, tree), greedy(), [5, 6, 7], 60, set()):
         stats.record(len(step))
     assert stats.acceleration_rate > 1.5
-    assert flat(medusa_decode(model, heads, *fixed(tree), [5, 6, 7], 60, greedy(), set())) == \
+    assert flat(medusa_decode(model, *fixed(heads, tree), greedy(), [5, 6, 7], 60, set())) == \
         flat(plain_decode(model, [5, 6, 7], 60, Sampling(), set()))
 
 
@@ -113,7 +115,8 @@ def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(devi
     sequence, hidden = prompt + [logits[0].argmax().item()], hidden[-1]
     for _ in range(n_steps):
         new, _, kept = medusa_step(model, tree, cache,
-                                   draft(heads, model, tree, sequence[-1], hidden), greedy(), None)
+                                   tree_tokens(heads, model, tree, sequence[-1], hidden), greedy(),
+                                   None)
         hidden = kept[-1]
         sequence += new
         n = len(sequence) - 1  # the cache holds all but the newest token (the next root)
@@ -157,8 +160,8 @@ def test_typical_with_vanishing_thresholds_accepts_every_path_fully(choices, see
     logits = 3 * torch.randn(tree.size, VOCAB, generator=g)  # (N, V)
     tokens = torch.randint(0, VOCAB, (tree.size,), generator=g)
     accept = typical(temperature, eps=1e-30, delta=1e-30)
-    _, length, _ = accept.verify(logits, tree, tokens, None)
-    assert length.item() == tree.num_heads  # the deepest path, accepted to its leaf
+    nodes, _ = accept.accept(logits, tree, tokens, None)
+    assert len(nodes) - 1 == tree.num_heads  # the deepest path, accepted to its leaf
 
 
 @settings(max_examples=20, deadline=None)
@@ -168,6 +171,6 @@ def test_every_typical_step_yields_at_least_one_token(choices, seed, temperature
     model = tiny_model(seed)
     heads = perturbed_heads(model, 4, False, seed, 0.05)
     tree = build_tree(choices, num_heads=4)
-    steps = list(medusa_decode(model, heads, *fixed(tree), [1, 2], 25,
-                               typical(temperature, eps, 0.3), set(), seed=seed))
+    steps = list(medusa_decode(model, *fixed(heads, tree), typical(temperature, eps, 0.3),
+                               [1, 2], 25, set()))
     assert all(len(s) >= 1 for s in steps) and sum(map(len, steps)) == 25

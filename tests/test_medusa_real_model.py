@@ -52,7 +52,7 @@ def test_medusa_greedy_equals_plain_greedy_on_the_default_model(smollm2_packed, 
     for i in cases:
         prompt = reference["greedy"]["cases"][i]["prompt_ids"]
         medusa = []
-        for step in medusa_decode(model, heads, *fixed(tree), prompt, new, greedy(), set()):
+        for step in medusa_decode(model, *fixed(heads, tree), greedy(), prompt, new, set()):
             medusa += step
             stats.record(len(step))
         assert medusa == plain_greedy(model, tuple(prompt), new), f"case {i}"
@@ -73,7 +73,7 @@ def test_shipped_heads_decode_as_plain_greedy_and_accept(smollm2_packed, referen
     for case in reference["greedy"]["cases"][:2]:
         prompt = case["prompt_ids"]
         medusa = []
-        for step in medusa_decode(model, heads, *fixed(tree), prompt, NEW, greedy(), set()):
+        for step in medusa_decode(model, *fixed(heads, tree), greedy(), prompt, NEW, set()):
             medusa += step
             stats.record(len(step))
         assert medusa == plain_greedy(model, tuple(prompt), NEW)

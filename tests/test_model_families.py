@@ -114,7 +114,7 @@ def test_medusa_greedy_equals_plain_greedy(family, device, scale):
     tree = build_tree(CHOICES, num_heads=3, device=device)
     prompt = transformers_cases(family)[1][0].tolist()  # 48 tokens: decoding runs past 32
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
-    assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain
+    assert flat(medusa_decode(model, *fixed(heads, tree), greedy(), prompt, 40, set())) == plain
 
 
 @pytest.mark.parametrize("family", FAMILIES)

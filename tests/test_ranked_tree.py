@@ -13,7 +13,7 @@ from minimedusa.acceptance import greedy
 from minimedusa.budget import FixedSize
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import MedusaHeads
-from minimedusa.ranked_tree import most_probable_paths, ranked_draft
+from minimedusa.ranked_tree import RankedDraft, most_probable_paths, ranked_draft
 from minimedusa.sampling import Sampling
 from test_hydra import flat, perturbed_hydra
 
@@ -66,6 +66,6 @@ def test_ranked_tree_greedy_equals_plain_greedy(kind, seed, size, repetitive, ma
         heads = MedusaHeads.for_model(model, 3, shared_lm_head=True).eval().requires_grad_(False)
     prompt = [1 + seed % 60, 2, 3]
     stop = {int(seed % 64)}
-    assert flat(medusa_decode(model, heads, None, FixedSize(size), prompt, max_new, greedy(),
-                              stop)) == \
+    assert flat(medusa_decode(model, RankedDraft(heads), FixedSize(size), greedy(), prompt,
+                              max_new, stop)) == \
         flat(plain_decode(model, prompt, max_new, Sampling(), stop))

@@ -2,6 +2,7 @@
 sampling from the model, at any temperature and top-p (seeded chi-square tests on a tiny model
 with a 5-token vocabulary, 3-token continuations). The same test rejects a deliberately wrong
 sampler, so it can fail. Both kinds of heads: the paper's and Hydra's."""
+import dataclasses
 import functools
 import itertools
 from collections import Counter
@@ -11,12 +12,15 @@ import torch
 
 from conftest import tiny_model
 from minimedusa.budget import Budget, fixed, nested_trees
-from minimedusa.acceptance import Acceptance, pick_by_draws, rejection
+from minimedusa.acceptance import Acceptance, on_device, pick_by_draws, rejection
+from minimedusa.context_candidates import ContextDraft
+from minimedusa.draft import TreeDraft
 from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.model import causal_mask
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
 from test_rejection_exact import ALPHA, argmax_a_quarter_of_the_time, goodness_of_fit
-from minimedusa.draft_layer import HydraPlusPlusHeads
+from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
+from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.hydra import HydraHeads
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.sampling import Sampling, probabilities
@@ -52,8 +56,11 @@ def setup(kind="medusa"):
 
 def medusa_samples(accept: Acceptance, kind="medusa") -> Counter:
     model, heads, tree = setup(kind)
-    return Counter(tuple(t for step in medusa_decode(model, heads, *fixed(tree), [1, 2], NEW,
-                                                     accept, set(), seed=s) for t in step)
+    draft, budget = fixed(heads, tree)
+    draft = PlusPlusDraft(draft) if kind == "hydra++" else draft  # read through its layer
+    return Counter(tuple(t for step in medusa_decode(model, draft, budget,
+                                                     dataclasses.replace(accept, seed=s), [1, 2],
+                                                     NEW, set()) for t in step)
                    for s in range(RUNS))
 
 
@@ -84,7 +91,7 @@ def resampling_from_p_not_the_residual(temperature: float) -> Acceptance:
         path, length, _ = pick_by_draws(draws, tree, tokens)
         last = tree.paths[path, length]
         return path, length, torch.multinomial(probs[last], 1, generator=g)[0]
-    return Acceptance("wrong", verify, rejection(temperature).first)
+    return Acceptance("wrong", on_device(verify), rejection(temperature).first)
 
 
 def test_chi_square_test_rejects_a_wrong_sampler():
@@ -120,9 +127,11 @@ def default_path_samples(accept: Acceptance, runs: int, seed: int) -> tuple[Coun
     trees, rank = nested_trees(DEFAULT_NODES, [3, 8], 4, model.config.vocab_size, "cpu")
     counts, tokens, steps = Counter(), 0, 0
     for s in range(seed, seed + runs):
-        budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2}, rank)
-        answer = list(medusa_decode(model, heads, trees, budget, PROMPT, 6, accept, set(), seed=s,
-                                    context=True, clock=itertools.count().__next__))
+        budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2}, rank,
+                        clock=itertools.count().__next__)
+        draft = ContextDraft(fast_draft(TreeDraft(heads, trees), model))
+        answer = list(medusa_decode(model, draft, budget, dataclasses.replace(accept, seed=s),
+                                    PROMPT, 6, set()))
         flat = [t for step in answer for t in step]
         counts[tuple(flat[:2])] += 1
         tokens, steps = tokens + len(flat), steps + len(answer)
@@ -155,7 +164,7 @@ def test_sampling_through_the_default_path_emits_the_plain_law():
 
 def test_a_biased_draw_in_the_default_path_fails_the_same_test():
     """The control: the draws take the backbone's argmax a quarter of the time."""
-    broken = Acceptance("biased", argmax_a_quarter_of_the_time(TEMPERATURE, TOP_P),
+    broken = Acceptance("biased", on_device(argmax_a_quarter_of_the_time(TEMPERATURE, TOP_P)),
                         rejection(TEMPERATURE, TOP_P).first)
     counts, _ = default_path_samples(broken, DEFAULT_RUNS, DEFAULT_RUNS)
     assert goodness_of_fit(counts, default_path_law()) < ALPHA

@@ -179,5 +179,5 @@ def test_medusa_greedy_equals_w4a8s_plain_greedy(kind, seed):
         tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
         prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
-        assert flat(medusa_decode(model, heads, *fixed(tree), prompt, 40, greedy(), set())) == plain
+        assert flat(medusa_decode(model, *fixed(heads, tree), greedy(), prompt, 40, set())) == plain
 

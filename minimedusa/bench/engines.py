@@ -8,6 +8,7 @@ the transformers library's `generate` on the same weights and llama.cpp on the G
 default model came from (llama_cpp.py).
 """
 import copy
+import dataclasses
 import sys
 import time
 from collections import Counter
@@ -16,14 +17,17 @@ from pathlib import Path
 
 import torch
 
-from minimedusa.acceptance import greedy, rejection, typical
+from minimedusa.acceptance import greedy_for, rejection, typical
 from minimedusa.bench.llama_cpp_tools import llama_cpp_engines
 from minimedusa.budget import (FixedSize, expected_length, expected_length_of, fixed, grow_tree,
                                nested_trees)
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.flags.load import (decoding_budget, decoding_heads, decoding_model,
-                                   decoding_tree, ranked_vocab_size)
+                                   decoding_tree, ranked_vocab_size, wrapped)
 from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.draft import TreeDraft
+from minimedusa.ranked_tree import RankedDraft
+from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.errors import UserError
 from minimedusa.speed.memory_bandwidth import weight_bytes
 from minimedusa.sampling import Sampling
@@ -117,21 +121,28 @@ def plain_engine(model):
     return lambda ids, n, seed: timed(plain_decode(model, ids, n, Sampling(), set()))
 
 
+def seeded(acceptance, seed):
+    """The rule with the question's seed: each engine's sampling draws repeat question by
+    question."""
+    return dataclasses.replace(acceptance, seed=seed)
+
+
 def medusa_engine(model, heads, tree, acceptance, context=False):
-    return lambda ids, n, seed: timed(medusa_decode(model, heads, *fixed(tree), ids, n,
-                                                    acceptance, set(), seed, context=context))
+    draft, budget = fixed(heads, tree)
+    draft = wrapped(fast_draft(draft, model), heads, context)
+    return lambda ids, n, seed: timed(medusa_decode(model, draft, budget, seeded(acceptance, seed),
+                                                    ids, n, set()))
 
 
-def adaptive_engine(model, heads, trees, budget, acceptance, usage: Counter, ranked=False,
-                    context=False):
-    """Medusa with the tree's size adapted step by step, as generate.py decodes by default (with
-    `ranked`: as --tree ranked does; with `context`: with context candidates): each question
-    starts from the same prior (a fresh copy of `budget`), as each generate.py process does; the
-    steps run at each size go to `usage`."""
+def adaptive_engine(model, draft, budget, acceptance, usage: Counter):
+    """Medusa with the tree's size adapted step by step, as generate.py decodes by default (its
+    draft: as --tree ranked does with a RankedDraft, with context candidates in a ContextDraft):
+    each question starts from the same prior (a fresh copy of `budget`), as each generate.py
+    process does; the steps run at each size go to `usage`."""
     def run(ids, n, seed):
         fresh = copy.deepcopy(budget)
-        result = timed(medusa_decode(model, heads, None if ranked else trees, fresh, ids, n,
-                                     acceptance, set(), seed, context=context))
+        result = timed(medusa_decode(model, draft, fresh, seeded(acceptance, seed), ids, n,
+                                     set()))
         usage.update(fresh.used)
         return result
     return run
@@ -166,7 +177,7 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
     for every step, or without one with the tree's size adapted (usage[name]: the steps at each
     size) and context candidates as `context` says (on, off, or both: greedy again without);
     with `eager_too`, greedy again with the decoding step eager."""
-    rules = {"greedy": greedy()}
+    rules = {"greedy": greedy_for(model.embed.weight.device)}
     if temperature > 0:
         T = temperature
         rules.update({f"typical T={T}": typical(T), f"rejection T={T}": rejection(T)})
@@ -174,17 +185,19 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
         run = {label + r: medusa_engine(model, heads, tree, a) for r, a in rules.items()}
         if eager_too:
             run[label + "greedy" + EAGER] = eager_engine(medusa_engine(model, heads, tree,
-                                                                       greedy()))
+                                                                       rules["greedy"]))
         return run
     trees, budget, why = decoding_budget(heads, model, spec, context != "off")
     print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
     if eager_too:
-        rules["greedy" + EAGER] = greedy()
+        rules["greedy" + EAGER] = rules["greedy"]
     if context == "both":
-        rules["greedy" + NO_CONTEXT] = greedy()
+        rules["greedy" + NO_CONTEXT] = rules["greedy"]
     usage.update({label + r: Counter() for r in rules})
-    run = {label + r: adaptive_engine(model, heads, trees, budget, a, usage[label + r],
-                                      context=context != "off" and not r.endswith(NO_CONTEXT))
+    draft = fast_draft(TreeDraft(heads, trees), model)
+    run = {label + r: adaptive_engine(model, wrapped(draft, heads, context != "off" and not
+                                                     r.endswith(NO_CONTEXT)), budget, a,
+                                      usage[label + r])
            for r, a in rules.items()}
     if eager_too:
         run[label + "greedy" + EAGER] = eager_engine(run[label + "greedy" + EAGER])
@@ -229,19 +242,23 @@ def heads_engines(engines: Engines, label, spec, heads, model, device, args) -> 
         for n, sized in trees.items():  # with context candidates as --context says
             for context in {"on": (True,), "off": (False,), "both": (True, False)}[args.context]:
                 name = label + f"greedy {n} nodes" + ("" if context else NO_CONTEXT)
-                run[name] = medusa_engine(model, heads, sized, greedy(), context)
+                run[name] = medusa_engine(model, heads, sized, greedy_for(device), context)
                 expected[name] = expected_length(probs[:n])
     for n in args.ranked:
         run[label + f"greedy ranked {n} nodes"] = ranked_engine(model, heads, n)
     if args.ranked_adapted:
-        trees, budget, _ = decoding_budget(heads, model, spec)
+        _, budget, _ = decoding_budget(heads, model, spec)
         usage[label + "greedy ranked"] = Counter()
-        run[label + "greedy ranked"] = adaptive_engine(model, heads, trees, budget, greedy(),
-                                                       usage[label + "greedy ranked"], True)
+        run[label + "greedy ranked"] = adaptive_engine(model, wrapped(RankedDraft(heads), heads,
+                                                                      False), budget,
+                                                       greedy_for(device),
+                                                       usage[label + "greedy ranked"])
 
 
 def ranked_engine(model, heads, size: int):
-    return lambda ids, n, seed: timed(medusa_decode(model, heads, None, FixedSize(size), ids, n,
-                                                    greedy(), set()))
+    accept = greedy_for(model.embed.weight.device)
+    draft = wrapped(RankedDraft(heads), heads, False)
+    return lambda ids, n, seed: timed(medusa_decode(model, draft, FixedSize(size), accept, ids,
+                                                    n, set()))
 
 

@@ -10,11 +10,13 @@ import time
 
 import torch
 
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import greedy_for
 from minimedusa.budget import fixed, grow_tree, nested_trees
 from minimedusa.speed.step_latency import cached_prefix, round_robin_medians, step_latency
 from minimedusa.flags.load import ranked_vocab_size
-from minimedusa.decoding import draft, medusa_decode, plain_decode
+from minimedusa.decoding import medusa_decode, plain_decode
+from minimedusa.draft import TreeDraft
+from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.heads import as_features
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
@@ -37,8 +39,8 @@ def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> 
     for name, decode in (("plain", lambda: plain_decode(model, prompt_ids, steps + 1,
                                                         Sampling(), set())),
                          ("medusa greedy", lambda: medusa_decode(
-                             model, heads, *fixed(tree), prompt_ids, steps * (tree.num_heads + 1),
-                             greedy(), set()))):
+                             model, *fixed(heads, tree), greedy_for(model.embed.weight.device),
+                             prompt_ids, steps * (tree.num_heads + 1), set()))):
         for _ in decode():  # warm-up
             pass
         forwards = decode()
@@ -185,17 +187,18 @@ def draft_times(model, heads, accuracy, rounds: int = 9) -> str:
     not the model's forward, beside acceptance and compaction. Medusa heads guess every depth in
     one call; Hydra heads run depth by depth, so their draft grows with the tree's depth."""
     trees = grown_trees(model, heads, accuracy)
+    draft = fast_draft(TreeDraft(heads, trees), model)  # as decoding drafts (fused, where it is)
     features = as_features(heads, torch.randn(model.config.hidden_size,
                                                device=model.embed.weight.device))  # (C,)
-    seconds = round_robin_medians({n: functools.partial(time_draft, model, heads, tree, features)
-                                   for n, tree in trees.items()}, rounds)
+    seconds = round_robin_medians({n: functools.partial(time_draft, model, draft, n, features)
+                                   for n in trees}, rounds)
     return ("the heads' draft alone, ms (its depths): " + ", ".join(
         f"{n} nodes {1000 * seconds[n]:.2f} ({tree.depth.max().item()})"
         for n, tree in trees.items()))
 
 
-def time_draft(model, heads, tree, features) -> float:
-    """Seconds of one draft of the tree's tokens from the features at one position."""
+def time_draft(model, draft, n: int, features) -> float:
+    """Seconds of one draft of the n-node tree's tokens from the features at one position."""
     start = time.perf_counter()
-    draft(heads, model, tree, 0, features).tolist()  # the tokens on the host: the draft is done
+    draft.tree(model, n, 0, features, {})[1].tolist()  # on the host: the draft is done
     return time.perf_counter() - start

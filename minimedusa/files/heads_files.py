@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from minimedusa.files.outputs import write_atomically
 from minimedusa.errors import UserError, json_kind
-from minimedusa.draft_layer import HydraPlusPlusHeads
+from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.heads import MedusaConfig, MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import LlamaConfig

@@ -12,7 +12,9 @@ import torch
 from minimedusa import acceptance
 from minimedusa.budget import (SIZES, Budget, FixedSize, expected_length, fixed, grow_tree,
                                nested_trees)
-from minimedusa.context_candidates import CHAIN
+from minimedusa.context_candidates import CHAIN, ContextDraft
+from minimedusa.draft import TreeDraft
+from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.errors import UserError
 from minimedusa.files.heads_files import (DRAFT_VOCAB_FILE, HeadsError, load_heads,
                                           read_calibration, read_draft_vocab)
@@ -22,6 +24,8 @@ from minimedusa.flags.trees import default_tree, ranked_size, tree_choices
 from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.model import Llama
+from minimedusa.ranked_tree import RankedDraft
+from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.speed import group_kernel
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
 from minimedusa.speed.grids import on_four_bit_grid
@@ -206,39 +210,53 @@ def decoding_budget(heads, model: Llama, heads_spec: str, context: bool = False)
             f"{why}, latencies {source}")
 
 
-def decoding_trees(spec: str | None, heads, model: Llama, heads_spec: str, context: bool):
-    """(trees, budget, describe) for decoding.medusa_decode as --tree asks: a fixed tree
+def decoding_draft(spec: str | None, heads, model: Llama, heads_spec: str, context: bool):
+    """(draft, budget, describe) for decoding.medusa_decode as --tree asks: a fixed tree
     (budget.fixed: the paper's one tree every step), ranked:N (each step's N most probable
     nodes), or by default the nested trees and the Budget that picks among them and plain
-    steps, ranked (trees None) with --tree ranked; describe() says which, after the run (the
-    sizes the budget used)."""
+    steps, ranked (ranked_tree.RankedDraft) with --tree ranked; with context candidates
+    (context_candidates.ContextDraft) where `context`; Hydra++ heads' draft reads through their
+    layer. describe() says which, after the run (the sizes the budget used)."""
     if spec is not None and spec.startswith("ranked:"):
         size = ranked_size(spec)
-        return None, FixedSize(size), lambda: f"confidence-ranked tree of {size} nodes (--tree)"
+        return (wrapped(RankedDraft(heads), heads, False), FixedSize(size),
+                lambda: f"confidence-ranked tree of {size} nodes (--tree)")
     if spec is not None and spec != "ranked":
         name, tree = decoding_tree(spec, heads, model)
-        return (*fixed(tree), lambda: f"tree {name} ({tree.size - 1} nodes, --tree)")
+        draft, budget = fixed(heads, tree)
+        return (wrapped(fast_draft(draft, model), heads, False), budget,
+                lambda: f"tree {name} ({tree.size - 1} nodes, --tree)")
     trees, budget, why = decoding_budget(heads, model, heads_spec, context)
+    draft = RankedDraft(heads) if spec == "ranked" else fast_draft(TreeDraft(heads, trees), model)
     shape = "confidence-ranked tree" if spec == "ranked" else "tree"
     joined = " and context candidates" if context else ""
-    return (None if spec == "ranked" else trees, budget,
+    return (wrapped(draft, heads, context), budget,
             lambda: f"{shape} of {budget.summary()}{joined}: {why}")
 
 
-def decoding_acceptance(kind: str, temperature: float, top_p: float = 1.0, eps: float = 0.09,
-                        delta: float = 0.3) -> acceptance.Acceptance:
-    """'auto' (greedy at temperature 0, lossless rejection sampling above), 'greedy',
-    'typical' or 'rejection'."""
+def wrapped(draft, heads, context: bool):
+    """The draft as a run needs it: read through a Hydra++ draft layer, with context chains."""
+    draft = PlusPlusDraft(draft) if isinstance(heads, HydraPlusPlusHeads) else draft
+    return ContextDraft(draft) if context else draft
+
+
+def decoding_acceptance(args, device: torch.device) -> acceptance.Acceptance:
+    """--acceptance: 'auto' (greedy at temperature 0, lossless rejection sampling above),
+    'greedy', 'typical' or 'rejection', with --temperature, --top-p, --eps, --delta, --seed.
+    Greedy on a CPU is walked on the host (acceptance.greedy_walked_on_host: the same tokens,
+    fewer operators)."""
+    kind, temperature = args.acceptance, args.temperature
     if kind == "auto":
         kind = "greedy" if temperature == 0 else "rejection"
     if kind == "greedy":
         if temperature != 0:
             raise UserError("--acceptance greedy decodes at temperature 0: drop --temperature "
                             "or use --acceptance typical or rejection")
-        return acceptance.greedy()
     if kind == "typical":
-        return acceptance.typical(temperature, eps, delta)
-    return acceptance.rejection(temperature, top_p)
+        return acceptance.typical(temperature, args.eps, args.delta)
+    if kind == "rejection" and temperature != 0:
+        return acceptance.rejection(temperature, args.top_p, args.seed)
+    return acceptance.greedy_for(device)
 
 
 def default_format(device: torch.device, folder=None) -> str:

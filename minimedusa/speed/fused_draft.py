@@ -22,6 +22,7 @@ Shapes: C model dim, N tree nodes, D depth, V' the heads' vocabulary.
 """
 import torch
 
+from minimedusa.draft import TreeDraft
 from minimedusa.heads import drafting_lm_head
 from minimedusa.hydra import HydraHeads
 from minimedusa.speed import group_kernel
@@ -62,13 +63,15 @@ def fusable_draft(heads, model) -> str | None:
     return None
 
 
-class FusedDraft:
-    """hydra_candidates(heads, model, hidden, root, tree) as one operator call: the tensors it
-    passes are read once here (through the modules they take ~8 us a call)."""
+class FusedHydraDraft(TreeDraft):
+    """TreeDraft whose tokens come from hydra_candidates as one operator call: the tensors it
+    passes are read once here (through the modules they take ~8 us a call). Swapped in for the
+    TreeDraft of these heads (fast_draft), as the fused blocks are for the model's."""
 
-    def __init__(self, heads: HydraHeads, model):
+    def __init__(self, heads: HydraHeads, trees: dict[int, MedusaTree], model):
+        super().__init__(heads, trees)
         lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
-        self.heads = [t for head in heads.heads for t in (
+        self.head_tensors = [t for head in heads.heads for t in (
             head.read.packed, head.read.scales,
             *(t for b in head.blocks for t in (b.linear.packed, b.linear.scales, b.linear.bias)))]
         self.layers = len(heads.heads[0].blocks)
@@ -77,14 +80,20 @@ class FusedDraft:
         self.ids = vocabulary.ids if vocabulary is not None else torch.empty(0, dtype=torch.long)
         self.embed = model.embed.weight
 
-    def __call__(self, hidden: torch.Tensor, root: torch.Tensor, tree: MedusaTree):
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+        tree = self.trees[n]
         drafting = [t for depth in tree.drafting for t in depth]
-        return torch.ops.minimedusa.hydra_draft(hidden, int(root), tree.ancestors, drafting,
-                                                self.embed, self.heads, self.layers, *self.lm,
-                                                self.ids, tree.top_k)
+        with torch.inference_mode():
+            tokens = torch.ops.minimedusa.hydra_draft(features, root, tree.ancestors, drafting,
+                                                      self.embed, self.head_tensors, self.layers,
+                                                      *self.lm, self.ids, tree.top_k)
+        return tree, tokens, rank
 
 
-def fuse_draft(heads: HydraHeads, model) -> None:
-    """Plug the one-call draft into the heads (fusable_draft(heads, model) must be None):
-    hydra_candidates then runs it in inference mode."""
-    heads.drafter = FusedDraft(heads, model)
+def fast_draft(draft, model):
+    """The draft to decode with: a TreeDraft of Hydra heads whose draft fuses (fusable_draft)
+    swapped for a FusedHydraDraft, on a CPU; any other as it is."""
+    if (type(draft) is TreeDraft and model.embed.weight.device.type == "cpu"
+            and fusable_draft(draft.heads, model) is None):
+        return FusedHydraDraft(draft.heads, draft.trees, model)
+    return draft

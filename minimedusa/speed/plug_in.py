@@ -9,8 +9,8 @@ compiled graph exists.
    for one C++ call (fused_block.py); elsewhere the compiled step
    (compiled_step.py): each block swapped for a compiled one, its attention for the C kernel
    (attention_kernel.py), where a C++ compiler works.
-And the heads, in the model's format: plug_in_heads, their draft one C++ call where it runs
-(fused_draft.py).
+And the heads, in the model's format: plug_in_heads; their draft one C++ call where it runs:
+fused_draft.fast_draft, where the draft is made.
 how_it_runs(model) then says in words what was plugged in: the key step latencies are kept
 under (step_latency.py) names it, so a latency measured for one way of running is never used
 for another.
@@ -26,7 +26,6 @@ from minimedusa.speed import c_kernels
 from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
 from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
-from minimedusa.speed.fused_draft import fusable_draft, fuse_draft
 from minimedusa.speed.group_kernel import uses_tiles, uses_vnni
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
 from minimedusa.speed.quantized import (BF16KernelLinear, Int4A8KernelLinear,
@@ -63,12 +62,9 @@ def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
 
 
 def plug_in_heads(heads: nn.Module, model: Llama) -> nn.Module:
-    """The heads (float32, as loaded) in the model's weight format, and on a CPU their draft one
-    C++ call where fused_draft.fusable_draft lets it."""
-    heads = apply_format(heads, format_of(model))
-    if model.embed.weight.device.type == "cpu" and fusable_draft(heads, model) is None:
-        fuse_draft(heads, model)
-    return heads
+    """The heads (float32, as loaded) in the model's weight format (their draft, one C++ call
+    where fused_draft.fusable_draft lets it, is fused_draft.fast_draft's)."""
+    return apply_format(heads, format_of(model))
 
 
 def how_it_runs(model: Llama) -> str:

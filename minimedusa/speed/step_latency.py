@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
-from minimedusa.acceptance import greedy
-from minimedusa.decoding import decode_step, draft, medusa_step, new_cache, prefill
-from minimedusa.draft_layer import HydraPlusPlusHeads, new_draft_cache, read_accepted
+from minimedusa.acceptance import greedy_for
+from minimedusa.decoding import decode_step, medusa_step, new_cache, prefill
+from minimedusa.draft import TreeDraft
+from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
+from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.sampling import greedy_tokens
 from minimedusa.speed.c_kernels import sources_digest
 from minimedusa.speed.cache_folder import cache_folder
@@ -47,19 +49,26 @@ def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 2
     cache = new_cache(model, prompt_len, 1, margin=max(trees, default=0) + 1)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device,
                            generator=torch.Generator(device).manual_seed(0))
+    draft = timed_draft(heads, trees, model)
+    draft.start(prompt.tolist()[0], cache)
     _, hidden = prefill(model, cache, prompt)
-    draft_cache = new_draft_cache(heads, cache.capacity) if isinstance(
-        heads, HydraPlusPlusHeads) else None  # a draft layer's: every step feeds it too
-    features = hidden[-1] if draft_cache is None else read_accepted(heads, draft_cache, hidden)
+    features = draft.read(hidden)
 
     def timer(n):
         def seconds():
             cache.rewind(prompt_len)  # every size starts from the same prefix
-            if draft_cache is not None:
-                draft_cache.rewind(prompt_len)
-            return time_one_step(model, heads, trees.get(n), cache, features, draft_cache)
+            if isinstance(draft, PlusPlusDraft):  # and so does a draft layer's cache
+                draft.cache.rewind(prompt_len)
+            return time_one_step(model, draft, n, cache, features)
         return seconds
     return round_robin_medians({n: timer(n) for n in [0, *trees]}, repeats)
+
+
+def timed_draft(heads, trees: dict[int, MedusaTree], model):
+    """The draft decoding runs these heads' trees with (fused where it fuses: fast_draft), whose
+    steps are timed: a draft layer's (Hydra++) feeds the layer every step too."""
+    draft = fast_draft(TreeDraft(heads, trees), model)
+    return PlusPlusDraft(draft) if isinstance(heads, HydraPlusPlusHeads) else draft
 
 
 def round_robin_medians(timers: dict, rounds: int) -> dict:
@@ -75,21 +84,20 @@ def round_robin_medians(timers: dict, rounds: int) -> dict:
     return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
 
 
-def time_one_step(model, heads, tree, cache, features, draft_cache=None) -> float:
-    """Seconds of one step: the heads and the tree forward, or (tree None) a plain step; and
-    feeding the kept positions to a draft layer, if the heads have one (its cache)."""
+def time_one_step(model, draft, n: int, cache, features) -> float:
+    """Seconds of one step of n nodes: the draft and the tree forward, or (n 0) a plain step;
+    and what the draft reads of the kept positions."""
     if model.embed.weight.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    if tree is None:
+    if n == 0:
         logits, kept = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
                                                              device=cache.device))
         greedy_tokens(logits).item()  # the token and host sync a plain step makes too
     else:
-        _, _, kept = medusa_step(model, tree, cache, draft(heads, model, tree, 0, features),
-                                 greedy(), None)
-    if draft_cache is not None:
-        read_accepted(heads, draft_cache, kept)
+        tree, tokens, _ = draft.tree(model, n, 0, features, {})
+        _, _, kept = medusa_step(model, tree, cache, tokens, greedy_for(cache.device), None)
+    draft.read(kept)
     return time.perf_counter() - start
 
 

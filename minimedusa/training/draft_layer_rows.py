@@ -1,4 +1,5 @@
-"""Hydra++'s draft layer in training: whole answers through the layer (draft_layer.py).
+"""Hydra++'s draft layer in training: whole answers through the layer
+(experiments/draft_layer.py).
 
 Training runs the layer over whole answers: the backbone's states at the prompt (computed once,
 prompt_states) followed by those stored with the answer, which the layer reads at the same
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minimedusa.draft_layer import DraftLayer, HydraPlusPlusHeads
+from minimedusa.experiments.draft_layer import DraftLayer, HydraPlusPlusHeads
 from minimedusa.model import causal_mask
 from minimedusa.training.medusa1 import Rows, batch_rows, rows_of
 

@@ -30,7 +30,7 @@ from minimedusa.flags.cli import (Parser, add_compile_argument, add_device_argum
 from minimedusa.flags.load import decoding_heads, decoding_model, device_and_format
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.speed.machine import machine_key
-from minimedusa.draft_layer import HydraPlusPlusHeads
+from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.training.draft_layer_rows import answer_rows, featured_rows
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import token_ids

@@ -1,4 +1,6 @@
 """A draft layer that reads the accepted context: Hydra++ (Ankner et al., 2024, section 5).
+Measured, not shipped (weights/RESULTS.md): an experiment beside the core, which never imports
+it; its draft (PlusPlusDraft) is handed to the decoding loop like any other.
 
 Medusa and Hydra heads see the sequence only through h_t, the backbone's last hidden state at
 the last accepted token. Hydra++ puts one more decoder layer in front of the heads: a causal
@@ -30,7 +32,8 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from minimedusa.heads import MedusaConfig
+from minimedusa.errors import UserError
+from minimedusa.heads import MedusaConfig, as_features
 from minimedusa.hydra import HydraHeads
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Block, LlamaConfig, causal_mask, rope_angles, rope_frequencies
@@ -90,3 +93,33 @@ def read_accepted(heads: HydraPlusPlusHeads, cache: KVCache, hidden: torch.Tenso
                             cache, cache.next_slots(a))  # (1, a, C)
     cache.advance(a)
     return out[0, -1]
+
+
+class PlusPlusDraft:
+    """A draft (draft.py's verbs) for Hydra++ heads: they read the draft layer's output at the
+    last accepted position, the layer reading every position the backbone kept into a cache of
+    its own; the tree and its tokens are `draft`'s (a TreeDraft or a RankedDraft of them)."""
+
+    def __init__(self, draft):
+        self.draft, self.heads, self.cache = draft, draft.heads, None
+
+    def start(self, prompt_ids: list[int], cache: KVCache) -> None:
+        """A new draft cache as long as the backbone's. Refused where the backbone's cache holds
+        a conversation already: the layer would have to read it again (its cache is not kept
+        between runs)."""
+        if cache.length:
+            raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
+                            "cache is not kept between turns): use other heads or --baseline")
+        self.cache = new_draft_cache(self.heads, cache.capacity)
+
+    def read(self, hidden: torch.Tensor) -> torch.Tensor:
+        return read_accepted(self.heads, self.cache, as_features(self.heads, hidden))
+
+    def match(self, root: int) -> int:
+        return self.draft.match(root)
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+        return self.draft.tree(model, n, root, features, rank)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.draft.extend(tokens)

@@ -1,0 +1,76 @@
+"""The draft (paper section 2): each step's candidate tree and its tokens, guessed by the heads
+from the hidden state at the last accepted position, before the one forward that verifies them.
+
+The decoding loop (decoding.medusa_decode) asks a draft five things, in the order a run uses
+them: start(prompt ids, cache) before the prefill; read(hidden (a, C)) after every forward, what
+the heads will read (here the last position's hidden state); match(root), the Budget's group
+for the step (how long a suffix a context chain matched: 0 here, context_candidates.py);
+tree(model, n, root, features, rank), the step's tree of n nodes, its tokens (n + 1,) and each
+node path's rank; extend(tokens), the step's accepted candidates.
+
+TreeDraft is the paper's: a fixed tree every step (budget.fixed), or one of nested trees of the
+sizes the Budget chooses among (budget.nested_trees). Others: the confidence-ranked tree
+(ranked_tree.RankedDraft), context candidates around any draft (context_candidates.ContextDraft).
+
+Shapes: C model dim, K heads, V vocab (V' the heads' draft vocabulary), N tree nodes.
+"""
+import torch
+
+from minimedusa.heads import DraftVocabulary, MedusaHeads, as_features, drafting_lm_head, token_ids
+from minimedusa.hydra import HydraHeads, hydra_candidates
+from minimedusa.tree import MedusaTree
+
+
+def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree,
+               vocabulary: DraftVocabulary | None = None) -> torch.Tensor:
+    """The tree's tokens: (N,) int64, from the root token () and the heads' logits (K, V).
+
+    The heads' top-k are laid out flat as [root, head 1's top-k, head 2's top-k, ...], and
+    tree.token_index says where each node's token sits in that list (tree.py). `vocabulary`:
+    the draft vocabulary whose columns the heads score, if any (heads.DraftVocabulary)."""
+    top = token_ids(vocabulary, head_logits[:tree.num_heads].topk(tree.top_k, dim=-1).indices)
+    flat = torch.cat([root.reshape(1), top.reshape(-1)])  # (1 + D * top_k,)
+    return flat[tree.token_index]
+
+
+@torch.inference_mode()
+def guess(heads: MedusaHeads, model, hidden: torch.Tensor) -> torch.Tensor:
+    """The heads' logits (K, V) at one position, from its hidden state (C,) (V': over the
+    heads' draft vocabulary, when they have one)."""
+    return heads(hidden, drafting_lm_head(heads.vocabulary, model.lm_head))
+
+
+def tree_tokens(heads: MedusaHeads | HydraHeads, model, tree: MedusaTree, root: int,
+                hidden: torch.Tensor) -> torch.Tensor:
+    """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
+    (or what the heads read there: a draft's read) is hidden (C,). Medusa heads guess every
+    depth at once from h_t alone; Hydra heads read the draft's own tokens, so they guess depth
+    by depth (hydra.py)."""
+    root = torch.tensor(root, device=hidden.device)
+    if isinstance(heads, HydraHeads):
+        return hydra_candidates(heads, model, hidden, root, tree)
+    return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary)
+
+
+class TreeDraft:
+    """The heads' guesses on a tree of each size the budget may ask for: trees[n]."""
+
+    def __init__(self, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree]):
+        self.heads, self.trees = heads, trees
+
+    def start(self, prompt_ids: list[int], cache) -> None:
+        pass  # nothing to set up: the heads read one hidden state, the last
+
+    def read(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the heads read after a forward that kept hidden (a, C): the last position's."""
+        return as_features(self.heads, hidden[-1])
+
+    def match(self, root: int) -> int:
+        return 0  # no context chain: every step in the budget's one group
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+        """(trees[n], its tokens (n + 1,), root first, each node path's rank)."""
+        return self.trees[n], tree_tokens(self.heads, model, self.trees[n], root, features), rank
+
+    def extend(self, tokens: list[int]) -> None:
+        pass  # the accepted tokens change nothing the heads keep
