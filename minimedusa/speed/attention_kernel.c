@@ -42,13 +42,8 @@
 
 /* The cache's keys and values are read once a call, in order, mostly from memory after ~1,000
    tokens (the model's 30 layers' hold ~35 MB at 1,536): asked for AHEAD bytes before they are
-   read, as group_kernel.c's weights (a prefetch: no fault past the cache's end, no change to any
-   result) */
-enum { AHEAD = 8192 };
-
-static inline __attribute__((always_inline)) void fetch_ahead(const char* p, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + AHEAD + at, 0, 3);
-}
+   read, as group_kernel.c's weights (kernels_common.h) */
+#include "kernels_common.h"
 
 /* LANES floats a vector, one register: 16 with AVX-512, 8 elsewhere (AVX2) */
 #if defined(__AVX512F__)

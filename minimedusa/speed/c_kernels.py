@@ -18,6 +18,7 @@ version and kernels' sources.
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -41,13 +42,22 @@ def sources_digest() -> str:
     """12 hex digits of the kernels' and operators' sources: beside the machine, what a step's
     speed depends on (step_latency.py keys its cached latencies with it, so that a changed
     kernel is timed anew)."""
-    text = "\n".join(source.read_text() for source in (*KERNELS, OPERATORS))
+    text = "\n".join(source_text(source) for source in (*KERNELS, OPERATORS))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def source_text(source: Path) -> str:
+    """A C source's text with the project's headers it includes (#include "name.h", beside
+    it; theirs too): what its build is made of, so what its key and digest hash."""
+    text = source.read_text()
+    for header in re.findall(r'#include "([^"]+)"', text):
+        text += source_text(source.parent / header)
+    return text
 
 
 def compile_kernel(source: Path, compiler: str) -> Path:
     """`source` built for this machine, or the copy built before."""
-    key = hashlib.sha256("\n".join([source.read_text(), compiler, *FLAGS, cpu_model(),
+    key = hashlib.sha256("\n".join([source_text(source), compiler, *FLAGS, cpu_model(),
                                     cpu_features()]).encode()).hexdigest()[:16]
     return built(kernels_folder() / f"{source.stem}-{key}.so",
                  lambda out: build(source, compiler, out))

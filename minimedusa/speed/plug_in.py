@@ -15,7 +15,6 @@ how_it_runs(model) then says in words what was plugged in: the key step latencie
 under (step_latency.py) names it, so a latency measured for one way of running is never used
 for another.
 """
-import hashlib
 import sys
 
 import torch.nn as nn
@@ -105,5 +104,4 @@ def kernels_version() -> str:
     """A short hash of the C kernels' and their operators' sources: what a step costs changes
     with them (a faster attention makes a tree's rows cheaper), so latencies measured with other
     sources are not reused."""
-    text = "".join(source.read_text() for source in (*c_kernels.KERNELS, c_kernels.OPERATORS))
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
+    return c_kernels.sources_digest()[:8]
