@@ -37,15 +37,17 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.training.draft_layer_rows import (ANSWERS_PER_BATCH, AnswerRows, answer_rows,
                                                       featured_rows)
     from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
-    from minimedusa.files.heads_files import load_heads, save_draft_vocab, save_heads
+    from minimedusa.files.heads_files import save_draft_vocab, save_heads
     from minimedusa.hydra import HydraHeads
     from minimedusa.model import Llama
     from minimedusa.training.self_distill import tokenizer_fingerprint
-    from minimedusa.training.medusa1 import (Losses, Rows, accuracy_line, batch_rows,
-                                     check_out_is_not, cosine_lr, distill_loss, distributed,
-                                     draft_columns, head_logits, head_metrics, medusa_loss,
-                                     read_answers, read_rows, setup_distributed,
-                                     split_validation, teacher_states, total_steps)
+    from minimedusa.training.medusa1 import (Rows, add_flags as add_medusa1_flags, cosine_lr,
+                                             distill_loss, draft_columns, head_logits,
+                                             head_metrics, medusa1_heads, medusa_loss,
+                                             read_answers, read_rows, split_validation,
+                                             teacher_states)
+    from minimedusa.training.loop import (Losses, accuracy_line, batch_rows, distributed,
+                                          setup_distributed, total_steps)
     from minimedusa.files.weights import load_model
 
 # Flags whose default depends on where the data comes from: with --data, the paper's Medusa-1;
@@ -92,35 +94,6 @@ def add_loop_flags(p) -> None:
                    "for the CPU, where it pays only on CPUs with AMX or avx512_bf16)")
 
 
-def add_medusa1_flags(p) -> None:
-    m1 = p.add_argument_group("Medusa-1 (with --frozen)")
-    m1.add_argument("--kind", choices=("medusa", "hydra", "hydra++"), default=None,
-                    help="medusa: the paper's heads, each reads h_t alone (default with --data); "
-                    "hydra: each also reads the tokens drafted before it (hydra.py; default from "
-                    "the model alone); hydra++: Hydra heads behind one decoder layer over the "
-                    "whole accepted sequence (experiments/draft_layer.py; with --init-heads of "
-                    "the hydra kind, those heads behind a fresh layer)")
-    m1.add_argument("--distill", action="store_true", help="learn the backbone's whole "
-                    "next-token distribution (read off the stored hidden states) instead of the "
-                    "data's one token: Hydra++'s teacher loss (default: cross-entropy on tokens)")
-    m1.add_argument("--draft-vocab", type=non_negative_int, default=None, metavar="N",
-                    help="the heads rank "
-                    "only the N tokens most frequent in the training answers, as they will draft "
-                    "(a fraction of the LM head's cost; the config makes it the heads' default); "
-                    "0 = the whole vocabulary (default with --data; from the model alone: 8192)")
-    m1.add_argument("--heads", type=positive_int, default=4, help="number of heads K (default: 4; "
-                    "Medusa-2 keeps the form of --init-heads)")
-    m1.add_argument("--layers", type=positive_int, default=None,
-                    help="residual blocks per head (default: 1; from the model alone: 2)")
-    m1.add_argument("--shared", action="store_true",
-                    help="heads share the backbone's LM head instead of own projections")
-    m1.add_argument("--batch-size", type=positive_int, default=256,
-                    help="answer positions per optimizer step (default: 256; --kind hydra++: "
-                    f"drawn from {ANSWERS_PER_BATCH} whole answers)")
-    m1.add_argument("--lr", type=non_negative, default=None, help="the heads' peak learning rate "
-                    "(default: 1e-3; from the model alone: 2e-3)")
-
-
 def parse_args(argv=None):
     p = Parser(description="Train Medusa heads on self-distilled data: with --frozen only the "
                "heads learn (Medusa-1); without it the backbone is tuned too, through LoRA, with "
@@ -156,30 +129,6 @@ def parse_args(argv=None):
 
 
 # --- Medusa-1: the data, the heads, the loss, the optimizer ---------------------------------
-
-def medusa1_heads(args, model) -> MedusaHeads:
-    """Fresh heads in the paper's initialisation or, with --init-heads, trained ones."""
-    if args.init_heads is None and args.kind == "hydra":
-        return HydraHeads.for_model(model, args.heads, args.layers)
-    if args.init_heads is None and args.kind == "hydra++":
-        return HydraPlusPlusHeads.for_model(model, args.heads, args.layers)
-    if args.init_heads is None:
-        return MedusaHeads.for_model(model, args.heads, args.layers, args.shared)
-    check_out_is_not(args.out, args.init_heads)
-    heads = load_heads(args.init_heads, model)
-    if args.kind == "hydra++" and type(heads) is HydraHeads:  # behind a fresh draft layer
-        heads = with_draft_layer(heads, model)
-    return heads.requires_grad_(True)
-
-
-def with_draft_layer(hydra: HydraHeads, model) -> HydraPlusPlusHeads:
-    """Trained Hydra heads behind a fresh draft layer: they start as they were (a fresh layer
-    passes h_t through), and the layer learns what the context adds."""
-    heads = HydraPlusPlusHeads.for_model(model, hydra.config.medusa_num_heads,
-                                         hydra.config.medusa_num_layers)
-    heads.heads.load_state_dict(hydra.heads.state_dict())
-    return heads
-
 
 @dataclass
 class Medusa1:

@@ -21,7 +21,7 @@ from minimedusa.decoding import (medusa_decode, medusa_step, new_cache, plain_de
                                  root_step)
 from minimedusa.draft import TreeDraft, tree_tokens
 from minimedusa.experiments.draft_layer import (HydraPlusPlusHeads, PlusPlusDraft, new_draft_cache,
-                                                read_accepted)
+                                                read_accepted, with_draft_layer)
 from minimedusa.training.draft_layer_rows import ANSWERS_PER_BATCH, answer_rows, layer_features
 from minimedusa.files.heads_files import load_heads, save_heads
 from minimedusa.hydra import HydraHeads
@@ -189,7 +189,7 @@ def test_trained_hydra_heads_behind_a_fresh_layer_draft_as_before():
     """train.py --kind hydra++ --init-heads HYDRA: the heads start where they were."""
     model = tiny_model(5)
     hydra = perturbed(HydraHeads.for_model(model, 3), 5, 0.2)
-    heads = train.with_draft_layer(hydra, model)
+    heads = with_draft_layer(hydra, model)
     tree = build_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]], num_heads=3)
     prompt = [4, 8, 15, 16]
     draft, budget = fixed(heads, tree)

@@ -123,3 +123,12 @@ class PlusPlusDraft:
 
     def extend(self, tokens: list[int]) -> None:
         self.draft.extend(tokens)
+
+
+def with_draft_layer(hydra: HydraHeads, model) -> HydraPlusPlusHeads:
+    """Trained Hydra heads behind a fresh draft layer: they start as they were (a fresh layer
+    passes h_t through), and the layer learns what the context adds."""
+    heads = HydraPlusPlusHeads.for_model(model, hydra.config.medusa_num_heads,
+                                         hydra.config.medusa_num_layers)
+    heads.heads.load_state_dict(hydra.heads.state_dict())
+    return heads

@@ -107,3 +107,9 @@ def lock_folder(folder: Path, command: str) -> None:
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     _locks[folder.resolve()] = lock
+
+
+def check_out_is_not(out: Path, init: Path) -> None:
+    if out.resolve() == init.resolve():
+        raise UserError(f"--out {out} is the --init-heads folder: training writes a new "
+                        "folder and never overwrites the heads it starts from")

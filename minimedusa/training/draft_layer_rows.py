@@ -16,7 +16,8 @@ import torch
 
 from minimedusa.experiments.draft_layer import DraftLayer, HydraPlusPlusHeads
 from minimedusa.model import causal_mask
-from minimedusa.training.medusa1 import Rows, batch_rows, rows_of
+from minimedusa.training.medusa1 import Rows, rows_of
+from minimedusa.training.loop import batch_rows
 
 
 @torch.no_grad()

@@ -8,27 +8,27 @@ the heads (and, in the shared form, the frozen LM head they project with). Every
 one position t: its hidden state and the K tokens its heads must predict. Positions are
 independent for the heads, so rows are shuffled freely. Only answer tokens are rows: the
 prompt and the padding carry no loss by construction.
-Here: the rows, the loss, its validation metrics, the batches' order and the learning-rate
-schedule, and what a training mode returns; the training loop, shared with Medusa-2
-(medusa2.py, which tunes the backbone too), is train.py's.
+Here: the rows, the loss, its validation metrics, the learning-rate schedule, the heads Medusa-1
+starts from and its flags; the training loop, shared with Medusa-2 (medusa2.py, which tunes the
+backbone too), is train.py's, and what both share around it loop.py's.
 
 Shapes: M rows (answer positions), C model dim, K heads, V vocab, B batch rows.
 """
-import functools
 import json
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from minimedusa.flags.device import pick_device
 from minimedusa.errors import UserError
-from minimedusa.heads import as_features, drafting_lm_head, token_ids
+from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, with_draft_layer
+from minimedusa.files.heads_files import load_heads
+from minimedusa.files.outputs import check_out_is_not
+from minimedusa.flags.cli import non_negative, non_negative_int, positive_int
+from minimedusa.heads import MedusaHeads, as_features, drafting_lm_head, token_ids
+from minimedusa.hydra import HydraHeads
 
 IGNORE = -100  # target of a head whose token t+k+1 lies past the end of the answer
 
@@ -230,67 +230,48 @@ def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
     return peak * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * min(progress, 1.0))).item())
 
 
-# --- what both training modes share: the batches' order, the losses, the output folder ----------
+# --- Medusa-1's flags and the heads it starts from ----------------------------------------------
 
-@functools.lru_cache(maxsize=1)
-def epoch_order(n_rows: int, seed: int, epoch: int) -> torch.Tensor:
-    """A fresh permutation of the rows each epoch, fixed by the seed (made once per epoch)."""
-    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-
-
-def batch_rows(n_rows: int, step: int, batch_size: int, seed: int) -> torch.Tensor:
-    """The row indices of optimizer step `step`: determined by the step alone, so that a
-    resumed run sees exactly the batches the uninterrupted one would."""
-    epoch, i = divmod(step, n_rows // batch_size)
-    return epoch_order(n_rows, seed, epoch)[i * batch_size:(i + 1) * batch_size]
-
-
-def total_steps(args, n_rows: int, batch_size: int) -> tuple[int, int]:
-    """(steps the schedule spans, the step this run stops at)."""
-    total = math.ceil(args.epochs * (n_rows // batch_size))
-    if total == 0:
-        raise DataError(f"{args.data} has fewer rows than one batch of {batch_size}")
-    return total, min(total, args.max_steps or total)
-
-
-@dataclass
-class Losses:
-    """One micro-batch's losses: the one minimised and what the progress line and log show."""
-    total: torch.Tensor  # scalar: what the optimizer minimises
-    ce: torch.Tensor  # (K,) per-head CE
-    log: dict  # the mode's own numbers for train_log.json (Medusa-2: KL and lambda_0)
-    text: str  # the same for the progress line
-
-    def progress(self, step: int, total: int, lr: float) -> str:
-        ce = " ".join(f"{c:.2f}" for c in self.ce.tolist())
-        return f"step {step}/{total} loss {self.total.item():.3f} per-head CE {ce}{self.text} " \
-            f"lr {lr:.2e}"
+def add_flags(p) -> None:
+    """Medusa-1's own flags, in their group of train.py's --help."""
+    m1 = p.add_argument_group("Medusa-1 (with --frozen)")
+    m1.add_argument("--kind", choices=("medusa", "hydra", "hydra++"), default=None,
+                    help="medusa: the paper's heads, each reads h_t alone (default with --data); "
+                    "hydra: each also reads the tokens drafted before it (hydra.py; default from "
+                    "the model alone); hydra++: Hydra heads behind one decoder layer over the "
+                    "whole accepted sequence (experiments/draft_layer.py; with --init-heads of "
+                    "the hydra kind, those heads behind a fresh layer)")
+    m1.add_argument("--distill", action="store_true", help="learn the backbone's whole "
+                    "next-token distribution (read off the stored hidden states) instead of the "
+                    "data's one token: Hydra++'s teacher loss (default: cross-entropy on tokens)")
+    m1.add_argument("--draft-vocab", type=non_negative_int, default=None, metavar="N",
+                    help="the heads rank "
+                    "only the N tokens most frequent in the training answers, as they will draft "
+                    "(a fraction of the LM head's cost; the config makes it the heads' default); "
+                    "0 = the whole vocabulary (default with --data; from the model alone: 8192)")
+    m1.add_argument("--heads", type=positive_int, default=4, help="number of heads K (default: 4; "
+                    "Medusa-2 keeps the form of --init-heads)")
+    m1.add_argument("--layers", type=positive_int, default=None,
+                    help="residual blocks per head (default: 1; from the model alone: 2)")
+    m1.add_argument("--shared", action="store_true",
+                    help="heads share the backbone's LM head instead of own projections")
+    m1.add_argument("--batch-size", type=positive_int, default=256,
+                    help="answer positions per optimizer step (default: 256; --kind hydra++: "
+                    "drawn from whole answers, draft_layer_rows.ANSWERS_PER_BATCH of them)")
+    m1.add_argument("--lr", type=non_negative, default=None, help="the heads' peak learning rate "
+                    "(default: 1e-3; from the model alone: 2e-3)")
 
 
-def accuracy_line(metrics: dict) -> str:
-    return (f"top-1 per head {[round(x, 3) for x in metrics['top1']]} "
-            f"top-5 {[round(x, 3) for x in metrics['top5']]}")
-
-
-def setup_distributed(device_name: str) -> tuple[int, int, torch.device]:
-    """(rank, world size, device): one process per GPU under torchrun, else a single process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, pick_device(device_name)
-    cuda = torch.cuda.is_available() and device_name != "cpu"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}") if cuda else torch.device("cpu")
-    return rank, world, device
-
-
-def distributed(module: torch.nn.Module, world: int) -> torch.nn.Module:
-    """The module to train through: under torchrun wrapped, so that backward averages every
-    process's gradients; else the module itself."""
-    return torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
-
-
-def check_out_is_not(out: Path, init: Path) -> None:
-    if out.resolve() == init.resolve():
-        raise UserError(f"--out {out} is the --init-heads folder: training writes a new "
-                        "folder and never overwrites the heads it starts from")
+def medusa1_heads(args, model) -> MedusaHeads:
+    """Fresh heads in the paper's initialisation or, with --init-heads, trained ones."""
+    if args.init_heads is None and args.kind == "hydra":
+        return HydraHeads.for_model(model, args.heads, args.layers)
+    if args.init_heads is None and args.kind == "hydra++":
+        return HydraPlusPlusHeads.for_model(model, args.heads, args.layers)
+    if args.init_heads is None:
+        return MedusaHeads.for_model(model, args.heads, args.layers, args.shared)
+    check_out_is_not(args.out, args.init_heads)
+    heads = load_heads(args.init_heads, model)
+    if args.kind == "hydra++" and type(heads) is HydraHeads:  # behind a fresh draft layer
+        heads = with_draft_layer(heads, model)
+    return heads.requires_grad_(True)

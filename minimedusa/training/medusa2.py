@@ -46,10 +46,10 @@ from minimedusa.training.joint_loss import (JointModel, distill_kl, joint_metric
 from minimedusa.training.quality_guard import (greedy_agreement, original_in_bfloat16,
                                                quality_verdict)
 from minimedusa.training.self_distill import tokenizer_fingerprint
-from minimedusa.training.medusa1 import (Losses, Rows, accuracy_line, batch_rows, check_out_is_not,
-                                 distributed,
-                                 head_metrics, medusa_loss, read_answers,
-                                 split_validation, total_steps)
+from minimedusa.training.medusa1 import (Rows, head_metrics, medusa_loss, read_answers,
+                                         split_validation)
+from minimedusa.files.outputs import check_out_is_not
+from minimedusa.training.loop import Losses, accuracy_line, batch_rows, distributed, total_steps
 from minimedusa.training.tree_search import head_accuracies
 from minimedusa.files.weights import load_model, save_model
 

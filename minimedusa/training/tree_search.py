@@ -36,7 +36,7 @@ from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import token_ids
 from minimedusa.training.self_distill import tokenizer_fingerprint
 from minimedusa.training.medusa1 import (IGNORE, Rows, head_logits, read_answers, read_rows,
-                                 split_validation)
+                                         split_validation)
 
 MAX_NODES = 64  # the largest tree considered: the paper's
 LATENCY_REPEATS = 8  # timed rounds of every size; the median is kept
