@@ -1,9 +1,9 @@
 """Generate text with the default model (SmolLM2-135M-Instruct) or any HF Llama folder.
 
-    python generate.py                                   # a chat (flags/chat.py)
+    python generate.py                                   # a chat (cli/chat.py)
     python generate.py --prompt "What is the capital of France?"
     echo "What is the capital of France?" | python generate.py
-    python generate.py --prompts questions.txt --out answers.jsonl   # flags/prompts.py
+    python generate.py --prompts questions.txt --out answers.jsonl   # cli/prompts.py
     python generate.py --prompt "Once upon a time" --raw --temperature 0.8 --seed 1
     python generate.py --prompt "Hi" --heads DIR --tree cpu_8 --acceptance typical --json
 
@@ -23,22 +23,26 @@ from pathlib import Path
 from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
-    from minimedusa.decoding import check_context, medusa_decode, plain_decode
-    from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
-    from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
-    from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
-    from minimedusa.flags.chat import chat
-    from minimedusa.flags.cli import (Parser, add_compile_argument, add_context_argument,
+    from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
+    from minimedusa.cli.chat import chat
+    from minimedusa.cli.draft_heads import decoding_heads
+    from minimedusa.cli.drafts import decoding_draft
+    from minimedusa.cli.flags import (Parser, add_compile_argument, add_context_argument,
                                       add_device_arguments, add_draft_vocab_argument,
                                       add_quantize_argument, non_negative, positive_int,
                                       probability)
-    from minimedusa.flags.load import (decoding_acceptance, decoding_heads, decoding_model,
-                                       decoding_draft, decoding_tree, device_and_format,
-                                       four_bit_checkpoint, ranked_vocab_size)
-    from minimedusa.flags.prompts import (answer_prompts, open_out, prompt_from_stdin,
-                                          prompt_ids, prompts_summary, read_prompts)
-    from minimedusa.flags.trees import ranked_size
+    from minimedusa.cli.load import decoding_acceptance, device_and_format
+    from minimedusa.cli.prompts import (answer_prompts, open_out, prompt_from_stdin, prompt_ids,
+                                        prompts_summary, read_prompts)
+    from minimedusa.cli.trees import decoding_tree, ranked_size
+    from minimedusa.decoding import check_context, medusa_decode, plain_decode
+    from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
+    from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
+    from minimedusa.heads import ranked_vocab_size
     from minimedusa.sampling import Sampling
+    from minimedusa.speed.defaults import four_bit_checkpoint
+    from minimedusa.speed.kept_weights import formatted_model
+    from minimedusa.speed.plug_in import plug_in
     from minimedusa.speed.weight_formats import describe_weights, format_of
     from minimedusa.tokenizer import StreamDecoder, Tokenizer
     from minimedusa.tree import NAMED_TREES
@@ -155,16 +159,17 @@ def input_mode(args) -> str:
 
 
 def load(args):
-    """(model, how its step runs, its weights in words, tokenizer) as the flags ask: the weight
-    format, the compiled step (speed/plug_in.py, through flags/load.py), the flags that must
-    fit the model checked before them (check_flags)."""
+    """(model, how its step runs, its weights in words, tokenizer), as gpt-fast's _load_model:
+    the model read in its weight format, the flags that must fit it checked, its speed plugged
+    in. The heads, the draft and the acceptance follow in decoder()."""
     folder = args.model if args.model is not None else ensure_default_model()
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist")
-    device, weight_format = device_and_format(args, folder)
+    device, weight_format = device_and_format(args, folder)  # the machine's: speed/defaults.py
     tokenizer = Tokenizer.from_folder(folder)
-    model, step = decoding_model(folder, device, weight_format, args.compile,
-                                 check=lambda model: check_flags(args, model, tokenizer))
+    model = formatted_model(folder, device, weight_format)  # block by block, in its format
+    check_flags(args, model, tokenizer)  # in seconds, before the speed's warm-up
+    step = plug_in(model, weight_format, args.compile)  # its layers, the step fused or compiled
     rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
                                           and not four_bit_checkpoint(folder))
     return model, step, describe_weights(model.config, weight_format, rounded, device), tokenizer

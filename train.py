@@ -30,7 +30,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.files.checkpoint import (CHECKPOINT, checkpoint_on_interrupt, resume,
                                              save_checkpoint)
     from minimedusa.files.outputs import lock_folder, write_atomically
-    from minimedusa.flags.cli import Parser, non_negative, non_negative_int, positive, positive_int
+    from minimedusa.cli.flags import Parser, non_negative, non_negative_int, positive, positive_int
     from minimedusa.training.progress import progress_bar, say
     from minimedusa.files.default_model import ensure_default_model
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads

@@ -16,7 +16,7 @@ rule is an Acceptance (its accept and its first token), which the decoding loop 
 - typical: a candidate x is accepted iff p(x) > min(eps, delta * exp(-H(p))), p at temperature
   T; the next token is greedy, so each step yields >= 1 token. Not lossless; eps is the knob.
 - greedy walked on the host: greedy's nodes and tokens from a walk of the paths in Python, for a
-  CPU's logits (the flags choose it there: flags/load.decoding_acceptance).
+  CPU's logits (the flags choose it there: cli/load.decoding_acceptance).
 
 Shapes: N tree nodes, V vocab, P root-to-leaf paths, D max depth.
 """

@@ -57,7 +57,7 @@ def decoding_cache(model: Llama, cache: KVCache | None, prompt_ids: list[int],
     of prompt_ids: the run prefills only the rest, and leaves the cache holding the
     conversation (the prompt and the answer but its last token, which no step has fed yet).
     note: the cache cannot check which tokens it holds (it keeps keys and values, not ids):
-    the caller keeps them (flags/chat.py); here the lengths are checked."""
+    the caller keeps them (cli/chat.py); here the lengths are checked."""
     if cache is None:
         return new_cache(model, len(prompt_ids), max_new_tokens, margin)
     check_context(model, len(prompt_ids), max_new_tokens)

@@ -58,7 +58,7 @@ class MedusaHeads(nn.Module):
 
         # note: a comprehension, not [head()] * K, which would repeat ONE head K times.
         self.heads = nn.ModuleList([head() for _ in range(cfg.medusa_num_heads)])
-        self.vocabulary = None  # a DraftVocabulary, set for decoding (flags/load.decoding_heads)
+        self.vocabulary = None  # a DraftVocabulary, set for decoding (cli/draft_heads.py)
 
     @classmethod
     def for_model(cls, model, num_heads: int, num_layers: int = 1,
@@ -129,6 +129,12 @@ def token_ids(vocabulary: DraftVocabulary | None, columns: torch.Tensor) -> torc
     """Columns of the heads' logits -> token ids (the same, without a draft vocabulary)."""
     return columns if vocabulary is None else vocabulary.ids[columns]
 
+
+def ranked_vocab_size(heads: nn.Module, model) -> int:
+    """How many tokens the heads (Medusa's or Hydra's) rank: their draft vocabulary's, else
+    the model's whole vocabulary."""
+    vocabulary = heads.vocabulary
+    return model.config.vocab_size if vocabulary is None else vocabulary.ids.numel()
 
 
 def token_ranking(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

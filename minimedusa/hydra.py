@@ -47,7 +47,7 @@ class HydraHeads(nn.Module):
         self.config = cfg
         self.heads = nn.ModuleList([HydraHead(k, cfg.hidden_size, cfg.medusa_num_layers)
                                     for k in range(1, cfg.medusa_num_heads + 1)])
-        self.vocabulary = None  # a DraftVocabulary, set for decoding (flags/load.decoding_heads)
+        self.vocabulary = None  # a DraftVocabulary, set for decoding (cli/draft_heads.py)
 
     @classmethod
     def for_model(cls, model, num_heads: int, num_layers: int = 1) -> "HydraHeads":

@@ -16,7 +16,7 @@ from minimedusa.model import Llama, LlamaConfig
 from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
-from minimedusa.flags.load import decoding_model
+from minimedusa.cli.load import decoding_model
 from minimedusa.speed.c_kernels import kernels_folder
 
 # every run draws the same examples (a seed per test): a failure seen on one machine is replayed
@@ -192,7 +192,7 @@ def torch_threads():
 @pytest.fixture(autouse=True)
 def latency_cache(tmp_path_factory, monkeypatch, built_kernels):
     """Step latencies measured by a test go to a fresh folder of its own, never to the user's
-    cache (speed/step_latency.cache_file); its kernels folder is the run's (built_kernels)."""
+    cache (speed/latency_cache.cache_file); its kernels folder is the run's (built_kernels)."""
     cache = tmp_path_factory.mktemp("cache")
     (cache / "kernels").symlink_to(built_kernels, target_is_directory=True)
     monkeypatch.setenv("MINIMEDUSA_CACHE", str(cache))

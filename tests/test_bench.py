@@ -16,8 +16,8 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.files.heads_files import save_heads
 from minimedusa.training.pipeline import CPU_PROMPTS
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.flags.device import pick_device
-from minimedusa.flags.load import default_format
+from minimedusa.cli.device import pick_device
+from minimedusa.speed.defaults import default_format
 from minimedusa.files.weights import load_model, save_model
 
 

@@ -13,8 +13,8 @@ import torch
 from conftest import copycat_model, tiny_model
 from minimedusa.acceptance import greedy
 from minimedusa.budget import Budget, grow_tree, nested_trees
-from minimedusa.speed import step_latency
-from minimedusa.speed.step_latency import machine_latency
+from minimedusa.speed import latency_cache
+from minimedusa.speed.latency_cache import machine_latency
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import TreeDraft
 from minimedusa.ranked_tree import RankedDraft
@@ -205,7 +205,7 @@ def test_latencies_cached_before_a_kernel_changed_are_measured_again(tmp_path, m
     model, heads, trees = latency_setup()
     latency, _ = machine_latency(model, heads, trees, repeats=1)
     assert machine_latency(model, heads, trees) == (latency, "cached")
-    monkeypatch.setattr(step_latency, "sources_digest", lambda: "another version")
+    monkeypatch.setattr(latency_cache, "sources_digest", lambda: "another version")
     assert machine_latency(model, heads, trees, repeats=1)[1] == "measured here"
 
 

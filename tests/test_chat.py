@@ -1,5 +1,5 @@
-"""A conversation, not one prompt: `python generate.py` as a chat (flags/chat.py), a prompt from
-standard input and a file of prompts (flags/prompts.py), and what they rest on in the core: a
+"""A conversation, not one prompt: `python generate.py` as a chat (cli/chat.py), a prompt from
+standard input and a file of prompts (cli/prompts.py), and what they rest on in the core: a
 conversation continued in its KV cache decodes as fresh runs given the whole history do, each
 turn prefilling only its new tokens.
 
@@ -18,12 +18,12 @@ from conftest import cached_keys_values, copycat_model, tiny_model
 from minimedusa import decoding
 from minimedusa.acceptance import greedy
 from minimedusa.budget import fixed
-from minimedusa.flags.load import wrapped
+from minimedusa.cli.drafts import wrapped
 from minimedusa.decoding import decode_step, medusa_decode, plain_decode, prefill
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.errors import UserError
 from minimedusa.files.weights import save_model
-from minimedusa.flags.chat import COMMANDS
+from minimedusa.cli.chat import COMMANDS
 from minimedusa.hydra import HydraHeads
 from minimedusa.kv_cache import KVCache
 from minimedusa.sampling import Sampling

@@ -15,7 +15,7 @@ import train
 from conftest import copycat_model, perturbed, tiny_model
 from minimedusa.acceptance import greedy
 from minimedusa.budget import Budget, fixed, nested_trees
-from minimedusa.flags.load import decoding_heads
+from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import (medusa_decode, medusa_step, new_cache, plain_decode, prefill,
                                  root_step)

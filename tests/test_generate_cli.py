@@ -15,7 +15,7 @@ import torch
 from generate import main as generate_main
 from conftest import REPO, tiny_model
 from minimedusa.errors import UserError
-from minimedusa.flags.load import device_and_format
+from minimedusa.cli.load import device_and_format
 from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.heads import MedusaHeads

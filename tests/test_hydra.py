@@ -21,7 +21,8 @@ from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import tokenizer_fingerprint
-from minimedusa.flags.load import CPU_DRAFT_VOCAB, cpu_draft_vocab, decoding_heads
+from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.speed.defaults import CPU_DRAFT_VOCAB, cpu_draft_vocab
 from minimedusa.training.medusa1 import IGNORE, draft_columns, head_inputs, head_targets, read_rows
 from minimedusa.tree import build_tree
 from minimedusa.files.export_v1 import export_v1
@@ -191,8 +192,7 @@ def test_train_frozen_hydra_learns_and_saves_its_draft_vocabulary(tiny_setup, tm
 def test_a_cpu_ranks_at_most_cpu_draft_vocab_tokens_by_default():
     """On a CPU the heads' own draft vocabulary is cut to CPU_DRAFT_VOCAB (none stays none);
     elsewhere (here a meta-device stand-in for a GPU) it is kept."""
-    cpu, other = tiny_model(), SimpleNamespace(embed=SimpleNamespace(
-        weight=torch.empty(0, device="meta")))
+    cpu, other = torch.device("cpu"), torch.device("meta")
     assert cpu_draft_vocab(8192, cpu) == CPU_DRAFT_VOCAB and cpu_draft_vocab(24, cpu) == 24
     assert cpu_draft_vocab(0, cpu) == 0 and cpu_draft_vocab(8192, other) == 8192
 

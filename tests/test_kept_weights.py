@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from minimedusa.files.weights import save_model
-from minimedusa.flags.load import formatted_model
+from minimedusa.speed.kept_weights import formatted_model
 from minimedusa.model import causal_mask
 from minimedusa.speed import group_kernel, kept_weights
 from minimedusa.speed.kept_weights import kept_file, layer_tensors, quantized_layers

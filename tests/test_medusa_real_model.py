@@ -16,8 +16,9 @@ from minimedusa.acceptance import greedy
 from minimedusa.heads import MedusaHeads
 from minimedusa.budget import fixed, grow_tree
 from minimedusa.files.heads_files import read_calibration
-from minimedusa.flags.load import decoding_heads, ranked_vocab_size
-from minimedusa.flags.trees import tree_choices
+from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.heads import ranked_vocab_size
+from minimedusa.cli.trees import tree_choices
 from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache, prefill
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR
 from minimedusa.tree import build_tree

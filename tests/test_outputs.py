@@ -86,7 +86,7 @@ def test_an_out_that_cannot_be_written_is_said_before_the_loading(where, answers
 def test_a_stopped_run_keeps_the_answers_it_finished(answers, monkeypatch):
     """Ctrl-C during the second prompt: the first one's answer is in --out, whole."""
     prompts, out = answers
-    from minimedusa.flags import prompts as prompts_module
+    from minimedusa.cli import prompts as prompts_module
     real, calls = prompts_module.decode_answer, []
 
     def stopped_at_the_second(*args, **kwargs):
@@ -164,7 +164,7 @@ def read_until(fd: int, mark: bytes) -> bytes:
 
 def chat_line_lengths(line: str, editing: bool) -> list[str]:
     """What the chat's reader takes of `line` typed into a terminal (a pseudo-terminal)."""
-    reader = ("from minimedusa.flags import chat; "
+    reader = ("from minimedusa.cli import chat; "
               + ("" if editing else "chat.line_editing = lambda: None; ")
               + "[print('got', len(line), flush=True) for line in chat.read_lines(True)]")
     pid, fd = pty.fork()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minimedusa.flags.trees import tree_choices
+from minimedusa.cli.trees import tree_choices
 from minimedusa.tree import MC_SIM_7B_63, NAMED_TREES
 from minimedusa.draft import candidates
 from minimedusa.tree import TreeError, build_tree, dense_tree

@@ -14,14 +14,16 @@ from minimedusa.training import tree_search
 from minimedusa.budget import (SIZES, expected_length, expected_length_of, grow_tree, nested_trees,
                                pick_budget)
 from minimedusa.files.heads_files import CALIBRATION, read_calibration
-from minimedusa.speed.step_latency import latency_key, read_cached, step_latency
-from minimedusa.flags.load import decoding_budget, decoding_tree
+from minimedusa.speed.latency_cache import latency_key, read_cached
+from minimedusa.speed.step_latency import step_latency
+from minimedusa.cli.trees import decoding_budget, decoding_tree
 from minimedusa.heads import MedusaHeads
 from minimedusa.training.medusa1 import IGNORE, Rows, head_metrics
 from minimedusa.tree import build_tree, dense_tree
 from minimedusa.training.tree_search import head_accuracies
 from minimedusa.files.heads_files import load_heads, save_heads
-from minimedusa.flags.load import decoding_model, default_format
+from minimedusa.cli.load import decoding_model
+from minimedusa.speed.defaults import default_format
 from minimedusa.speed.weight_formats import activation_dtype, apply_format
 
 

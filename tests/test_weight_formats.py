@@ -17,8 +17,8 @@ from minimedusa.model import causal_mask
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.flags import load
-from minimedusa.flags.load import four_bit_checkpoint
+from minimedusa.speed import defaults
+from minimedusa.speed.defaults import four_bit_checkpoint
 from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8,
                                     dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
                                     quantize_int4, quantize_int8, quantize_int8_groups)
@@ -209,15 +209,15 @@ def test_a_four_bit_checkpoint_decodes_with_8_bit_activations_only_without_avx51
     """The CPU default for a 4-bit checkpoint where group_kernel.c multiplies: w4a8 where only
     its AVX2 path runs, int4 where its AVX-512 BF16 one multiplies bfloat16 rows; a model off
     the grid keeps its dtype."""
-    monkeypatch.setattr(load.group_kernel, "kernel_problem", lambda: None)
-    monkeypatch.setattr(load.group_kernel, "takes_float32", lambda: True)
-    monkeypatch.setattr(load.group_kernel, "multiplies_bfloat16", lambda: bf16)
-    monkeypatch.setattr(load, "bf16_is_native", lambda: bf16)
-    monkeypatch.setattr(load, "four_bit_checkpoint", lambda folder: folder == "four-bit")
+    monkeypatch.setattr(defaults.group_kernel, "kernel_problem", lambda: None)
+    monkeypatch.setattr(defaults.group_kernel, "takes_float32", lambda: True)
+    monkeypatch.setattr(defaults.group_kernel, "multiplies_bfloat16", lambda: bf16)
+    monkeypatch.setattr(defaults, "bf16_is_native", lambda: bf16)
+    monkeypatch.setattr(defaults, "four_bit_checkpoint", lambda folder: folder == "four-bit")
     cpu = torch.device("cpu")
-    assert load.default_format(cpu, "four-bit") == expected
-    assert load.default_format(cpu, "other") == ("bfloat16" if bf16 else "float32")
-    assert load.default_format(torch.device("cuda"), "four-bit") == "bfloat16"
+    assert defaults.default_format(cpu, "four-bit") == expected
+    assert defaults.default_format(cpu, "other") == ("bfloat16" if bf16 else "float32")
+    assert defaults.default_format(torch.device("cuda"), "four-bit") == "bfloat16"
 
 
 @pytest.mark.skipif(not bf16_is_native(), reason="this CPU has no native bfloat16 (oneDNN)")

@@ -7,7 +7,8 @@ import torch
 
 from conftest import tiny_model
 from minimedusa.files.weights import save_model
-from minimedusa.flags.load import decoding_model, four_bit_checkpoint
+from minimedusa.cli.load import decoding_model
+from minimedusa.speed.defaults import four_bit_checkpoint
 from minimedusa.speed import group_kernel, weight_formats
 from minimedusa.speed.kept_weights import layer_tensors, quantized_layers
 from minimedusa.speed.weight_formats import describe_weights, weight_bytes

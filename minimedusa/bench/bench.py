@@ -36,11 +36,12 @@ from minimedusa.bench.questions import questions_to_time
 from minimedusa.bench.report import category_table, markdown, plot, summarize
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.files.outputs import check_writable, write_json
-from minimedusa.flags.cli import (Parser, add_compile_argument, add_device_arguments,
+from minimedusa.cli.flags import (Parser, add_compile_argument, add_device_arguments,
                                   add_quantize_argument, format_list, non_negative,
                                   non_negative_int, positive_int)
-from minimedusa.flags.load import (decoding_heads, decoding_model, decoding_tree,
-                                   device_and_format)
+from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.load import decoding_model, device_and_format
+from minimedusa.cli.trees import decoding_tree
 from minimedusa.files.default_model import (DEFAULT_HEADS_DIR, DEFAULT_MODEL_DIR,
                                             ensure_default_model)
 from minimedusa.speed.machine import device_name, machine_key
@@ -138,22 +139,7 @@ def parse_args(argv=None):
                    help="MT-Bench's questions, JSONL (FastChat's question.jsonl; default: "
                    "../shared/data/mt_bench_questions.jsonl beside the repository if there, "
                    "else the project's held-out seed prompts)")
-    p.add_argument("--generate", action="store_true",
-                   help="instead of the in-process benchmark, run generate.py once per question "
-                   "and round, its default flags against --baseline (as a user runs it); "
-                   "--model, --device, --dtype, --threads, --quantize and --compile/--no-compile "
-                   "are passed on to both")
-    p.add_argument("--baseline-flags", default="",
-                   help="with --generate: more generate.py flags for the --baseline processes, "
-                   "e.g. \"--dtype float32 --no-compile\" (today's float32 plain decoding)")
-    p.add_argument("--rounds", type=positive_int, default=2,
-                   help="with --generate: passes over the questions (default: %(default)s)")
-    p.add_argument("--profile", action="store_true",
-                   help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
-                   "the first question (torch.profiler, operators by their own time), then time "
-                   "a forward (after 256 and 1,536 cached tokens) and the products alone at 1 to "
-                   "17 rows, and a whole step at each tree size grown from the heads' "
-                   "calibration against a plain step (after 256 and 1,536 cached tokens)")
+    add_mode_flags(p)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None,
                    help="write a PNG plot here (needs matplotlib, which is optional)")
@@ -170,6 +156,26 @@ def parse_args(argv=None):
             p.error("no --heads given and no trained heads for the default model in weights/")
         args.heads = [str(DEFAULT_HEADS_DIR)]
     return args
+
+
+def add_mode_flags(p) -> None:
+    """The other things the bench can do instead: generate.py processes, or a profile."""
+    p.add_argument("--generate", action="store_true",
+                   help="instead of the in-process benchmark, run generate.py once per question "
+                   "and round, its default flags against --baseline (as a user runs it); "
+                   "--model, --device, --dtype, --threads, --quantize and --compile/--no-compile "
+                   "are passed on to both")
+    p.add_argument("--baseline-flags", default="",
+                   help="with --generate: more generate.py flags for the --baseline processes, "
+                   "e.g. \"--dtype float32 --no-compile\" (today's float32 plain decoding)")
+    p.add_argument("--rounds", type=positive_int, default=2,
+                   help="with --generate: passes over the questions (default: %(default)s)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
+                   "the first question (torch.profiler, operators by their own time), then time "
+                   "a forward (after 256 and 1,536 cached tokens) and the products alone at 1 to "
+                   "17 rows, and a whole step at each tree size grown from the heads' "
+                   "calibration against a plain step (after 256 and 1,536 cached tokens)")
 
 
 def warm_up(engines: Engines, tokenizer) -> None:

@@ -22,8 +22,11 @@ from minimedusa.bench.llama_cpp_tools import llama_cpp_engines
 from minimedusa.budget import (FixedSize, expected_length, expected_length_of, fixed, grow_tree,
                                nested_trees)
 from minimedusa.files.heads_files import read_calibration
-from minimedusa.flags.load import (decoding_budget, decoding_heads, decoding_model,
-                                   decoding_tree, ranked_vocab_size, wrapped)
+from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.drafts import wrapped
+from minimedusa.cli.load import decoding_model
+from minimedusa.cli.trees import decoding_budget, decoding_tree
+from minimedusa.heads import ranked_vocab_size
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import TreeDraft
 from minimedusa.ranked_tree import RankedDraft

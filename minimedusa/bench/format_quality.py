@@ -6,7 +6,7 @@ Held-out chats: the last --prompts seed prompts (the shipped heads trained on th
 never MT-Bench, the evaluation) answered greedily by the float32 model. Every format then reads
 the same prompt + answer in one forward, and at every answer position we compare it with float32:
 top-1 agreement (the same next token) and the mean KL(p_float32 || p_format). A format whose
-top-1 agreement is under 98% is never a default (flags/load.default_format).
+top-1 agreement is under 98% is never a default (speed/defaults.default_format).
 So does llama.cpp, where llama-cpp-python is installed and the model is the default one: its
 logits of the same tokens, from the GGUF the model came from (Q4_1 weights, and 8-bit
 activations in its products: Q8_1), as the yardstick its users already accept.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minimedusa.flags.cli import Parser, format_list, positive_int
+from minimedusa.cli.flags import Parser, format_list, positive_int
 from minimedusa.files.default_model import (DEFAULT_MODEL_DIR, ensure_default_gguf,
                                             ensure_default_model)
 from minimedusa.errors import entry_point

@@ -21,7 +21,7 @@ import weakref
 from pathlib import Path
 
 from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_gguf
-from minimedusa.flags.cli import Parser, positive_int
+from minimedusa.cli.flags import Parser, positive_int
 
 # llama-cpp-python built without ggml's AMX path (where it crashes), keeping the AVX-512 an AMX
 # CPU has; --no-cache-dir: pip's wheel cache would reuse the native build, whatever CMAKE_ARGS

@@ -35,7 +35,7 @@ from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_mod
 from minimedusa.files.outputs import check_writable, write_json
 from minimedusa.files.hf_config import config_to_hf
 from minimedusa.files.weights import hf_parts
-from minimedusa.flags.cli import Parser, format_list, positive_int
+from minimedusa.cli.flags import Parser, format_list, positive_int
 from minimedusa.model import Llama, LlamaConfig
 from minimedusa.speed.cache_folder import cache_root
 from minimedusa.speed.machine import machine_key
@@ -137,7 +137,7 @@ FORWARDS = """
 import sys, torch
 from pathlib import Path
 from minimedusa.bench.step_profile import forward_times
-from minimedusa.flags.load import decoding_model
+from minimedusa.cli.load import decoding_model
 torch.set_num_threads(int(sys.argv[3]))
 model, _ = decoding_model(Path(sys.argv[1]), torch.device("cpu"), sys.argv[2], None)
 print(forward_times(model, rows=(1, 2, 4, 8)))

@@ -13,7 +13,7 @@ import torch
 from minimedusa.acceptance import greedy_for
 from minimedusa.budget import fixed, grow_tree, nested_trees
 from minimedusa.speed.step_latency import cached_prefix, round_robin_medians, step_latency
-from minimedusa.flags.load import ranked_vocab_size
+from minimedusa.heads import ranked_vocab_size
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import TreeDraft
 from minimedusa.speed.fused_draft import fast_draft

@@ -25,13 +25,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minimedusa.files.outputs import write_atomically
-from minimedusa.files.weights import safetensors_files
+from minimedusa.files.weights import load_model, safetensors_files
 from minimedusa.speed import c_kernels, group_kernel
 from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import cpu_features
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4A16KernelLinear, Int4KernelLinear,
                                         Int4Linear, Int8Linear)
-from minimedusa.speed.weight_formats import LARGE, activation_dtype, block_weights
+from minimedusa.speed.weight_formats import (DTYPE_FORMATS, LARGE, activation_dtype, block_format,
+                                             block_weights)
 
 KEPT_FORMATS = ("int8", "int4", "w4a8")  # the formats that round: the others read as stored
 LAYERS = {cls.__name__: cls for cls in (Int8Linear, Int4Linear, Int4KernelLinear,
@@ -167,3 +168,23 @@ def read_kept(folder: Path, weight_format: str) -> KeptBlocks | None:
         return KeptBlocks(path, json.loads(metadata["layers"]))
     except Exception:  # a damaged file: safetensors' errors have varied types
         return None
+
+
+def formatted_model(folder: Path, device, weight_format: str) -> nn.Module:
+    """The model, each block in the format as it is read: a dtype's weights read straight into
+    it, int8's and int4's rounded from the weights as stored, so that the model is never held
+    whole in another dtype beside its format's bytes (peak memory). A large model's rounded
+    blocks are kept after the first run and read back by later ones (above)."""
+    device = torch.device(device)
+    dtype, convert = DTYPE_FORMATS.get(weight_format), block_format(weight_format)
+    kept = read_kept(folder, weight_format) if device.type == "cpu" else None
+    if kept is not None:
+        try:
+            return load_model(folder, device, dtype, convert, kept)
+        except KeptBlocksError as e:
+            print(f"minimedusa: the kept weights were damaged ({e}); rounding again",
+                  file=sys.stderr)
+    model = load_model(folder, device, dtype, convert)
+    if device.type == "cpu" and worth_keeping(model.config, weight_format):
+        keep(folder, weight_format, model)
+    return model

@@ -41,16 +41,10 @@ reading path); a format is applied to a loaded model, as gpt-fast does:
               group_kernel.c only (by AVX-512 VNNI where the CPU has it, else its AVX2 code:
               the same bits); the rest as int4. Float32 activations on every CPU: its rows
               are quantized from float32, not from bfloat16's rounding of them.
-              Measured (format_quality.py, 48 held-out chats, the 2-core AVX2 EPYC): top-1
-              agreement with float32 98.97%, KL 0.0007; int4's 100%, 0.0; llama.cpp's Q4_1
-              decoding 97.8%, 0.0025. The same on the 2-core Zen 5 (AVX-512, VNNI path), where
-              int4 (bfloat16 activations there, float32 logits) has 99.07%, 0.0003, and w4a8
-              with bfloat16 activations, as it ran there before, had 98.05%, 0.0014. The
+              Its top-1 agreement with float32 (format_quality.py) stays above llama.cpp's
+              own Q4_1 decoding's, whose every product takes 8-bit activations; the machine's
               default for a 4-bit checkpoint where only the AVX2 path multiplies
-              (flags/load.py's default_format), whose plain decoding it made 1.20x faster there
-              with float32 rows in wqkv and down (bench --formats); 16-bit ones there made plain
-              decoding 1.04-1.08x and Hydra greedy 1.09-1.11x faster again (one process,
-              interleaved, two runs).
+              (speed/defaults.py; the figures: weights/RESULTS.md).
 
 Greedy Medusa verifies with the format's own model, so it is lossless with respect to that
 format, to the bit, if a token's row comes out the same in a tree step (N rows) as in a plain
@@ -59,7 +53,8 @@ things make it so: attention that adds its terms in an order the keys' slots do 
 (model.exact_attention's float64 sums; attention_kernel.c's fixed float32 order in compiled
 steps) and a plain step's products computed as four rows (packed_linear.PackedLinear: oneDNN's
 one-row kernel rounds differently; int4's kernel gives a row the same bits at any row count).
-Measured: 8 of 8 MT-Bench answers identical to plain greedy over 256 tokens in every format.
+tests/test_lossless_matrix.py checks it in every format.
+
 Shapes: N output features, K input features, M rows.
 """
 import ctypes

@@ -26,7 +26,7 @@ from minimedusa.errors import UserError
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, with_draft_layer
 from minimedusa.files.heads_files import load_heads
 from minimedusa.files.outputs import check_out_is_not
-from minimedusa.flags.cli import non_negative, non_negative_int, positive_int
+from minimedusa.cli.flags import non_negative, non_negative_int, positive_int
 from minimedusa.heads import MedusaHeads, as_features, drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads
 

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from minimedusa.files.heads_files import CALIBRATION
 from minimedusa.files.outputs import write_atomically, write_json
-from minimedusa.flags.cli import dropout, non_negative, non_negative_int, positive, positive_int
+from minimedusa.cli.flags import dropout, non_negative, non_negative_int, positive, positive_int
 from minimedusa.files.default_model import PAPER_HEADS_DIR, ensure_default_model
 from minimedusa.errors import UserError
 from minimedusa.heads import MedusaHeads

@@ -17,22 +17,23 @@ import torch
 from minimedusa.budget import grow_tree
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.speed import group_kernel
-from minimedusa.speed.step_latency import latency_key, read_cached
+from minimedusa.speed.latency_cache import latency_key, read_cached
 from minimedusa.speed.weight_formats import QUANTIZED
 from minimedusa.files.checkpoint import CHECKPOINT
 from minimedusa.files.outputs import lock_folder, write_json
-from minimedusa.flags.cli import positive_int
-from minimedusa.flags.load import decoding_heads, decoding_model
+from minimedusa.cli.flags import positive_int
+from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.load import decoding_model
 from minimedusa.training.progress import minutes, progress_bar, say
 from minimedusa.files.default_model import WEIGHTS_DIR, ensure_default_model
-from minimedusa.flags.device import pick_device, pick_dtype
+from minimedusa.cli.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
 from minimedusa.training.self_distill import (Settings, answering_model, batch_seconds, distill,
                                               open_folder, pending_batches)
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.tokenizer import Tokenizer
 from minimedusa.training.loop import batch_rows, total_steps
-from minimedusa.flags.load import default_format
+from minimedusa.speed.defaults import default_format
 from minimedusa.training.tree_search import (MAX_NODES, calibrate_on, held_out_rows, search_seconds,
                                     time_sizes)
 from minimedusa.files.weights import read_config

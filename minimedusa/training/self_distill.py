@@ -35,8 +35,8 @@ import torch
 from safetensors.torch import save_file
 
 from minimedusa.files.outputs import lock_folder, write_atomically
-from minimedusa.flags.cli import Parser, add_device_arguments, non_negative, positive_int
-from minimedusa.flags.load import decoding_model, device_and_dtype
+from minimedusa.cli.flags import Parser, add_device_arguments, non_negative, positive_int
+from minimedusa.cli.load import decoding_model, device_and_dtype
 from minimedusa.training.progress import progress_bar, say
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point

@@ -23,11 +23,13 @@ import torch
 
 from minimedusa.budget import SIZES, expected_length, grow_tree, nested_trees, pick_budget
 from minimedusa.files.heads_files import CALIBRATION, read_calibration
-from minimedusa.speed.step_latency import latency_key, step_latency, write_cached
+from minimedusa.speed.latency_cache import latency_key, write_cached
+from minimedusa.speed.step_latency import step_latency
 from minimedusa.files.outputs import write_json
-from minimedusa.flags.cli import (Parser, add_compile_argument, add_device_arguments,
+from minimedusa.cli.flags import (Parser, add_compile_argument, add_device_arguments,
                                   add_quantize_argument, positive_int)
-from minimedusa.flags.load import decoding_heads, decoding_model, device_and_format
+from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.load import decoding_model, device_and_format
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.speed.machine import machine_key
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from minimedusa.errors import UserError
 from minimedusa.files.outputs import write_atomically
-from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
-from minimedusa.flags.prompts import ROLES, is_conversation
+from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
+from minimedusa.cli.prompts import ROLES, is_conversation
 from minimedusa.kv_cache import KVCache
 from minimedusa.tokenizer import StreamDecoder, Tokenizer
 

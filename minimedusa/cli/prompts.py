@@ -16,7 +16,7 @@ from pathlib import Path
 from minimedusa.decoding import check_context
 from minimedusa.errors import UserError
 from minimedusa.files.outputs import WrittenAside
-from minimedusa.flags.answer import Answer, Decoder, decode_answer, summary_line
+from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
 from minimedusa.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")

@@ -1,0 +1,117 @@
+"""--tree's values: a named tree (tree.NAMED_TREES), a dense one (dense:3,2,2), a JSON file of
+node paths, or ranked:N; each at most MAX_TREE_NODES nodes, refused in one line past it. And
+without --tree, the trees the Budget chooses among (decoding_budget: grown from the heads'
+calibration, their step latencies measured on this machine).
+"""
+import json
+import math
+from pathlib import Path
+
+from minimedusa.budget import SIZES, Budget, expected_length, grow_tree, nested_trees
+from minimedusa.context_candidates import CHAIN
+from minimedusa.files.heads_files import read_calibration
+from minimedusa.heads import ranked_vocab_size
+from minimedusa.model import Llama
+from minimedusa.speed.defaults import default_tree, largest_grown_tree
+from minimedusa.speed.latency_cache import machine_latency
+from minimedusa.tree import NAMED_TREES, MedusaTree, TreeError, build_tree, dense_tree
+
+
+# The most nodes a tree may have: its nodes are the rows of one forward (and a tree mask of
+# nodes x nodes), so past a thousand a step costs far more than it could accept on any machine,
+# and tens of thousands exhaust the memory (the paper's largest useful tree had 64).
+MAX_TREE_NODES = 1024
+
+
+def tree_choices(spec: str) -> list:
+    """A named tree, a dense tree 'dense:3,2,2', or a JSON file holding a list of node paths;
+    at most MAX_TREE_NODES nodes."""
+    if spec in NAMED_TREES:
+        return NAMED_TREES[spec]
+    if spec.startswith("dense:"):
+        try:
+            top_s = [int(s) for s in spec.removeprefix("dense:").split(",")]
+        except ValueError:
+            raise TreeError(f"bad dense tree {spec!r}: use e.g. dense:3,2,2") from None
+        if min(top_s) < 1:
+            raise TreeError(f"bad dense tree {spec!r}: each head keeps >= 1 guess")
+        check_tree_size(dense_size(top_s), spec)  # before listing: 100,100,100 lists a million
+        return dense_tree(top_s)
+    path = Path(spec)
+    if not path.is_file():
+        raise TreeError(f"unknown tree {spec!r}: not one of {', '.join(NAMED_TREES)}, "
+                        "not dense:s1,s2,..., and no such file")
+    try:
+        choices = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
+    if isinstance(choices, list):
+        check_tree_size(len(choices), spec)
+    return choices
+
+
+def dense_size(top_s: list[int]) -> int:
+    """sum_k prod_{i<=k} s_i: the nodes of dense:s_1,...,s_K."""
+    return sum(math.prod(top_s[:k]) for k in range(1, len(top_s) + 1))
+
+
+def check_tree_size(nodes: int, spec: str) -> None:
+    """A TreeError naming the bound if a tree of `nodes` nodes is not allowed."""
+    if nodes > MAX_TREE_NODES:
+        raise TreeError(f"tree {spec!r} has {nodes} nodes; at most {MAX_TREE_NODES} are "
+                        "allowed (a step's rows: the paper's largest useful tree had 64)")
+
+
+def ranked_size(spec: str) -> int | None:
+    """N of a --tree ranked:N (ranked_tree.py: each step's N most probable nodes); None for
+    --tree ranked, whose N the budget chooses step by step."""
+    if spec == "ranked":
+        return None
+    size = spec.removeprefix("ranked:")
+    if not size.isdigit() or not 1 <= int(size) <= MAX_TREE_NODES:
+        raise TreeError(f"bad tree {spec!r}: use ranked:N with N >= 1 nodes, at most "
+                        f"{MAX_TREE_NODES} (a step's rows: the paper's largest useful tree had 64)")
+    return int(size)
+
+
+def decoding_tree(spec: str | None, heads, model: Llama) -> tuple[str, MedusaTree]:
+    """(name, tree) for a --tree value, checked against the heads it will read and the
+    vocabulary they rank; without one, the device's default named tree without the paths
+    deeper than the heads."""
+    device = model.embed.weight.device
+    if spec is not None:
+        name, choices = spec, tree_choices(spec)
+    else:  # a general tree, made for any heads: keep the paths these heads can read
+        name, depth = default_tree(device), heads.config.medusa_num_heads
+        every = tree_choices(name)
+        choices = [path for path in every if len(path) <= depth]
+        if len(choices) < len(every):
+            name += f" (cut to its paths of at most {depth} nodes: {depth} heads)"
+    return name, build_tree(choices, heads.config.medusa_num_heads,
+                            ranked_vocab_size(heads, model), device)
+
+
+def decoding_budget(heads, model: Llama, heads_spec: str, context: bool = False):
+    """(trees by size, the Budget that picks among them and plain steps, why these): the tree
+    grown from the heads' calibration at every size up to the machine's largest
+    (defaults.largest_grown_tree); for heads without a calibration, the default tree or plain
+    steps. Step latencies: measured on this machine at first use, then cached (budget.py).
+    context: whether decoding reads context chains (the Budget then knows how many tokens one
+    proposes: context_candidates.CHAIN)."""
+    weight = model.embed.weight
+    folder = Path(heads_spec)
+    accuracy = read_calibration(folder) if folder.is_dir() else None
+    if accuracy is None:
+        name, tree = decoding_tree(None, heads, model)
+        nodes, sizes, expected = tree.nodes[1:], [tree.size - 1], {}
+        why = f"{name} or plain steps (the heads have no calibration.json)"
+    else:
+        nodes, probs = grow_tree(accuracy, largest_grown_tree(weight.device))
+        sizes = [n for n in SIZES if n <= len(nodes)]
+        expected = {n: expected_length(probs[:n]) for n in sizes}
+        why = "grown from the heads' calibration"
+    trees, rank = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
+                               ranked_vocab_size(heads, model), weight.device)
+    latency, source = machine_latency(model, heads, trees)
+    return (trees, Budget([0, *sizes], expected, latency, rank, chain=CHAIN if context else 0),
+            f"{why}, latencies {source}")

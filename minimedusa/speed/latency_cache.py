@@ -1,0 +1,113 @@
+"""Step latencies kept per machine: measured once (step_latency.py, a few seconds), then read
+back from the user's cache folder, never the repository, under a key of all they depend on
+(latency_key: the machine, how the step runs, the model's and the heads' shapes). A damaged
+cache is measured again and replaced; one that cannot be written still decodes.
+"""
+import contextlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from minimedusa.speed.c_kernels import sources_digest
+from minimedusa.speed.cache_folder import cache_folder
+from minimedusa.speed.machine import machine_key
+from minimedusa.speed.plug_in import how_it_runs
+from minimedusa.speed.step_latency import step_latency
+from minimedusa.speed.weight_formats import format_of
+from minimedusa.tree import MedusaTree
+
+
+def cache_file() -> Path:
+    """Where measured step latencies are kept: in the cache folder (cache_folder.py)."""
+    return cache_folder() / "step_latency.json"
+
+
+def latency_key(model, heads, device, dtype) -> str:
+    """The machine, how the step runs (plug_in.how_it_runs: latencies cached by a version of
+    this code that ran it otherwise are not reused; and the C kernels' sources: a faster kernel
+    is timed anew), the model's shapes and the heads' (their kind, their format, and how many
+    tokens they rank)."""
+    m, h = model.config, heads.config
+    vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
+    return (f"{machine_key(device, dtype)}{how_it_runs(model)} | kernels {sources_digest()}"
+            f" | model {m.num_hidden_layers}x{m.hidden_size}"
+            f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
+            f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
+            f"{vocab}, {format_of(heads)}")
+
+
+def read_cache_file() -> tuple[dict, str | None]:
+    """(every cached entry, None); no file reads as ({}, None). A damaged file (not UTF-8, not
+    JSON, not {key: {size: seconds}}) or one that cannot be read gives ({}, why): never
+    trusted, its latencies are measured again and it is replaced."""
+    path = cache_file()
+    if not path.is_file():
+        return {}, None
+    try:
+        cached = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 (UnicodeDecodeError), not JSON
+        return {}, f"{type(e).__name__}: {e}"
+    problem = shape_problem(cached)
+    return ({}, problem) if problem else (cached, None)
+
+
+def shape_problem(cached) -> str | None:
+    """Why a cache file's JSON is not {key: {size: seconds}}, or None. note: a latency of 0,
+    NaN or infinity counts as damage too: the budget divides by it."""
+    if not isinstance(cached, dict):
+        return f"a JSON {type(cached).__name__}, not an object"
+    for key, entry in cached.items():
+        if not isinstance(entry, dict) or not all(
+                n.isdecimal() and is_seconds(s) for n, s in entry.items()):
+            return f"the entry {key[:80]!r} is not {{size: seconds}}"
+    return None
+
+
+def is_seconds(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+def read_cached(key: str) -> dict[int, float]:
+    """The cached seconds per step of each size under `key`; none ({}) where the file is
+    damaged, which a line on stderr says (its sizes are then measured again)."""
+    cached, problem = read_cache_file()
+    if problem is not None:
+        print(f"minimedusa: the step-latency cache {cache_file()} was damaged ({problem}); "
+              "measured again", file=sys.stderr)
+    return {int(n): s for n, s in cached.get(key, {}).items()}
+
+
+def write_cached(key: str, latency: dict[int, float]) -> None:
+    """Merge into the cache file (a damaged one is replaced: read_cached has said so), written
+    beside its final name and renamed. Where it cannot be written the decoding goes on: a line
+    on stderr says the latencies were not kept, why, and what to do."""
+    path = cache_file()
+    cached, _ = read_cache_file()
+    cached[key] = {**cached.get(key, {}), **{str(n): s for n, s in latency.items()}}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(cached, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only folder, MINIMEDUSA_CACHE naming a file, a full disk
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a half-written one (where the folder itself is not the problem)
+        print(f"minimedusa: the step latencies measured here were not kept: {path} cannot be "
+              f"written ({type(e).__name__}: {e}); set MINIMEDUSA_CACHE to a writable folder",
+              file=sys.stderr)
+
+
+def machine_latency(model, heads, trees: dict[int, MedusaTree], repeats: int = 3):
+    """(seconds per step of each size, "cached" or "measured here"): measured once per machine
+    (a few seconds), then read from the cache."""
+    weight = model.embed.weight
+    key = latency_key(model, heads, weight.device, weight.dtype)
+    cached = read_cached(key)
+    if all(n in cached for n in [0, *trees]):
+        return {n: cached[n] for n in [0, *trees]}, "cached"
+    latency = step_latency(model, heads, trees, repeats=repeats)
+    write_cached(key, latency)
+    return latency, "measured here"
