@@ -39,7 +39,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
     from minimedusa.heads import ranked_vocab_size
-    from minimedusa.sampling import Sampling
+    from minimedusa.speed.host_greedy import sampling_for
     from minimedusa.speed.defaults import four_bit_checkpoint
     from minimedusa.speed.kept_weights import formatted_model
     from minimedusa.speed.plug_in import plug_in
@@ -211,7 +211,8 @@ def decoder(args, model) -> Decoder:
     here at first use), is done here, the flags checked first."""
     stops, n, spec = model.config.stop_ids, args.max_new_tokens, heads_spec(args)
     if spec is None:
-        sampling = Sampling(args.temperature, args.top_p, args.seed)
+        sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p,
+                                args.seed)
         return Decoder(lambda ids, cache=None: plain_decode(model, ids, n, sampling, stops, cache),
                        lambda: "plain", 0)
     heads = decoding_heads(spec, model, args.draft_vocab)

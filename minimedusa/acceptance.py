@@ -15,8 +15,6 @@ rule is an Acceptance (its accept and its first token), which the decoding loop 
   the child that matches; a draw that matches no child is the residual sample. Lossless.
 - typical: a candidate x is accepted iff p(x) > min(eps, delta * exp(-H(p))), p at temperature
   T; the next token is greedy, so each step yields >= 1 token. Not lossless; eps is the knob.
-- greedy walked on the host: greedy's nodes and tokens from a walk of the paths in Python, for a
-  CPU's logits (the flags choose it there: cli/load.decoding_acceptance).
 
 Shapes: N tree nodes, V vocab, P root-to-leaf paths, D max depth.
 """
@@ -52,25 +50,6 @@ def pick_by_draws(draws: torch.Tensor, tree: MedusaTree, tokens: torch.Tensor):
 
 def greedy_acceptance(logits, tree: MedusaTree, tokens, generator=None):
     return pick_by_draws(greedy_tokens(logits), tree, tokens)
-
-
-def greedy_on_host(logits, tree: MedusaTree, tokens) -> tuple[list[int], list[int]]:
-    """Greedy acceptance walked on the host, for logits (N, V) on a CPU: (the accepted nodes'
-    indices, root first; the new tokens: the accepted candidates, then the next token), what
-    greedy_acceptance followed by accepted_on_host gives (tested).
-
-    Why: on a CPU there is no device to keep busy, and those two take ~15 small torch
-    operators (indexing, compare, cumprod, argmax, cat), each with its dispatch: a few percent
-    of a CPU step; here the argmax is numpy's, and the walk over at most 16 paths is Python."""
-    draws, candidate = greedy_tokens(logits).tolist(), tokens.tolist()  # (N,) each
-    best: list[int] = [0]
-    for path in tree.paths_host:  # the first longest, as pick_by_draws' argmax takes it
-        depth = 1
-        while depth < len(path) and candidate[path[depth]] == draws[path[depth - 1]]:
-            depth += 1
-        if depth > len(best):
-            best = path[:depth]
-    return best, [candidate[i] for i in best[1:]] + [draws[best[-1]]]
 
 
 def rejection_acceptance(logits, tree: MedusaTree, tokens, generator, temperature, top_p):
@@ -135,20 +114,6 @@ def accepted_on_host(tree: MedusaTree, tokens, path, length, next_token):
 def greedy() -> Acceptance:
     return Acceptance("greedy", on_device(greedy_acceptance),
                       lambda logits, g: greedy_tokens(logits))
-
-
-def greedy_walked_on_host() -> Acceptance:
-    """greedy, its paths walked on the host (greedy_on_host): the same nodes and tokens, fewer
-    operators, for logits on a CPU, where there is no device to keep busy."""
-    return Acceptance("greedy", lambda logits, tree, tokens, g: greedy_on_host(logits, tree,
-                                                                               tokens),
-                      lambda logits, g: greedy_tokens(logits))
-
-
-def greedy_for(device) -> Acceptance:
-    """The greedy rule for logits on `device`: walked on the host on a CPU, where there is no
-    device to keep busy (the same nodes and tokens, tested), else verified on the device."""
-    return greedy_walked_on_host() if torch.device(device).type == "cpu" else greedy()
 
 
 def rejection(temperature: float, top_p: float = 1.0, seed: int | None = None) -> Acceptance:

@@ -146,7 +146,7 @@ class Budget:
         for a chain alone (a group > 0, n <= chain) the chain's own: its k-th token taken as
         right as often as its first (a^k; copies stay right a little more often than that).
         With the calibration's growth, steps after a 3-token match never grew past 1 node, where
-        4 nodes accepted nearly twice the tokens (weights/RESULTS.md)."""
+        4 nodes accepted nearly twice the tokens (weights/HISTORY.md)."""
         if self.expected.get(n) is None:
             return None
         steps = self.steps.get(group, {})

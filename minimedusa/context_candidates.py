@@ -11,7 +11,7 @@ no more nodes than its budget. Verification is unchanged, so decoding stays loss
 
 On the default model's answers to MT-Bench questions the chain alone accepts about as many
 tokens a step as the shipped Hydra heads, and merged with their trees more than either
-(weights/RESULTS.md); chains of 3 to 6 tokens were tried, 5 was best, by a little.
+(weights/HISTORY.md); chains of 3 to 6 tokens were tried, 5 was best, by a little.
 
 The step's budget (budget.Budget) sizes each step by how long a suffix its chain matched (its
 group): the longer the match, the more often the chain is right (a 3-token match's first token

@@ -25,7 +25,7 @@ from minimedusa.acceptance import Acceptance
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32, causal_mask
-from minimedusa.sampling import Sampling, make_generator, next_token
+from minimedusa.sampling import Sampling, make_generator
 from minimedusa.tree import MedusaTree
 
 
@@ -122,7 +122,7 @@ def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampl
     rest = torch.tensor([prompt_ids[cache.length:]], device=device)  # (1, T): not yet cached
     logits, _ = prefill(model, cache, rest)
     for i in range(max_new_tokens):
-        token = next_token(logits, sampling, generator)  # (1,)
+        token = sampling.pick(logits, generator)  # (1,)
         token_id = token.item()  # the one host sync per step: needed to stop at EOS
         yield [token_id]
         if token_id in stop_ids or i == max_new_tokens - 1:

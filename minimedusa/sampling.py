@@ -8,7 +8,6 @@ Shapes: V vocab; "..." any leading dims.
 """
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from minimedusa.errors import UserError
@@ -32,6 +31,14 @@ class Sampling:
 
     def generator(self, device) -> torch.Generator:
         return make_generator(device, self.seed)
+
+    def pick(self, logits: torch.Tensor, generator) -> torch.Tensor:
+        """One token id per row of logits (..., V) -> (...,), greedy or sampled."""
+        if self.greedy:
+            return greedy_tokens(logits)
+        probs = probabilities(logits, self.temperature, self.top_p)
+        flat = probs.reshape(-1, probs.shape[-1])  # (rows, V): multinomial wants 2-D
+        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
 def make_generator(device, seed: int | None) -> torch.Generator:
@@ -59,19 +66,8 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> tor
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1), (..., V) -> (...,) int64: the first maximum of each row, a NaN
-    counting as one. On a CPU by numpy, whose argmax is vectorised: torch's took about ten times
-    as long over a 49,152-token row, a noticeable share of a CPU step (weights/RESULTS.md).
-    Plain decoding and greedy acceptance both pick their tokens here, so the two stay compared
-    like for like."""
-    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
-        return logits.argmax(dim=-1)
-    return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
+    counting as one. Plain decoding and greedy acceptance both pick their tokens here, so the
+    two stay compared like for like (on a CPU, speed/host_greedy.py's numpy argmax stands in
+    for both)."""
+    return logits.argmax(dim=-1)
 
-
-def next_token(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
-    """One token id per row of logits (..., V) -> (...,), greedy or sampled."""
-    if sampling.greedy:
-        return greedy_tokens(logits)
-    probs = probabilities(logits, sampling.temperature, sampling.top_p)
-    flat = probs.reshape(-1, probs.shape[-1])  # (rows, V): multinomial wants 2-D
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

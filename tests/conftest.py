@@ -108,7 +108,7 @@ def greedy_pair(model, heads, tree, prompt: list[int], new: int) -> tuple[list, 
     plain greedy's, Medusa's tokens a step): for the
     lossless tests, which also check that candidates were accepted (an "equal" where the tree
     accepted nothing proves nothing)."""
-    from minimedusa.acceptance import greedy_for  # the tests' own imports stay at their tops
+    from minimedusa.speed.host_greedy import greedy_for  # the tests' own imports stay at their tops
     from minimedusa.budget import fixed
     from minimedusa.decoding import medusa_decode, plain_decode
     steps = list(medusa_decode(model, *fixed(heads, tree), greedy_for(model.embed.weight.device),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import cycling_heads, cycling_model, greedy_pair
-from minimedusa.acceptance import greedy_for
+from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.budget import Budget, FixedSize, fixed, nested_trees
 from minimedusa.decoding import medusa_decode

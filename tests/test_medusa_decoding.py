@@ -11,11 +11,11 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, copycat_model, perturbed, tiny_model
 from minimedusa.budget import fixed
-from minimedusa.acceptance import (accepted_on_host, greedy, greedy_acceptance, greedy_on_host,
-                                   typical)
+from minimedusa.acceptance import accepted_on_host, greedy, greedy_acceptance, typical
 from minimedusa.heads import MedusaHeads
 from minimedusa.hydra import HydraHeads
 from minimedusa.kv_cache import KVCache
+from minimedusa.speed.host_greedy import greedy_on_host
 from minimedusa.decoding import (StepStats, medusa_decode, medusa_step, new_cache, plain_decode,
                                  prefill, tree_forward)
 from minimedusa.draft import tree_tokens

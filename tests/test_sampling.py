@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_model
 from minimedusa.decoding import PromptTooLongError, plain_decode
 from minimedusa.errors import UserError
-from minimedusa.sampling import Sampling, greedy_tokens, next_token, probabilities
+from minimedusa.sampling import Sampling, probabilities
+from minimedusa.speed.host_greedy import HostSampling, host_argmax
 
 
 @settings(max_examples=50, deadline=None)
@@ -26,7 +27,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p(seed, top_p):
 
 def test_greedy_picks_the_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
-    assert next_token(logits, Sampling(), None).tolist() == [1, 0]
+    assert Sampling().pick(logits, None).tolist() == [1, 0]
 
 
 @settings(max_examples=100, deadline=None)
@@ -35,23 +36,24 @@ def test_greedy_picks_the_argmax():
                               min_size=7, max_size=7), min_size=1, max_size=4),
        dtype=st.sampled_from([torch.float32, torch.float64]), step=st.sampled_from([1, 2]),
        one_row=st.booleans())
-def test_greedy_tokens_are_torchs_argmax_ties_nans_and_strides_alike(rows, dtype, step, one_row):
-    """The fast argmax plain and greedy Medusa decoding both use picks what torch.argmax
-    picks: the first of tied maxima, a NaN as the maximum; on strided rows, and on one row (a
-    0-d result)."""
+def test_the_hosts_argmax_is_torchs_ties_nans_and_strides_alike(rows, dtype, step, one_row):
+    """The CPU's argmax (numpy's), which plain and greedy Medusa decoding both use there, picks
+    what torch.argmax picks, and so does HostSampling's greedy pick: the first of tied maxima,
+    a NaN as the maximum; on strided rows, and on one row (a 0-d result)."""
     logits = torch.tensor(rows, dtype=dtype)[:, ::step]  # (rows, V) possibly strided
     if one_row:
         logits = logits[0]  # (V,)
-    got = greedy_tokens(logits)
+    got = host_argmax(logits)
     assert got.dtype == torch.int64 and got.shape == logits.shape[:-1]
     assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert HostSampling().pick(logits, None).tolist() == Sampling().pick(logits, None).tolist()
 
 
 def test_sampled_frequencies_follow_the_temperature_softmax():
     logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
     sampling = Sampling(temperature=0.7, seed=0)
     g = sampling.generator("cpu")
-    draws = next_token(logits.expand(40_000, 4), sampling, g)
+    draws = sampling.pick(logits.expand(40_000, 4), g)
     freq = torch.bincount(draws, minlength=4).float() / 40_000
     torch.testing.assert_close(freq, torch.softmax(logits / 0.7, -1), atol=0.01, rtol=0)
 

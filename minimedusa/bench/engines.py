@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from minimedusa.acceptance import greedy_for, rejection, typical
+from minimedusa.acceptance import rejection, typical
 from minimedusa.bench.llama_cpp_tools import llama_cpp_engines
 from minimedusa.budget import (FixedSize, expected_length, expected_length_of, fixed, grow_tree,
                                nested_trees)
@@ -33,7 +33,7 @@ from minimedusa.ranked_tree import RankedDraft
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.errors import UserError
 from minimedusa.speed.memory_bandwidth import weight_bytes
-from minimedusa.sampling import Sampling
+from minimedusa.speed.host_greedy import greedy_for, sampling_for
 
 
 EAGER = " (eager)"  # the name's suffix of an engine timed with the decoding step eager
@@ -121,7 +121,8 @@ def timed(steps) -> tuple[list[int], float, int]:
 
 
 def plain_engine(model):
-    return lambda ids, n, seed: timed(plain_decode(model, ids, n, Sampling(), set()))
+    sampling = sampling_for(model.embed.weight.device)
+    return lambda ids, n, seed: timed(plain_decode(model, ids, n, sampling, set()))
 
 
 def seeded(acceptance, seed):

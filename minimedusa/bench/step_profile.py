@@ -10,7 +10,6 @@ import time
 
 import torch
 
-from minimedusa.acceptance import greedy_for
 from minimedusa.budget import fixed, grow_tree, nested_trees
 from minimedusa.speed.step_latency import cached_prefix, round_robin_medians, step_latency
 from minimedusa.heads import ranked_vocab_size
@@ -23,7 +22,7 @@ from minimedusa.model import causal_mask
 from minimedusa.speed.group_kernel import switch_tiles, switch_vnni, uses_tiles, uses_vnni
 from minimedusa.speed.memory_bandwidth import weight_bytes
 from minimedusa.speed.packed_linear import PackedLinear
-from minimedusa.sampling import Sampling
+from minimedusa.speed.host_greedy import greedy_for, sampling_for
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
 from minimedusa.speed.weight_formats import format_of
 
@@ -37,7 +36,8 @@ def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> 
                                            if torch.cuda.is_available() else [])
     tables = []
     for name, decode in (("plain", lambda: plain_decode(model, prompt_ids, steps + 1,
-                                                        Sampling(), set())),
+                                                        sampling_for(model.embed.weight.device),
+                                                        set())),
                          ("medusa greedy", lambda: medusa_decode(
                              model, *fixed(heads, tree), greedy_for(model.embed.weight.device),
                              prompt_ids, steps * (tree.num_heads + 1), set()))):

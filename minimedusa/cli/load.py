@@ -14,6 +14,7 @@ from minimedusa.errors import UserError
 from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
 from minimedusa.speed.defaults import default_format
+from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.speed.kept_weights import formatted_model
 from minimedusa.speed.plug_in import plug_in
 from minimedusa.speed.weight_formats import bf16_is_native
@@ -70,8 +71,8 @@ def decoding_model(folder: Path, device, weight_format: str, compile_flag: bool 
 def decoding_acceptance(args, device: torch.device) -> acceptance.Acceptance:
     """--acceptance: 'auto' (greedy at temperature 0, lossless rejection sampling above),
     'greedy', 'typical' or 'rejection', with --temperature, --top-p, --eps, --delta, --seed.
-    Greedy on a CPU is walked on the host (acceptance.greedy_walked_on_host: the same tokens,
-    fewer operators)."""
+    Greedy on a CPU is walked on the host (speed/host_greedy.py: the same tokens, fewer
+    operators)."""
     kind, temperature = args.acceptance, args.temperature
     if kind == "auto":
         kind = "greedy" if temperature == 0 else "rejection"
@@ -83,4 +84,4 @@ def decoding_acceptance(args, device: torch.device) -> acceptance.Acceptance:
         return acceptance.typical(temperature, args.eps, args.delta)
     if kind == "rejection" and temperature != 0:
         return acceptance.rejection(temperature, args.top_p, args.seed)
-    return acceptance.greedy_for(device)
+    return greedy_for(device)

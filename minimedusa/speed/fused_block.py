@@ -13,7 +13,7 @@ default 1.29x its own plain decoding and 1.26-1.33x llama.cpp's (weights/RESULTS
 bfloat16 on a Xeon (AVX-512 BF16, 2 threads): 14.3 / 29.1 ms compiled, 10.7 / 27.5 fused.
 All the blocks in one call rather than one a block: each block's call from Python cost ~15 us
 beyond the operator's work (the module's call and checks, the dispatch), more in situ, where
-each block's weights stream through the caches in between; in one process (weights/RESULTS.md,
+each block's weights stream through the caches in between; in one process (weights/HISTORY.md,
 session 17) a forward of 1 / 2 / 8 rows took 1.13-1.16x / 1.12-1.13x / 1.06x as long a call a
 block.
 A row's bits depend on nothing beside it (each step of the block is row by row, and so are the

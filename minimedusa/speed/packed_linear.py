@@ -60,7 +60,7 @@ def _(rows, packed, bias, out_features):  # its output's shape, for the compiler
 # The fewest rows a product is run with (PackedLinear adds zero rows): at least 2, for the
 # exactness below, and 4 because oneDNN's kernels for 1 or 2 rows are its slowest. The 30 blocks'
 # products at 1 / 2 / 3 / 4 / 5 rows on the 2-core AVX-512 EPYC (`python -m minimedusa.bench
-# --profile`, records weights/records/profile-step-*-epyc-zen4.txt):
+# --profile`, records weights/records/epyc-zen4/profile-step-*-epyc-zen4.txt):
 # bfloat16 13.9 / 13.2 / 12.1 / 13.1 / 11.2 ms, float32 22.7 / 23.7 / 19.8 / 19.1 / 19.0 ms.
 # The weights are read once whatever the rows, so the extra rows cost next to nothing.
 MIN_ROWS = 4

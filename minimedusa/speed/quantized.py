@@ -231,7 +231,7 @@ def quantize_linear_layers(module: nn.Module, dtype: torch.dtype = torch.bfloat1
 # France?" with "L'Etoile, la Marseillaise", as llama.cpp does); wo and gate_up 98.91%, 0.00077
 # ("Paris"); gate_up alone 98.73%, 0.00070; llama.cpp's Q4_1 decoding 97.85%, 0.00253. With 16-bit
 # activations in wqkv and down instead of float32 ones: 98.97%, 0.00073
-# (records/format-quality-epyc-avx2-w4a8-a16.json)
+# (records/epyc-zen3-avx2/format-quality-epyc-avx2-w4a8-a16.json)
 EIGHT_BIT_INPUTS = ("wo", "gate_up")
 
 
@@ -292,9 +292,10 @@ def eight_bit_head_layers(heads: nn.Module) -> int:
     rounded to 8-bit groups, in place, where group_kernel.c multiplies on this CPU; how many.
     Why: the heads' draft reads their weights once a depth, in float32 4 bytes a weight (the
     default Hydra heads, 4 deep: 24 MB); 8-bit groups read a quarter of that (a 3-node draft
-    2.3 -> 1.1 ms on the 2-core AVX2 EPYC, records/heads-int8-draft-epyc-avx2.txt). Rounding
-    the heads changes only their guesses (within ~0.4% of each group's largest weight), never
-    what the model accepts: greedy Medusa stays lossless."""
+    2.3 -> 1.1 ms on the 2-core AVX2 EPYC,
+    records/epyc-zen3-avx2/heads-int8-draft-epyc-avx2.txt). Rounding the heads changes only
+    their guesses (within ~0.4% of each group's largest weight), never what the model accepts:
+    greedy Medusa stays lossless."""
     if group_kernel.kernel_problem() is not None:
         return 0
     layers = [(parent, name, child) for parent in heads.modules()

@@ -11,11 +11,10 @@ import time
 
 import torch
 
-from minimedusa.acceptance import greedy_for
 from minimedusa.decoding import decode_step, medusa_step, new_cache, prefill
 from minimedusa.draft import TreeDraft
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
-from minimedusa.sampling import greedy_tokens
+from minimedusa.speed.host_greedy import greedy_for, sampling_for
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.tree import MedusaTree
 
@@ -80,7 +79,7 @@ def time_one_step(model, draft, n: int, cache, features) -> float:
     if n == 0:
         logits, kept = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
                                                              device=cache.device))
-        greedy_tokens(logits).item()  # the token and host sync a plain step makes too
+        sampling_for(cache.device).pick(logits, None).item()  # as a plain step picks and syncs
     else:
         tree, tokens, _ = draft.tree(model, n, 0, features, {})
         _, _, kept = medusa_step(model, tree, cache, tokens, greedy_for(cache.device), None)

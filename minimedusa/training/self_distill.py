@@ -13,7 +13,7 @@ with `--prompts model`, user turns the model writes itself: it samples what foll
 `<|im_start|>user` in its own chat template. Templated prompts are many but alike, and heads
 trained on their answers learn the templates' answers: on unseen seed prompts the shipped heads'
 first guess was accepted 56% of the time, on MT-Bench only 24%. Heads calibrated on answers to
-model-written turns predict their MT-Bench acceptance within a few percent (weights/RESULTS.md,
+model-written turns predict their MT-Bench acceptance within a few percent (weights/HISTORY.md,
 "Speed").
 
 Output: a folder of shards (shard-00000.safetensors, ...) plus meta.json; the run resumes by
@@ -41,7 +41,7 @@ from minimedusa.training.progress import progress_bar, say
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
 from minimedusa.kv_cache import KVCache
-from minimedusa.sampling import Sampling, make_generator, next_token
+from minimedusa.sampling import Sampling, make_generator
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.tokenizer import Tokenizer
 
@@ -82,7 +82,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, sampling:
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,) next positions
     answers, states, done = [[] for _ in prompts], [hidden], [False] * B
     for t in range(max_new_tokens):
-        token = next_token(model.lm_head(hidden[:, -1]), sampling, generator)  # (B,)
+        token = sampling.pick(model.lm_head(hidden[:, -1]), generator)  # (B,)
         ids = token.tolist()  # the host sync of the step: who has stopped
         for b in range(B):
             if not done[b]:
@@ -237,7 +237,7 @@ def batch_seconds(model, tokenizer: Tokenizer, batch: list[dict], settings: Sett
     for _ in range(repeats + 1):
         start = time.perf_counter()
         hidden = model.hidden_states(token, positions, mask, cache, cache.slots(S - 1, 1))
-        next_token(model.lm_head(hidden[:, -1]), Sampling(), None).tolist()
+        Sampling().pick(model.lm_head(hidden[:, -1]), None).tolist()
         times.append(time.perf_counter() - start)
     step = sorted(times[1:])[repeats // 2]
     return seconds + (settings.max_new_tokens - 1) * step
