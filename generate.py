@@ -31,7 +31,9 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
                                       add_device_arguments, add_draft_vocab_argument,
                                       add_quantize_argument, non_negative, positive_int,
                                       probability)
-    from minimedusa.cli.load import decoding_acceptance, device_and_format
+    from minimedusa.cli.acceptance_rule import (acceptance_kind, decoding_acceptance,
+                                                drawn_temperature)
+    from minimedusa.cli.load import device_and_format
     from minimedusa.cli.prompts import (answer_prompts, open_out, prompt_from_stdin, prompt_ids,
                                         prompts_summary, read_prompts)
     from minimedusa.cli.trees import decoding_tree, ranked_size
@@ -108,9 +110,13 @@ def add_medusa_arguments(p) -> None:
                    "N chosen step by step as the default tree's size is (default: "
                    "the tree grown from the heads' calibration, its size chosen step by step "
                    "from step latencies measured on this machine, plain steps included)")
-    p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection"],
+    p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection",
+                                             "speculative"],
                    default="auto", help="how candidates are verified (default: auto = greedy "
-                   "at temperature 0, lossless rejection sampling above)")
+                   "at temperature 0; above it, lossless speculative sampling of candidates "
+                   "drawn from the heads (speculative_sampling.py), or with --tree ranked "
+                   "rejection sampling of their top guesses (also lossless); typical: faster, "
+                   "not lossless)")
     p.add_argument("--eps", type=non_negative, default=0.09,
                    help="typical acceptance: hard threshold epsilon (default: %(default)s)")
     p.add_argument("--delta", type=non_negative, default=0.3,
@@ -183,7 +189,7 @@ def check_flags(args, model, tokenizer) -> None:
     here are dropped; decoder() reads them again, in the model's final format."""
     spec = heads_spec(args)
     if spec is not None:
-        decoding_acceptance(args, model.embed.weight.device)
+        acceptance_kind(args)
         heads = decoding_heads(spec, model, args.draft_vocab)
         if args.tree is not None and args.tree.startswith("ranked:"):
             ranked_size(args.tree)
@@ -221,9 +227,10 @@ def decoder(args, model) -> Decoder:
                         "cache is not kept between turns): use other heads or --baseline")
     kind = heads.config.head_kind + (f" heads (draft vocabulary {ranked_vocab_size(heads, model)})"
                                      if heads.vocabulary is not None else " heads")
-    accept = decoding_acceptance(args, model.embed.weight.device)
     context = args.context and args.tree in (None, "ranked")  # with the adapted trees only
-    draft, budget, tree = decoding_draft(args.tree, heads, model, spec, context)
+    draws = drawn_temperature(args)  # speculative sampling: candidates drawn at T, else None
+    draft, budget, tree = decoding_draft(args.tree, heads, model, spec, context, draws, args.seed)
+    accept = decoding_acceptance(args, model.embed.weight.device, draft)
     return Decoder(lambda ids, cache=None: medusa_decode(model, draft, budget, accept, ids, n,
                                                          stops, cache),
                    lambda: f"{kind}, {tree()}, {accept.name}",

@@ -21,14 +21,21 @@ from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.tree import MedusaTree
 
 
+def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The paper's guesses: the columns of the k largest logits, best first, (..., V) -> (..., k)."""
+    return logits.topk(k, dim=-1).indices
+
+
 def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree,
-               vocabulary: DraftVocabulary | None = None) -> torch.Tensor:
+               vocabulary: DraftVocabulary | None = None, pick=top_k) -> torch.Tensor:
     """The tree's tokens: (N,) int64, from the root token () and the heads' logits (K, V).
 
     The heads' top-k are laid out flat as [root, head 1's top-k, head 2's top-k, ...], and
     tree.token_index says where each node's token sits in that list (tree.py). `vocabulary`:
-    the draft vocabulary whose columns the heads score, if any (heads.DraftVocabulary)."""
-    top = token_ids(vocabulary, head_logits[:tree.num_heads].topk(tree.top_k, dim=-1).indices)
+    the draft vocabulary whose columns the heads score, if any (heads.DraftVocabulary);
+    `pick`: how a head's k guesses are chosen from its logits (top_k; speculative_sampling.py
+    draws them)."""
+    top = token_ids(vocabulary, pick(head_logits[:tree.num_heads], tree.top_k))
     flat = torch.cat([root.reshape(1), top.reshape(-1)])  # (1 + D * top_k,)
     return flat[tree.token_index]
 
@@ -41,15 +48,15 @@ def guess(heads: MedusaHeads, model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def tree_tokens(heads: MedusaHeads | HydraHeads, model, tree: MedusaTree, root: int,
-                hidden: torch.Tensor) -> torch.Tensor:
+                hidden: torch.Tensor, pick=top_k) -> torch.Tensor:
     """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
     (or what the heads read there: a draft's read) is hidden (C,). Medusa heads guess every
     depth at once from h_t alone; Hydra heads read the draft's own tokens, so they guess depth
     by depth (hydra.py)."""
     root = torch.tensor(root, device=hidden.device)
     if isinstance(heads, HydraHeads):
-        return hydra_candidates(heads, model, hidden, root, tree)
-    return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary)
+        return hydra_candidates(heads, model, hidden, root, tree, pick)
+    return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary, pick)
 
 
 class TreeDraft:

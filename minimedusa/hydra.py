@@ -74,18 +74,21 @@ class HydraHeads(nn.Module):
 
 @torch.inference_mode()
 def hydra_candidates(heads: HydraHeads, model, hidden: torch.Tensor, root: torch.Tensor,
-                     tree: MedusaTree) -> torch.Tensor:
+                     tree: MedusaTree, pick=None) -> torch.Tensor:
     """The tree's tokens (N,), drafted depth by depth from h_t (C,) and the root token ().
 
     At depth d, head d runs once over the M nodes of depth d-1 that have children, each reading
     its own path's tokens; node p + (r,) gets the r-th best guess at its parent p (among the
-    heads' draft vocabulary, if they have one)."""
+    heads' draft vocabulary, if they have one). `pick(logits, k)`: the k guesses' columns,
+    (M, V') -> (M, top_k), best first (default: the top k; speculative_sampling.py draws them)."""
     lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
     tokens = root.reshape(1).expand(tree.size).clone()  # (N,): filled in depth by depth
     for d in range(1, tree.num_heads + 1):
         parents, children, slot, rank = tree.drafting[d - 1]
         path = tokens[tree.ancestors[parents, :d]]  # (M, d): root .. parent
         logits = heads.head(d, hidden, path, model.embed, lm_head)  # (M, V')
-        top = token_ids(heads.vocabulary, logits.topk(tree.top_k, dim=-1).indices)  # (M, top_k)
+        columns = logits.topk(tree.top_k, dim=-1).indices if pick is None else pick(logits,
+                                                                                    tree.top_k)
+        top = token_ids(heads.vocabulary, columns)  # (M, top_k)
         tokens[children] = top[slot, rank]
     return tokens

@@ -195,3 +195,15 @@ def test_missing_questions_given_are_one_line_not_a_fallback(tiny_folder, tmp_pa
                                          f"{re.escape(str(missing))}$"):
         bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
                     "--questions", str(missing), "--threads", "1"])
+
+
+def test_generate_processes_pass_flags_to_both_and_default_flags_to_the_default(tiny_folder):
+    args = bench.parse_args(["--generate", "--rounds", "1", "--max-new-tokens", "4",
+                             "--model", str(tiny_folder), "--heads", "untrained-shared:3",
+                             "--threads", "1", "--dtype", "float32", "--no-compile",
+                             "--flags", "--temperature 0.7 --seed 1",
+                             "--default-flags", "--acceptance typical"])
+    question = {"id": 1, "category": "writing", "prompt": "Hi"}
+    totals = bench_generate.generate_processes(args, [question], {})
+    assert "typical(T=0.7" in totals["default"]["modes"][0]
+    assert totals["baseline"]["modes"] == ["plain"]

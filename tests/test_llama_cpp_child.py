@@ -111,7 +111,7 @@ def test_generate_processes_report_the_processes_when_llama_cpp_dies(stand_in, m
     monkeypatch.setattr(processes, "llama_cpp_engines",
                         lambda args, folder, threads, tokenizer: {LLAMA: stand_in(1)})
     args = Namespace(no_llama_cpp=False, llama_cpp=None, threads=1, max_new_tokens=4, rounds=1,
-                     baseline_flags="", out=None)
+                     flags="", default_flags="", baseline_flags="", out=None)
     processes.report_generate_processes(args, QUESTIONS, "cpu", WORDS, None)
     out, err = capsys.readouterr()
     shown = json.loads(out)

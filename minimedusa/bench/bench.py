@@ -168,6 +168,13 @@ def add_mode_flags(p) -> None:
     p.add_argument("--baseline-flags", default="",
                    help="with --generate: more generate.py flags for the --baseline processes, "
                    "e.g. \"--dtype float32 --no-compile\" (today's float32 plain decoding)")
+    p.add_argument("--flags", default="",
+                   help="with --generate: more generate.py flags for every process, e.g. "
+                   "\"--temperature 0.7 --seed 1\" (sampling: the answers then differ by their "
+                   "draws, so only greedy runs count identical answers)")
+    p.add_argument("--default-flags", default="",
+                   help="with --generate: more generate.py flags for the default's processes "
+                   "only, e.g. \"--acceptance typical\"")
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="with --generate: passes over the questions (default: %(default)s)")
     p.add_argument("--profile", action="store_true",

@@ -38,7 +38,9 @@ def generate_process(args, prompt: str, mode: str) -> tuple[dict, float]:
     script = Path(__file__).resolve().parents[2] / "generate.py"
     cmd = [sys.executable, str(script), "--json", "--prompt", prompt,
            "--max-new-tokens", str(args.max_new_tokens), "--heads", args.heads[0],
-           *model_flags(args)]
+           *model_flags(args), *shlex.split(args.flags)]
+    if mode == "default":
+        cmd += shlex.split(args.default_flags)
     if mode == "baseline":
         cmd += ["--baseline", *shlex.split(args.baseline_flags)]
     start = time.perf_counter()
@@ -108,7 +110,8 @@ def report_generate_processes(args, questions: list[dict], machine: str, tokeniz
                   in llama_cpp_engines(args, folder, args.threads, tokenizer).items()}
     tools = None if args.no_llama_cpp else find_tools(args.llama_cpp)
     result = {"machine": machine, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-              "questions": len(questions), "baseline_flags": args.baseline_flags,
+              "questions": len(questions), "flags": args.flags,
+              "default_flags": args.default_flags, "baseline_flags": args.baseline_flags,
               **generate_processes(args, questions, in_process)}
     if COMPLETION in result:  # and llama.cpp's decoding alone, as its users quote it
         result["llama-bench tokens/s"] = decoding_rate(tools, ensure_default_gguf(), args.threads,

@@ -10,16 +10,20 @@ from minimedusa.draft import TreeDraft
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.model import Llama
 from minimedusa.ranked_tree import RankedDraft
+from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.speed.fused_draft import fast_draft
 
 
-def decoding_draft(spec: str | None, heads, model: Llama, heads_spec: str, context: bool):
+def decoding_draft(spec: str | None, heads, model: Llama, heads_spec: str, context: bool,
+                   draws: float | None = None, seed: int | None = None):
     """(draft, budget, describe) for decoding.medusa_decode as --tree asks: a fixed tree
     (budget.fixed: the paper's one tree every step), ranked:N (each step's N most probable
     nodes), or by default the nested trees and the Budget that picks among them and plain
     steps, ranked (ranked_tree.RankedDraft) with --tree ranked; with context candidates
     (context_candidates.ContextDraft) where `context`; Hydra++ heads' draft reads through their
-    layer. describe() says which, after the run (the sizes the budget used)."""
+    layer; candidates drawn from the heads at temperature `draws` where given (DrawnDraft, for
+    speculative sampling; its draws seeded apart from the acceptance's coins). describe() says
+    which, after the run (the sizes the budget used)."""
     if spec is not None and spec.startswith("ranked:"):
         size = ranked_size(spec)
         return (wrapped(RankedDraft(heads), heads, False), FixedSize(size),
@@ -27,14 +31,23 @@ def decoding_draft(spec: str | None, heads, model: Llama, heads_spec: str, conte
     if spec is not None and spec != "ranked":
         name, tree = decoding_tree(spec, heads, model)
         draft, budget = fixed(heads, tree)
-        return (wrapped(fast_draft(draft, model), heads, False), budget,
+        return (wrapped(tree_draft(heads, draft.trees, model, draws, seed), heads, False), budget,
                 lambda: f"tree {name} ({tree.size - 1} nodes, --tree)")
     trees, budget, why = decoding_budget(heads, model, heads_spec, context)
-    draft = RankedDraft(heads) if spec == "ranked" else fast_draft(TreeDraft(heads, trees), model)
+    draft = RankedDraft(heads) if spec == "ranked" else tree_draft(heads, trees, model, draws,
+                                                                   seed)
     shape = "confidence-ranked tree" if spec == "ranked" else "tree"
     joined = " and context candidates" if context else ""
     return (wrapped(draft, heads, context), budget,
             lambda: f"{shape} of {budget.summary()}{joined}: {why}")
+
+
+def tree_draft(heads, trees: dict, model: Llama, draws: float | None, seed: int | None):
+    """The heads' guesses on the trees: their top-k (TreeDraft, fused where speed fuses it), or
+    drawn at temperature `draws` (DrawnDraft)."""
+    if draws is None:
+        return fast_draft(TreeDraft(heads, trees), model)
+    return DrawnDraft(heads, trees, draws, None if seed is None else seed + 1)
 
 
 def wrapped(draft, heads, context: bool):

@@ -1,20 +1,18 @@
 """From command-line flags to the model decoding runs: the device and weight format (the
 machine's default: speed/defaults.py), the model read in that format and its speed plugged in
-(speed/plug_in.py), and the acceptance rule; decided here once for generate.py, bench and the
-training tools alike.
+(speed/plug_in.py); decided here once for generate.py, bench and the training tools alike.
+The acceptance rule: cli/acceptance_rule.py.
 """
 import sys
 from pathlib import Path
 
 import torch
 
-from minimedusa import acceptance
 from minimedusa.cli.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
 from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
 from minimedusa.speed.defaults import default_format
-from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.speed.kept_weights import formatted_model
 from minimedusa.speed.plug_in import plug_in
 from minimedusa.speed.weight_formats import bf16_is_native
@@ -66,22 +64,3 @@ def decoding_model(folder: Path, device, weight_format: str, compile_flag: bool 
     if check is not None:
         check(model)
     return model, plug_in(model, weight_format, compile_flag)
-
-
-def decoding_acceptance(args, device: torch.device) -> acceptance.Acceptance:
-    """--acceptance: 'auto' (greedy at temperature 0, lossless rejection sampling above),
-    'greedy', 'typical' or 'rejection', with --temperature, --top-p, --eps, --delta, --seed.
-    Greedy on a CPU is walked on the host (speed/host_greedy.py: the same tokens, fewer
-    operators)."""
-    kind, temperature = args.acceptance, args.temperature
-    if kind == "auto":
-        kind = "greedy" if temperature == 0 else "rejection"
-    if kind == "greedy":
-        if temperature != 0:
-            raise UserError("--acceptance greedy decodes at temperature 0: drop --temperature "
-                            "or use --acceptance typical or rejection")
-    if kind == "typical":
-        return acceptance.typical(temperature, args.eps, args.delta)
-    if kind == "rejection" and temperature != 0:
-        return acceptance.rejection(temperature, args.top_p, args.seed)
-    return greedy_for(device)

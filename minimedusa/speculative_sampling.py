@@ -1,0 +1,185 @@
+"""Speculative sampling with drafts drawn from the heads: lossless sampling that accepts more.
+
+acceptance.rejection verifies the heads' top-k, point-mass drafts: a child x is accepted with
+probability p(x), so at T = 0.7 a tree accepts little more than what p gives its top guess.
+Here the candidates are DRAWN from the heads' own distribution q, and verified by speculative
+sampling (Leviathan et al., Chen et al.) with recursive rejection across a node's siblings
+(SpecInfer; EAGLE's tree sampling). One candidate alone is accepted with probability
+sum_x min(p(x), q(x)) = 1 - TV(p, q): the closer the heads' q is to the backbone's p, the
+more they accept, whatever p's entropy.
+
+The rule at a node whose next-token distribution is p, its children x_1, x_2, ... in the order
+they were drawn. Start with r_1 = p; for i = 1, 2, ...:
+    q_i = the law x_i was drawn from, given the draws before it (x_1..x_{i-1} drawn from q
+          without replacement: q with them removed, renormalised; a context candidate, not
+          drawn: a point mass on it)
+    accept x_i with probability min(1, r_i(x_i) / q_i(x_i)): emit it, go on at its node
+    else r_{i+1} = norm(max(0, r_i - q_i))
+when every child is rejected (or there is none), the next token is drawn from the last r.
+
+Why the output is exactly p (by induction from the last child back): suppose whatever happens
+from child i + 1 on emits a token of law r_{i+1}, for any draws before it. Child i emits y with
+probability q_i(y) min(1, r_i(y)/q_i(y)) = min(q_i(y), r_i(y)), and is rejected with
+probability sum_y max(0, r_i(y) - q_i(y)) = Z, after which y comes with probability
+r_{i+1}(y) = max(0, r_i(y) - q_i(y)) / Z. In all: min(q_i, r_i)(y) + max(0, r_i - q_i)(y) =
+r_i(y). After the last child the token is drawn from r itself, so the induction starts; at the
+first child r_1 = p. Each accepted child's own children are then verified against p at that
+node, so every token of the step, and the whole sequence, follows plain sampling's law. q_i
+may depend on anything drawn before x_i (the earlier siblings, other draws that never became
+nodes) but not on the verifier's coins: the heads' draws are made before the forward.
+
+Without replacement (Gumbel-top-k: the k largest of log q + Gumbel noise are k draws in order)
+a node's siblings are distinct: a repeated draw would be a node that can only be rejected.
+
+Shapes: N tree nodes, V vocab, V' the heads' draft vocabulary, k draws a node.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from minimedusa.acceptance import Acceptance
+from minimedusa.draft import TreeDraft, tree_tokens
+from minimedusa.heads import token_ids
+from minimedusa.hydra import HydraHeads
+from minimedusa.sampling import make_generator, probabilities
+from minimedusa.tree import MedusaTree
+
+
+def draw_without_replacement(logits: torch.Tensor, k: int, temperature: float, generator):
+    """k draws without replacement from q = softmax(logits / T), in the order drawn, by the
+    Gumbel-top-k trick: (columns (..., k), q (..., V')); logits (..., V')."""
+    scaled = logits.float() / temperature
+    uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))  # (..., V')
+    return (scaled + gumbel).topk(k, dim=-1).indices, torch.softmax(scaled, dim=-1)
+
+
+@dataclass
+class Proposal:
+    """What a step's drawn candidates were drawn from: for each parent node path, the heads'
+    q there (V',) and the tokens drawn there in order (k,); ids: the draft vocabulary's token
+    id of each of q's columns (None: columns are token ids)."""
+    q: dict = field(default_factory=dict)  # parent node path -> (V',) float32
+    draws: dict = field(default_factory=dict)  # parent node path -> [k token ids]
+    ids: torch.Tensor | None = None
+
+
+class DrawnDraft(TreeDraft):
+    """TreeDraft whose candidates are drawn from the heads' q at `temperature`, without
+    replacement, instead of their top-k; each step's Proposal is kept for the acceptance
+    (take_proposal), which must know what every candidate was drawn from."""
+
+    def __init__(self, heads, trees: dict[int, MedusaTree], temperature: float,
+                 seed: int | None = None):
+        super().__init__(heads, trees)
+        self.temperature, self.seed = temperature, seed
+        self.generator, self.proposal = None, None
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+        tree = self.trees[n]
+        if self.generator is None:  # on the heads' device, made once a run
+            self.generator = make_generator(features.device, self.seed)
+        calls = []  # (q (M, V'), draws (M, k)) of each call of the heads, in order
+
+        def pick(logits, k):
+            columns, q = draw_without_replacement(logits, k, self.temperature, self.generator)
+            calls.append((q, token_ids(self.heads.vocabulary, columns)))
+            return columns
+
+        tokens = tree_tokens(self.heads, model, tree, root, features, pick)
+        self.proposal = proposal_of(tree, calls, self.heads)
+        return tree, tokens, rank
+
+    def take_proposal(self) -> Proposal | None:
+        """The last drafted step's proposal, once: a step that did not draft (a context chain
+        alone) finds None, and verifies its candidates as point masses."""
+        proposal, self.proposal = self.proposal, None
+        return proposal
+
+
+def proposal_of(tree: MedusaTree, calls: list, heads) -> Proposal:
+    """The parents' q and draws from the heads' calls (q (M, V'), draws (M, k)): Hydra heads
+    make one call a depth, a row a parent (tree.drafting's order); Medusa heads one call, head
+    d's row serving every parent of depth d - 1."""
+    if isinstance(heads, HydraHeads):
+        rows = [(tree.nodes[parent], q[row], draws[row])
+                for (q, draws), (parents, *_) in zip(calls, tree.drafting)
+                for row, parent in enumerate(parents.tolist())]
+    else:
+        q, draws = calls[0]
+        rows = [(path, q[len(path)], draws[len(path)]) for path in tree.nodes
+                if len(path) < tree.num_heads]
+    proposal = Proposal(ids=heads.vocabulary.ids if heads.vocabulary is not None else None)
+    for path, q_row, draws_row in rows:
+        proposal.q[path], proposal.draws[path] = q_row, draws_row.tolist()
+    return proposal
+
+
+def children_in_order(tree: MedusaTree) -> dict[tuple, list[int]]:
+    """Each node path's children (node indices), in the order of their rank: the draw order."""
+    children: dict[tuple, list[int]] = {}
+    for index, path in sorted(enumerate(tree.nodes), key=lambda item: item[1]):
+        if path:
+            children.setdefault(path[:-1], []).append(index)
+    return children
+
+
+def law_of(child_path: tuple, token: int, proposal: Proposal | None, vocab: int, device):
+    """q_i: the law the child's token was drawn from, (V,): its parent's q without the draws
+    before it, renormalised, if the token is its rank's draw; else a point mass on the token.
+    A law whose float32 mass underflowed to 0 counts as a point mass too (exact but for that)."""
+    parent, rank = child_path[:-1], child_path[-1]
+    draws = proposal.draws.get(parent, []) if proposal is not None else []
+    q = torch.zeros(vocab, device=device)
+    if rank < len(draws) and draws[rank] == token:
+        q_parent = proposal.q[parent]
+        q.index_copy_(0, proposal.ids, q_parent) if proposal.ids is not None else q.copy_(q_parent)
+        q[draws[:rank]] = 0.0  # the draws before it: drawn without replacement
+        if q.sum() > 0:
+            return q / q.sum()
+        q.zero_()
+    q[token] = 1.0
+    return q
+
+
+def verify_drawn(probs: torch.Tensor, tree: MedusaTree, tokens: torch.Tensor,
+                 proposal: Proposal | None, generator) -> tuple[list[int], list[int]]:
+    """Recursive rejection down the tree: probs (N, V), the backbone's p at each node; ->
+    (the accepted nodes' indices, root first; the new tokens: the accepted candidates, then
+    the next token), as every Acceptance returns."""
+    children, token_list = children_in_order(tree), tokens.tolist()
+    node, nodes, new = 0, [0], []
+    residual = probs[0]  # r_1 = p at the root
+    while True:
+        accepted = None
+        for child in children.get(tree.nodes[node], []):
+            x = token_list[child]
+            q = law_of(tree.nodes[child], x, proposal, probs.shape[-1], probs.device)
+            coin = torch.rand((), generator=generator, device=probs.device)
+            if coin * q[x] < residual[x]:  # with probability min(1, r(x) / q(x))
+                accepted = child
+                break
+            rest = (residual - q).clamp(min=0.0)
+            residual = rest / rest.sum() if rest.sum() > 0 else residual
+        if accepted is None:
+            new.append(torch.multinomial(residual, 1, generator=generator).item())
+            return nodes, new
+        nodes.append(accepted)
+        new.append(token_list[accepted])
+        node, residual = accepted, probs[accepted]
+
+
+def speculative(draft: DrawnDraft, temperature: float, top_p: float = 1.0,
+                seed: int | None = None) -> Acceptance:
+    """Speculative sampling of `draft`'s drawn candidates (DrawnDraft, maybe inside a context
+    draft), lossless at (temperature, top_p): the Acceptance the decoding loop runs."""
+    def accept(logits, tree, tokens, generator):
+        probs = probabilities(logits, temperature, top_p)  # (N, V) p at every node
+        return verify_drawn(probs, tree, tokens, draft.take_proposal(), generator)
+
+    def first(logits, generator):
+        return torch.multinomial(probabilities(logits, temperature, top_p), 1,
+                                 generator=generator)[0]
+
+    return Acceptance(f"speculative sampling of drawn drafts (T={temperature}, top_p={top_p})",
+                      accept, first, seed)
