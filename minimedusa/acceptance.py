@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from minimedusa.sampling import greedy_tokens, probabilities
+from minimedusa.sampling import draw, greedy_tokens, probabilities
 from minimedusa.tree import MedusaTree
 
 
@@ -54,7 +54,7 @@ def greedy_acceptance(logits, tree: MedusaTree, tokens, generator=None):
 
 def rejection_acceptance(logits, tree: MedusaTree, tokens, generator, temperature, top_p):
     probs = probabilities(logits, temperature, top_p)  # (N, V) float32
-    draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (N,): y ~ p per node
+    draws = draw(probs, generator)  # (N,): y ~ p per node
     return pick_by_draws(draws, tree, tokens)
 
 
@@ -124,7 +124,7 @@ def rejection(temperature: float, top_p: float = 1.0, seed: int | None = None) -
         return rejection_acceptance(logits, tree, tokens, g, temperature, top_p)
 
     def first(logits, g):
-        return torch.multinomial(probabilities(logits, temperature, top_p), 1, generator=g)[0]
+        return draw(probabilities(logits, temperature, top_p), g)
 
     return Acceptance(f"rejection(T={temperature}, top_p={top_p})", on_device(verify), first,
                       seed)

@@ -36,9 +36,7 @@ class Sampling:
         """One token id per row of logits (..., V) -> (...,), greedy or sampled."""
         if self.greedy:
             return greedy_tokens(logits)
-        probs = probabilities(logits, self.temperature, self.top_p)
-        flat = probs.reshape(-1, probs.shape[-1])  # (rows, V): multinomial wants 2-D
-        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+        return draw(probabilities(logits, self.temperature, self.top_p), generator)
 
 
 def make_generator(device, seed: int | None) -> torch.Generator:
@@ -62,6 +60,18 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> tor
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One token per row drawn from probs (..., V) -> (...,) int64, by the inverse of its
+    cumulative distribution: a uniform u in [0, total), the first token whose cumulative
+    probability exceeds u. The same law as torch.multinomial (tested), with one cumsum and a
+    binary search a row, where multinomial on a CPU takes far longer over a 49,152-token row.
+    A token of probability 0 owns an empty interval: never drawn."""
+    cdf = probs.cumsum(dim=-1)  # (..., V)
+    u = torch.rand((*probs.shape[:-1], 1), generator=generator, device=probs.device)
+    token = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)  # (..., 1)
+    return token.squeeze(-1).clamp(max=probs.shape[-1] - 1)  # u * total rounded up to total
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from minimedusa.acceptance import Acceptance
 from minimedusa.draft import TreeDraft, tree_tokens
 from minimedusa.heads import token_ids
 from minimedusa.hydra import HydraHeads
-from minimedusa.sampling import make_generator, probabilities
+from minimedusa.sampling import draw, make_generator, probabilities
 from minimedusa.tree import MedusaTree
 
 
@@ -162,7 +162,7 @@ def verify_drawn(probs: torch.Tensor, tree: MedusaTree, tokens: torch.Tensor,
             rest = (residual - q).clamp(min=0.0)
             residual = rest / rest.sum() if rest.sum() > 0 else residual
         if accepted is None:
-            new.append(torch.multinomial(residual, 1, generator=generator).item())
+            new.append(draw(residual, generator).item())
             return nodes, new
         nodes.append(accepted)
         new.append(token_list[accepted])
@@ -178,8 +178,7 @@ def speculative(draft: DrawnDraft, temperature: float, top_p: float = 1.0,
         return verify_drawn(probs, tree, tokens, draft.take_proposal(), generator)
 
     def first(logits, generator):
-        return torch.multinomial(probabilities(logits, temperature, top_p), 1,
-                                 generator=generator)[0]
+        return draw(probabilities(logits, temperature, top_p), generator)
 
     return Acceptance(f"speculative sampling of drawn drafts (T={temperature}, top_p={top_p})",
                       accept, first, seed)

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_model
 from minimedusa.decoding import PromptTooLongError, plain_decode
 from minimedusa.errors import UserError
-from minimedusa.sampling import Sampling, probabilities
+from minimedusa.sampling import Sampling, draw, probabilities
 from minimedusa.speed.host_greedy import HostSampling, host_argmax
 
 
@@ -56,6 +56,27 @@ def test_sampled_frequencies_follow_the_temperature_softmax():
     draws = sampling.pick(logits.expand(40_000, 4), g)
     freq = torch.bincount(draws, minlength=4).float() / 40_000
     torch.testing.assert_close(freq, torch.softmax(logits / 0.7, -1), atol=0.01, rtol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_draws_follow_the_law_and_never_a_zero_probability_token(seed):
+    """sampling.draw (the inverse CDF) against the exact law, as torch.multinomial draws it:
+    rows with zeros (a top-p nucleus), a Pearson chi-square over 20,000 draws a row."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(3, 12, generator=g) * 2, dim=-1)
+    probs[:, ::3] = 0.0  # tokens outside a nucleus
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    n = 20_000
+    draws = draw(probs.expand(n, 3, 12).contiguous(), g)  # (n, 3)
+    for row in range(3):
+        counts = torch.bincount(draws[:, row], minlength=12).double()
+        assert counts[probs[row] == 0].sum() == 0
+        expected = n * probs[row].double()
+        keep = expected > 0
+        stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+        p = torch.special.gammaincc(torch.tensor((keep.sum().item() - 1) / 2),
+                                    stat / 2).item()
+        assert p > 1e-4, f"row {row}: the draws do not follow the law (p = {p:.2g})"
 
 
 def test_sampled_decoding_is_reproducible_per_seed():
