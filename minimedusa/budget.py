@@ -212,8 +212,10 @@ class Budget:
         trees' (a ranked tree, a tree merged with a context chain).
 
         note: the accepted paths form one chain from the root, and a smaller nested tree holds
-        a prefix of it; under greedy and rejection-sampling acceptance (one draw per node) that
-        prefix is exactly what the smaller tree would have accepted; under typical acceptance
+        a prefix of it; under greedy and rejection-sampling acceptance (one draw per node), and
+        speculative sampling (siblings verified in rank order; a smaller tree holds the first
+        ranks of each node), that prefix is what the smaller tree would have accepted with the
+        same draws; under typical acceptance
         it is a lower bound (another path of the smaller tree might have passed)."""
         self.seconds[n].append(seconds)
         self.used[n] += 1

@@ -45,13 +45,18 @@ from minimedusa.sampling import draw, make_generator, probabilities
 from minimedusa.tree import MedusaTree
 
 
+def gumbel_noise(shape, generator, device) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log(u)), u ~ U[0, 1), float32."""
+    uniform = torch.rand(shape, generator=generator, device=device)
+    return -torch.log(-torch.log(uniform.clamp(min=1e-20)))
+
+
 def draw_without_replacement(logits: torch.Tensor, k: int, temperature: float, generator):
     """k draws without replacement from q = softmax(logits / T), in the order drawn, by the
     Gumbel-top-k trick: (columns (..., k), q (..., V')); logits (..., V')."""
     scaled = logits.float() / temperature
-    uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device)
-    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))  # (..., V')
-    return (scaled + gumbel).topk(k, dim=-1).indices, torch.softmax(scaled, dim=-1)
+    keys = scaled + gumbel_noise(scaled.shape, generator, scaled.device)  # (..., V')
+    return keys.topk(k, dim=-1).indices, torch.softmax(scaled, dim=-1)
 
 
 @dataclass
@@ -75,14 +80,19 @@ class DrawnDraft(TreeDraft):
         self.temperature, self.seed = temperature, seed
         self.generator, self.proposal = None, None
 
+    def generator_on(self, device) -> torch.Generator:
+        """The draws' generator, made once, on the heads' device."""
+        if self.generator is None:
+            self.generator = make_generator(device, self.seed)
+        return self.generator
+
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         tree = self.trees[n]
-        if self.generator is None:  # on the heads' device, made once a run
-            self.generator = make_generator(features.device, self.seed)
         calls = []  # (q (M, V'), draws (M, k)) of each call of the heads, in order
 
         def pick(logits, k):
-            columns, q = draw_without_replacement(logits, k, self.temperature, self.generator)
+            columns, q = draw_without_replacement(logits, k, self.temperature,
+                                                  self.generator_on(features.device))
             calls.append((q, token_ids(self.heads.vocabulary, columns)))
             return columns
 
@@ -109,6 +119,11 @@ def proposal_of(tree: MedusaTree, calls: list, heads) -> Proposal:
         q, draws = calls[0]
         rows = [(path, q[len(path)], draws[len(path)]) for path in tree.nodes
                 if len(path) < tree.num_heads]
+    return proposal_from(rows, heads)
+
+
+def proposal_from(rows, heads) -> Proposal:
+    """A Proposal of rows (parent node path, q (V',), its draws' token ids (k,))."""
     proposal = Proposal(ids=heads.vocabulary.ids if heads.vocabulary is not None else None)
     for path, q_row, draws_row in rows:
         proposal.q[path], proposal.draws[path] = q_row, draws_row.tolist()

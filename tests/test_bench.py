@@ -48,7 +48,8 @@ def test_quick_bench_reports_every_engine_per_category(tmp_path, tiny_folder):
                 "--tree", "chain3", "--threads", "1", "--no-compile",
                 "--out", str(tmp_path / "b.json")])
     result = json.loads((tmp_path / "b.json").read_text())
-    engines = {"plain", "medusa greedy", "medusa typical T=0.7", "medusa rejection T=0.7"}
+    engines = {"plain", "plain T=0.7", "medusa greedy", "medusa typical T=0.7",
+               "medusa rejection T=0.7", "medusa speculative T=0.7"}
     assert set(result["totals"]) == engines
     assert len(result["per_category"]) == 8 and len(result["questions"]) == 8
     greedy = result["totals"]["medusa greedy"]

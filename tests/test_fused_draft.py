@@ -17,7 +17,9 @@ from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
 from minimedusa.draft import TreeDraft
-from minimedusa.speed.fused_draft import FusedHydraDraft, fast_draft, fusable_draft
+from minimedusa.speed.fused_draft import (FusedDrawnDraft, FusedHydraDraft, fast_draft,
+                                          fusable_draft)
+from minimedusa.speculative_sampling import DrawnDraft, gumbel_noise
 from minimedusa.speed.plug_in import plug_in_heads
 from minimedusa.speed.weight_formats import apply_format
 from minimedusa.tree import build_tree
@@ -111,3 +113,42 @@ def test_heads_the_fused_draft_does_not_serve_say_why():
     assert type(fast_draft(TreeDraft(hydra, {2: tree}), float_model)) is TreeDraft
     assert fusable_draft(hydra, float_model) == ("their layers or LM head are not "
                                                  "group_kernel.c's 8-bit groups")
+
+
+@settings(max_examples=30, deadline=None)
+@given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
+       vocabulary=st.sampled_from([0, 32]), temperature=st.sampled_from([0.3, 0.7, 1.0]))
+def test_the_fused_draw_draws_the_reference_tokens_from_the_same_noise(choices, seed,
+                                                                       vocabulary, temperature):
+    """hydra_draw against hydra_candidates picking by the same keys (logits / T + the same
+    Gumbel noise, a row a parent): the same tokens, the same draws, the same q."""
+    model, heads = setup(seed % 4, torch.float32, vocabulary)
+    tree = build_tree(choices, num_heads=4)
+    g = torch.Generator().manual_seed(seed)
+    hidden = 4 * torch.randn(model.config.hidden_size, generator=g)
+    root = int(torch.randint(0, model.config.vocab_size, (), generator=g))
+    fused = FusedDrawnDraft(DrawnDraft(heads, {tree.size - 1: tree}, temperature, seed), model)
+    _, tokens, _ = fused.tree(model, tree.size - 1, root, hidden, {})
+    noise = gumbel_noise((tree.size, fused.fused.lm[1].shape[0] * 16),
+                         torch.Generator().manual_seed(seed), "cpu")  # the draft's first noise
+    depth = iter(tree.drafting)
+    q_of = {}
+
+    def pick(logits, k):  # the reference's keys at one depth's parents
+        parents = next(depth)[0]
+        for row, parent in enumerate(parents.tolist()):
+            q_of[tree.nodes[parent]] = torch.softmax(logits[row].float() / temperature, -1)
+        return (logits.float() / temperature + noise[parents]).topk(k, dim=-1).indices
+
+    reference = hydra_candidates(heads, model, hidden, torch.tensor(root), tree, pick)
+    assert torch.equal(tokens, reference)
+    proposal = fused.take_proposal()
+    assert set(proposal.q) == set(q_of)
+    for path, q in q_of.items():
+        torch.testing.assert_close(proposal.q[path], q, rtol=1e-4, atol=1e-6)
+
+
+def test_speculative_sampling_swaps_in_the_fused_draw_where_it_fuses():
+    model, heads = setup(0, torch.bfloat16)
+    tree = build_tree([[0], [1], [0, 0]], num_heads=4)
+    assert type(fast_draft(DrawnDraft(heads, {3: tree}, 0.7), model)) is FusedDrawnDraft

@@ -24,6 +24,7 @@ from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.hydra import HydraHeads
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.sampling import Sampling, probabilities
+from minimedusa.speculative_sampling import DrawnDraft, speculative
 from minimedusa.tree import build_tree
 
 VOCAB, NEW, RUNS = 5, 3, 1000  # the wrong sampler below scores p ~ 1e-15 at this size
@@ -119,18 +120,23 @@ def default_path():
     return model, plug_in_heads(heads.float(), model)
 
 
-def default_path_samples(accept: Acceptance, runs: int, seed: int) -> tuple[Counter, float]:
+def default_path_samples(accept: Acceptance | None, runs: int,
+                         seed: int) -> tuple[Counter, float]:
     """The first 2 tokens of `runs` answers, each decoded with context candidates and the Budget
     between nested trees and plain steps (a counting clock: every step one second); and the
-    tokens a step over all the runs."""
+    tokens a step over all the runs. accept None: the default above temperature 0, speculative
+    sampling of candidates drawn from the heads (fused where it fuses)."""
     model, heads = default_path()
     trees, rank = nested_trees(DEFAULT_NODES, [3, 8], 4, model.config.vocab_size, "cpu")
     counts, tokens, steps = Counter(), 0, 0
     for s in range(seed, seed + runs):
         budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2}, rank,
                         clock=itertools.count().__next__)
-        draft = ContextDraft(fast_draft(TreeDraft(heads, trees), model))
-        answer = list(medusa_decode(model, draft, budget, dataclasses.replace(accept, seed=s),
+        inner = fast_draft(TreeDraft(heads, trees) if accept is not None else
+                           DrawnDraft(heads, trees, TEMPERATURE, s + 10**6), model)
+        rule = accept if accept is not None else speculative(inner, TEMPERATURE, TOP_P)
+        answer = list(medusa_decode(model, ContextDraft(inner), budget,
+                                    dataclasses.replace(rule, seed=s),
                                     PROMPT, 6, set()))
         flat = [t for step in answer for t in step]
         counts[tuple(flat[:2])] += 1
@@ -157,6 +163,13 @@ def default_path_law() -> dict[tuple, float]:
 
 def test_sampling_through_the_default_path_emits_the_plain_law():
     counts, per_step = default_path_samples(rejection(TEMPERATURE, TOP_P), DEFAULT_RUNS, 0)
+    p = goodness_of_fit(counts, default_path_law())
+    assert p > ALPHA, f"the default path's samples do not follow plain sampling (p = {p:.2g})"
+    assert per_step > 1.1  # candidates were accepted
+
+
+def test_drawn_drafts_through_the_default_path_emit_the_plain_law():
+    counts, per_step = default_path_samples(None, DEFAULT_RUNS, 0)
     p = goodness_of_fit(counts, default_path_law())
     assert p > ALPHA, f"the default path's samples do not follow plain sampling (p = {p:.2g})"
     assert per_step > 1.1  # candidates were accepted

@@ -4,8 +4,9 @@ MT-Bench (Zheng et al. 2023: FastChat's question.jsonl, 80 questions in 8 catego
 authors' text and is not shipped: give it with --questions, or put it at ../shared/data/ beside
 the repository. Without it the benchmark times the project's own held-out seed prompts instead.
 
-Engines (engines.py): this project's plain decoding; Medusa with the given heads, verified
-greedily and (at --temperature) by typical acceptance and by rejection sampling, its tree's size
+Engines (engines.py): this project's plain decoding (and at --temperature plain sampling);
+Medusa with the given heads, verified greedily and (at --temperature) by typical acceptance, by
+rejection sampling and by speculative sampling of drawn candidates, its tree's size
 adapted step by step as generate.py does (budget.py; the steps run at each size are reported),
 or with a fixed --tree; optionally Medusa with trees of several sizes grown from the heads'
 calibration (--sizes, the paper's Fig. 4); the same in other weight formats (--formats); and,
@@ -90,10 +91,11 @@ def add_engine_flags(p) -> None:
 def add_engine_variants(p) -> None:
     """Which engines besides plain and Medusa greedy: sampling, baselines, formats, eager."""
     p.add_argument("--temperature", type=non_negative, default=0.7,
-                   help="temperature of the typical and rejection sampling engines "
-                   "(default: %(default)s, the paper's)")
+                   help="temperature of the sampling engines: plain sampling, and Medusa's "
+                   "typical acceptance, rejection sampling and speculative sampling of drawn "
+                   "candidates, top-p 1 (default: %(default)s, the paper's)")
     p.add_argument("--no-sampling", action="store_true",
-                   help="time greedy Medusa only (no typical / rejection sampling engines)")
+                   help="time greedy decoding only (no sampling engines)")
     p.add_argument("--no-transformers", action="store_true",
                    help="skip the transformers baseline even if the library is installed")
     p.add_argument("--no-llama-cpp", action="store_true",

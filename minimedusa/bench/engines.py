@@ -33,6 +33,7 @@ from minimedusa.ranked_tree import RankedDraft
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.errors import UserError
 from minimedusa.speed.memory_bandwidth import weight_bytes
+from minimedusa.speculative_sampling import DrawnDraft, speculative
 from minimedusa.speed.host_greedy import greedy_for, sampling_for
 
 
@@ -60,6 +61,10 @@ def engines_to_time(args, model, folder: Path, device, dtype, tokenizer) -> Engi
     (its own llama-completion, its Python binding)."""
     engines = Engines()
     engines.run["plain"], engines.step_bytes["plain"] = plain_engine(model), weight_bytes(model)
+    if args.temperature > 0:  # what the sampling engines speed up
+        name = f"plain T={args.temperature}"
+        engines.run[name], engines.step_bytes[name] = (plain_engine(model, args.temperature),
+                                                       weight_bytes(model))
     if args.eager_too:
         engines.run["plain" + EAGER] = eager_engine(engines.run["plain"])
         engines.step_bytes["plain" + EAGER] = engines.step_bytes["plain"]
@@ -120,9 +125,12 @@ def timed(steps) -> tuple[list[int], float, int]:
     return out, time.perf_counter() - start, n
 
 
-def plain_engine(model):
-    sampling = sampling_for(model.embed.weight.device)
-    return lambda ids, n, seed: timed(plain_decode(model, ids, n, sampling, set()))
+def plain_engine(model, temperature: float = 0.0):
+    """Plain decoding, greedy or (temperature > 0) sampling, seeded by the question."""
+    def run(ids, n, seed):
+        sampling = sampling_for(model.embed.weight.device, temperature, 1.0, seed)
+        return timed(plain_decode(model, ids, n, sampling, set()))
+    return run
 
 
 def seeded(acceptance, seed):
@@ -135,6 +143,15 @@ def medusa_engine(model, heads, tree, acceptance, context=False):
     draft, budget = fixed(heads, tree)
     draft = wrapped(fast_draft(draft, model), heads, context)
     return lambda ids, n, seed: timed(medusa_decode(model, draft, budget, seeded(acceptance, seed),
+                                                    ids, n, set()))
+
+
+def drawn_engine(model, heads, tree, temperature: float):
+    """Speculative sampling of candidates drawn from the heads, on one tree every step."""
+    draft, budget = fixed(heads, tree)
+    drawn = fast_draft(DrawnDraft(heads, draft.trees, temperature), model)
+    rule = speculative(drawn, temperature)
+    return lambda ids, n, seed: timed(medusa_decode(model, drawn, budget, seeded(rule, seed),
                                                     ids, n, set()))
 
 
@@ -179,14 +196,18 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
                  eager_too: bool = False, context: str = "on") -> dict:
     """Greedy, and at a temperature typical and rejection sampling: with `tree` (the --tree)
     for every step, or without one with the tree's size adapted (usage[name]: the steps at each
-    size) and context candidates as `context` says (on, off, or both: greedy again without);
-    with `eager_too`, greedy again with the decoding step eager."""
+    size) and context candidates as `context` says (on, off, or both: greedy again without),
+    and then speculative sampling of drawn candidates too (generate.py's default above
+    temperature 0); with `eager_too`, greedy again with the decoding step eager."""
     rules = {"greedy": greedy_for(model.embed.weight.device)}
     if temperature > 0:
         T = temperature
         rules.update({f"typical T={T}": typical(T), f"rejection T={T}": rejection(T)})
     if tree is not None:
         run = {label + r: medusa_engine(model, heads, tree, a) for r, a in rules.items()}
+        if temperature > 0:
+            run[label + f"speculative T={temperature}"] = drawn_engine(model, heads, tree,
+                                                                       temperature)
         if eager_too:
             run[label + "greedy" + EAGER] = eager_engine(medusa_engine(model, heads, tree,
                                                                        rules["greedy"]))
@@ -198,8 +219,13 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
     if context == "both":
         rules["greedy" + NO_CONTEXT] = rules["greedy"]
     usage.update({label + r: Counter() for r in rules})
-    draft = fast_draft(TreeDraft(heads, trees), model)
-    run = {label + r: adaptive_engine(model, wrapped(draft, heads, context != "off" and not
+    drafts = {r: fast_draft(TreeDraft(heads, trees), model) for r in rules}
+    if temperature > 0:
+        name = f"speculative T={temperature}"
+        drafts[name] = fast_draft(DrawnDraft(heads, trees, temperature), model)
+        rules[name] = speculative(drafts[name], temperature)
+        usage[label + name] = Counter()
+    run = {label + r: adaptive_engine(model, wrapped(drafts[r], heads, context != "off" and not
                                                      r.endswith(NO_CONTEXT)), budget, a,
                                       usage[label + r])
            for r, a in rules.items()}

@@ -43,11 +43,11 @@ def decoding_draft(spec: str | None, heads, model: Llama, heads_spec: str, conte
 
 
 def tree_draft(heads, trees: dict, model: Llama, draws: float | None, seed: int | None):
-    """The heads' guesses on the trees: their top-k (TreeDraft, fused where speed fuses it), or
-    drawn at temperature `draws` (DrawnDraft)."""
+    """The heads' guesses on the trees: their top-k (TreeDraft), or drawn at temperature
+    `draws` (DrawnDraft); fused where speed fuses them."""
     if draws is None:
         return fast_draft(TreeDraft(heads, trees), model)
-    return DrawnDraft(heads, trees, draws, None if seed is None else seed + 1)
+    return fast_draft(DrawnDraft(heads, trees, draws, None if seed is None else seed + 1), model)
 
 
 def wrapped(draft, heads, context: bool):

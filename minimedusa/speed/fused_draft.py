@@ -28,6 +28,7 @@ from minimedusa.hydra import HydraHeads
 from minimedusa.speed import group_kernel
 from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import Int8GroupLinear
+from minimedusa.speculative_sampling import DrawnDraft, gumbel_noise, proposal_from
 from minimedusa.tree import MedusaTree
 
 # hidden (C,), root, the tree's ancestors (N, D + 1) and drafting order (4 tensors a depth), the
@@ -42,6 +43,22 @@ OPERATORS.define("hydra_draft(Tensor hidden, int root, Tensor ancestors, Tensor[
 @torch.library.register_fake("minimedusa::hydra_draft")
 def _(hidden, root, ancestors, drafting, embed, heads, layers, lm_packed, lm_scales, ids, top_k):
     return ancestors.new_empty(ancestors.shape[0])
+
+
+# the same, drawing: with Gumbel noise (N, V') float32 and the temperature -> (tokens (N,),
+# each parent's logits (N, V'), its draws' token ids (N, top_k))
+OPERATORS.define("hydra_draw(Tensor hidden, int root, Tensor ancestors, Tensor[] drafting, "
+                 "Tensor embed, Tensor[] heads, int layers, Tensor lm_packed, Tensor lm_scales, "
+                 "Tensor ids, int top_k, Tensor noise, float temperature) "
+                 "-> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.register_fake("minimedusa::hydra_draw")
+def _(hidden, root, ancestors, drafting, embed, heads, layers, lm_packed, lm_scales, ids, top_k,
+      noise, temperature):
+    n = ancestors.shape[0]
+    return (ancestors.new_empty(n), hidden.new_empty(n, noise.shape[1]),
+            ancestors.new_empty(n, top_k))
 
 
 def fusable_draft(heads, model) -> str | None:
@@ -82,18 +99,45 @@ class FusedHydraDraft(TreeDraft):
 
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         tree = self.trees[n]
-        drafting = [t for depth in tree.drafting for t in depth]
         with torch.inference_mode():
-            tokens = torch.ops.minimedusa.hydra_draft(features, root, tree.ancestors, drafting,
-                                                      self.embed, self.head_tensors, self.layers,
-                                                      *self.lm, self.ids, tree.top_k)
+            tokens = torch.ops.minimedusa.hydra_draft(*self.arguments(tree, root, features))
+        return tree, tokens, rank
+
+    def arguments(self, tree: MedusaTree, root: int, features: torch.Tensor) -> tuple:
+        drafting = [t for depth in tree.drafting for t in depth]
+        return (features, root, tree.ancestors, drafting, self.embed, self.head_tensors,
+                self.layers, *self.lm, self.ids, tree.top_k)
+
+
+class FusedDrawnDraft(DrawnDraft):
+    """DrawnDraft of Hydra heads, its draws in one hydra_draw call: the same noise and keys as
+    draw_without_replacement's (logits / T + Gumbel noise), each parent's logits back for q."""
+
+    def __init__(self, draft: DrawnDraft, model):
+        super().__init__(draft.heads, draft.trees, draft.temperature, draft.seed)
+        self.fused = FusedHydraDraft(draft.heads, draft.trees, model)
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+        tree = self.trees[n]
+        noise = gumbel_noise((tree.size, self.fused.lm[1].shape[0] * 16),
+                             self.generator_on(features.device), features.device)  # (N, V')
+        with torch.inference_mode():
+            tokens, logits, draws = torch.ops.minimedusa.hydra_draw(
+                *self.fused.arguments(tree, root, features), noise, self.temperature)
+        parents = sorted({p for parents, *_ in tree.drafting for p in parents.tolist()})
+        q = torch.softmax(logits[parents].float() / self.temperature, dim=-1)  # (M, V')
+        self.proposal = proposal_from([(tree.nodes[p], q[i], draws[p])
+                                       for i, p in enumerate(parents)], self.heads)
         return tree, tokens, rank
 
 
 def fast_draft(draft, model):
-    """The draft to decode with: a TreeDraft of Hydra heads whose draft fuses (fusable_draft)
-    swapped for a FusedHydraDraft, on a CPU; any other as it is."""
-    if (type(draft) is TreeDraft and model.embed.weight.device.type == "cpu"
-            and fusable_draft(draft.heads, model) is None):
-        return FusedHydraDraft(draft.heads, draft.trees, model)
-    return draft
+    """The draft to decode with: a TreeDraft (or DrawnDraft) of Hydra heads whose draft fuses
+    (fusable_draft) swapped for a FusedHydraDraft (FusedDrawnDraft), on a CPU; any other as
+    it is."""
+    if (model.embed.weight.device.type != "cpu" or type(draft) not in (TreeDraft, DrawnDraft)
+            or fusable_draft(draft.heads, model) is not None):
+        return draft
+    if type(draft) is DrawnDraft:
+        return FusedDrawnDraft(draft, model)
+    return FusedHydraDraft(draft.heads, draft.trees, model)

@@ -18,11 +18,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -480,12 +482,17 @@ void head_logits(const E* hidden, const E* x, at::TensorList heads, int64_t at, 
                      f, 0), "its rows in float32");
 }
 
-/* the tree's tokens (N,), root first, filled in depth by depth */
+/* the tree's tokens (N,), root first, filled in depth by depth: each parent's top_k columns,
+   or, given noise (N, V) (Gumbel noise, a row a node), its top_k of logits / T + noise: top_k
+   draws without replacement from softmax(logits / T), the logits kept in node_logits (N, V)
+   and the draws' token ids, in order, in node_draws (N, top_k) */
 template <typename E>
 at::Tensor draft_tokens(const at::Tensor& hidden, int64_t root, const at::Tensor& ancestors,
                         at::TensorList drafting, const at::Tensor& embed, at::TensorList heads,
                         int64_t layers, const at::Tensor& lm_packed,
-                        const at::Tensor& lm_scales, const at::Tensor& ids, int64_t top_k) {
+                        const at::Tensor& lm_scales, const at::Tensor& ids, int64_t top_k,
+                        const float* noise = nullptr, float temperature = 1.0f,
+                        E* node_logits = nullptr, int64_t* node_draws = nullptr) {
   const int64_t N = ancestors.size(0), width = ancestors.size(1), C = hidden.numel();
   const int64_t V = lm_scales.size(0) * 16, D = drafting.size() / 4, per_head = 2 + 3 * layers;
   at::Tensor tokens = at::full({N}, root, ancestors.options());
@@ -511,14 +518,44 @@ at::Tensor draft_tokens(const at::Tensor& hidden, int64_t root, const at::Tensor
     head_logits<E>(h, xp, heads, (d - 1) * per_head, layers, lm_packed, lm_scales,
                    z.data_ptr<E>(), y.data_ptr<E>(), logits.data_ptr<E>(), M, C, d, V);
     int64_t* tp = top.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; m++)
-      top_columns(logits.const_data_ptr<E>() + m * V, V, top_k, tp + m * top_k);
+    std::vector<float> keys(noise ? V : 0);
+    for (int64_t m = 0; m < M; m++) {
+      const E* row = logits.const_data_ptr<E>() + m * V;
+      if (noise == nullptr) {
+        top_columns(row, V, top_k, tp + m * top_k);
+        continue;
+      }
+      for (int64_t v = 0; v < V; v++) keys[v] = wide(row[v]) / temperature + noise[p[m] * V + v];
+      top_columns(keys.data(), V, top_k, tp + m * top_k);
+      std::memcpy(node_logits + p[m] * V, row, V * sizeof(E));
+      for (int64_t j = 0; j < top_k; j++) {
+        const int64_t column = tp[m * top_k + j];
+        node_draws[p[m] * top_k + j] = column_id ? column_id[column] : column;
+      }
+    }
     for (int64_t c = 0; c < children.numel(); c++) {
       const int64_t column = tp[slot[c] * top_k + rank[c]];
       t[child[c]] = column_id ? column_id[column] : column;
     }
   }
   return tokens;
+}
+
+/* what hydra_draft and hydra_draw take fits together: one error where not */
+void check_draft(const at::Tensor& hidden, const at::Tensor& ancestors, at::TensorList drafting,
+                 const at::Tensor& embed, at::TensorList heads, int64_t layers,
+                 const at::Tensor& lm_scales, const at::Tensor& ids, int64_t top_k) {
+  const auto dtype = hidden.scalar_type();
+  const int64_t D = drafting.size() / 4, C = hidden.numel(), V = lm_scales.size(0) * 16;
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && embed.scalar_type() == dtype &&
+                  embed.size(1) == C && ancestors.scalar_type() == at::kLong &&
+                  drafting.size() % 4 == 0 && ancestors.size(1) > D && top_k >= 1 &&
+                  top_k <= V && (int64_t)heads.size() >= D * (2 + 3 * layers) &&
+                  (ids.numel() == 0 || (ids.numel() == V && ids.scalar_type() == at::kLong)),
+              "hydra_draft: the hidden state, embeddings, tree or heads do not fit");
+  for (const at::Tensor& t : drafting)
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(),
+                "hydra_draft: the drafting order is contiguous int64 tensors");
 }
 
 /* hidden (C,) in the heads' dtype E (float32 or bfloat16), the root token, the tree's ancestors
@@ -533,22 +570,41 @@ at::Tensor hydra_draft_op(const at::Tensor& hidden_, int64_t root, const at::Ten
                           const at::Tensor& lm_scales, const at::Tensor& ids_, int64_t top_k) {
   const at::Tensor hidden = hidden_.contiguous(), ancestors = ancestors_.contiguous();
   const at::Tensor embed = embed_.contiguous(), ids = ids_.contiguous();
-  const auto dtype = hidden.scalar_type();
-  const int64_t D = drafting.size() / 4, C = hidden.numel(), V = lm_scales.size(0) * 16;
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && embed.scalar_type() == dtype &&
-                  embed.size(1) == C && ancestors.scalar_type() == at::kLong &&
-                  drafting.size() % 4 == 0 && ancestors.size(1) > D && top_k >= 1 &&
-                  top_k <= V && (int64_t)heads.size() >= D * (2 + 3 * layers) &&
-                  (ids.numel() == 0 || (ids.numel() == V && ids.scalar_type() == at::kLong)),
-              "hydra_draft: the hidden state, embeddings, tree or heads do not fit");
-  for (const at::Tensor& t : drafting)
-    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(),
-                "hydra_draft: the drafting order is contiguous int64 tensors");
-  if (dtype == at::kFloat)
+  check_draft(hidden, ancestors, drafting, embed, heads, layers, lm_scales, ids, top_k);
+  if (hidden.scalar_type() == at::kFloat)
     return draft_tokens<float>(hidden, root, ancestors, drafting, embed, heads, layers,
                                lm_packed, lm_scales, ids, top_k);
   return draft_tokens<c10::BFloat16>(hidden, root, ancestors, drafting, embed, heads, layers,
                                      lm_packed, lm_scales, ids, top_k);
+}
+
+/* hydra_draft's draw: the same, with the Gumbel noise (N, V') float32 and the temperature ->
+   (the tree's tokens (N,), each parent's logits (N, V') in the heads' dtype and its draws'
+   token ids (N, top_k); other rows 0) */
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hydra_draw_op(
+    const at::Tensor& hidden, int64_t root, const at::Tensor& ancestors, at::TensorList drafting,
+    const at::Tensor& embed, at::TensorList heads, int64_t layers, const at::Tensor& lm_packed,
+    const at::Tensor& lm_scales, const at::Tensor& ids, int64_t top_k, const at::Tensor& noise_,
+    double temperature) {
+  const at::Tensor noise = noise_.contiguous();
+  const int64_t V = lm_scales.size(0) * 16;
+  TORCH_CHECK(noise.scalar_type() == at::kFloat && noise.dim() == 2 &&
+                  noise.size(0) == ancestors.size(0) && noise.size(1) == V && temperature > 0,
+              "hydra_draw: the noise is float32 (N, V') and the temperature positive");
+  const at::Tensor h = hidden.contiguous(), up = ancestors.contiguous(), e = embed.contiguous();
+  const at::Tensor i = ids.contiguous();
+  check_draft(h, up, drafting, e, heads, layers, lm_scales, i, top_k);
+  at::Tensor logits = at::zeros({ancestors.size(0), V}, hidden.options());
+  at::Tensor draws = at::zeros({ancestors.size(0), top_k}, ancestors.options());
+  int64_t* d = draws.data_ptr<int64_t>();
+  const float* g = noise.const_data_ptr<float>();
+  const float t = static_cast<float>(temperature);
+  if (hidden.scalar_type() == at::kFloat)
+    return {draft_tokens<float>(h, root, up, drafting, e, heads, layers, lm_packed, lm_scales, i,
+                                top_k, g, t, logits.data_ptr<float>(), d), logits, draws};
+  return {draft_tokens<c10::BFloat16>(h, root, up, drafting, e, heads, layers, lm_packed,
+                                      lm_scales, i, top_k, g, t,
+                                      logits.data_ptr<c10::BFloat16>(), d), logits, draws};
 }
 
 }  // namespace
@@ -563,4 +619,5 @@ TORCH_LIBRARY_IMPL(minimedusa, CPU, m) {
   m.impl("step_attention", TORCH_FN(attention_op));
   m.impl("blocks_step", TORCH_FN(blocks_op));
   m.impl("hydra_draft", TORCH_FN(hydra_draft_op));
+  m.impl("hydra_draw", TORCH_FN(hydra_draw_op));
 }
