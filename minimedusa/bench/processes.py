@@ -61,7 +61,7 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
     tokens/s (the prompt to the last token) and its wall time, loading included, are summed.
     in_process: other engines (name -> (engine, the question's prompt ids)), timed between;
     one whose process dies is deleted from it, with one line, and the others go on."""
-    totals = {mode: {"tokens": 0, "seconds": 0.0, "wall_seconds": 0.0, "modes": [],
+    totals = {mode: {"tokens": 0, "steps": 0, "seconds": 0.0, "wall_seconds": 0.0, "modes": [],
                      "formats": []} for mode in ("default", "baseline", *in_process)}
     answers = {"default": [], "baseline": []}  # each process's output ids
     for r in range(args.rounds):
@@ -81,6 +81,7 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
                     answers[mode].append(result["output_ids"])
                 t["wall_seconds"] += wall
                 t["tokens"] += result["new_tokens"]
+                t["steps"] += result.get("steps", result["new_tokens"])
                 t["seconds"] += result["seconds"]
                 t["modes"].append(result["mode"])
                 t["formats"].append(f"{result['format']} {result['step']}".strip())
@@ -89,6 +90,7 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
                   f"far: {rates}", file=sys.stderr, flush=True)
     for t in totals.values():
         t["tokens_per_s"] = round(t["tokens"] / t["seconds"], 2)
+        t["tokens_per_step"] = round(t["tokens"] / max(t["steps"], 1), 3)
     for mode in ("default", *in_process):
         totals[mode]["vs_baseline"] = round(totals[mode]["tokens_per_s"] /
                                             totals["baseline"]["tokens_per_s"], 3)
