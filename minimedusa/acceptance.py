@@ -15,6 +15,8 @@ rule is an Acceptance (its accept and its first token), which the decoding loop 
   the child that matches; a draw that matches no child is the residual sample. Lossless.
 - typical: a candidate x is accepted iff p(x) > min(eps, delta * exp(-H(p))), p at temperature
   T; the next token is greedy, so each step yields >= 1 token. Not lossless; eps is the knob.
+- speculative sampling of candidates DRAWN from the heads (not their top-k): its own file,
+  speculative_sampling.py, as it needs to know what each candidate was drawn from. Lossless.
 
 Shapes: N tree nodes, V vocab, P root-to-leaf paths, D max depth.
 """

@@ -147,11 +147,14 @@ def law_of(child_path: tuple, token: int, proposal: Proposal | None, vocab: int,
     draws = proposal.draws.get(parent, []) if proposal is not None else []
     q = torch.zeros(vocab, device=device)
     if rank < len(draws) and draws[rank] == token:
-        q_parent = proposal.q[parent]
-        q.index_copy_(0, proposal.ids, q_parent) if proposal.ids is not None else q.copy_(q_parent)
+        if proposal.ids is None:
+            q.copy_(proposal.q[parent])
+        else:  # q over the draft vocabulary's columns, scattered to their token ids
+            q[proposal.ids] = proposal.q[parent]
         q[draws[:rank]] = 0.0  # the draws before it: drawn without replacement
-        if q.sum() > 0:
-            return q / q.sum()
+        mass = q.sum()
+        if mass > 0:
+            return q / mass
         q.zero_()
     q[token] = 1.0
     return q
@@ -174,8 +177,9 @@ def verify_drawn(probs: torch.Tensor, tree: MedusaTree, tokens: torch.Tensor,
             if coin * q[x] < residual[x]:  # with probability min(1, r(x) / q(x))
                 accepted = child
                 break
-            rest = (residual - q).clamp(min=0.0)
-            residual = rest / rest.sum() if rest.sum() > 0 else residual
+            rest = (residual - q).clamp(min=0.0)  # r <- norm(max(0, r - q_i))
+            mass = rest.sum()
+            residual = rest / mass if mass > 0 else residual  # 0: r == q_i, never rejected
         if accepted is None:
             new.append(draw(residual, generator).item())
             return nodes, new

@@ -15,6 +15,7 @@ import torch
 from generate import main as generate_main
 from conftest import REPO, tiny_model
 from minimedusa.errors import UserError
+from minimedusa.cli.acceptance_rule import acceptance_kind
 from minimedusa.cli.load import device_and_format
 from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
@@ -336,3 +337,21 @@ def test_an_unwritable_latency_cache_still_decodes_and_says_so(tiny_folder, tmp_
                              "written (")
     assert notice.endswith("set MINIMEDUSA_CACHE to a writable folder")
     assert "latencies measured here" in summary
+
+
+@pytest.mark.parametrize("acceptance, temperature, tree, kind", [
+    ("auto", 0.0, None, "greedy"), ("auto", 0.7, None, "speculative"),
+    ("auto", 0.7, "ranked", "rejection"), ("auto", 0.7, "ranked:8", "rejection"),
+    ("rejection", 0.7, None, "rejection"), ("rejection", 0.0, None, "greedy"),
+    ("speculative", 0.0, None, "greedy"), ("typical", 0.7, "ranked", "typical"),
+    ("auto", 0.7, "mc_sim_7b_63", "speculative")])
+def test_acceptance_flags_pick_the_rule(acceptance, temperature, tree, kind):
+    args = Namespace(acceptance=acceptance, temperature=temperature, tree=tree)
+    assert acceptance_kind(args) == kind
+
+
+@pytest.mark.parametrize("acceptance, tree", [("greedy", None), ("speculative", "ranked")])
+def test_acceptance_flags_that_contradict_fail_in_one_line(acceptance, tree):
+    args = Namespace(acceptance=acceptance, temperature=0.7, tree=tree)
+    with pytest.raises(UserError, match="--acceptance"):
+        acceptance_kind(args)
