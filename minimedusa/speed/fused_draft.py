@@ -119,8 +119,9 @@ class FusedDrawnDraft(DrawnDraft):
 
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         tree = self.trees[n]
-        noise = gumbel_noise((tree.size, self.fused.lm[1].shape[0] * 16),
-                             self.generator_on(features.device), features.device)  # (N, V')
+        columns = self.fused.lm[1].shape[0] * 16  # V': the LM head's outputs, 16 a block
+        noise = gumbel_noise((tree.size, columns), self.generator_on(features.device),
+                             features.device)  # (N, V'): a row for each node's children
         with torch.inference_mode():
             tokens, logits, draws = torch.ops.minimedusa.hydra_draw(
                 *self.fused.arguments(tree, root, features), noise, self.temperature)
