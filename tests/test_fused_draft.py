@@ -117,11 +117,13 @@ def test_heads_the_fused_draft_does_not_serve_say_why():
 
 @settings(max_examples=30, deadline=None)
 @given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
-       vocabulary=st.sampled_from([0, 32]), temperature=st.sampled_from([0.3, 0.7, 1.0]))
+       vocabulary=st.sampled_from([0, 32]), temperature=st.sampled_from([300.0, 1000.0, 3000.0]))
 def test_the_fused_draw_draws_the_reference_tokens_from_the_same_noise(choices, seed,
                                                                        vocabulary, temperature):
     """hydra_draw against hydra_candidates picking by the same keys (logits / T + the same
-    Gumbel noise, a row a parent): the same tokens, the same draws, the same q."""
+    Gumbel noise, a row a parent): the same tokens, the same draws, the same q. The test
+    model's head logits spread ~1,500 (std): temperatures of that order let the noise decide,
+    so a key without T, or without the noise, draws other tokens."""
     model, heads = setup(seed % 4, torch.float32, vocabulary)
     tree = build_tree(choices, num_heads=4)
     g = torch.Generator().manual_seed(seed)
