@@ -21,20 +21,20 @@ from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.tree import MedusaTree
 
 
-def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The paper's guesses: the columns of the k largest logits, best first, (..., V) -> (..., k)."""
+def best_guesses(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The paper's guesses: the k largest logits' columns, best first, (..., V) -> (..., k)."""
     return logits.topk(k, dim=-1).indices
 
 
 def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree,
-               vocabulary: DraftVocabulary | None = None, pick=top_k) -> torch.Tensor:
+               vocabulary: DraftVocabulary | None = None, pick=best_guesses) -> torch.Tensor:
     """The tree's tokens: (N,) int64, from the root token () and the heads' logits (K, V).
 
     The heads' top-k are laid out flat as [root, head 1's top-k, head 2's top-k, ...], and
     tree.token_index says where each node's token sits in that list (tree.py). `vocabulary`:
     the draft vocabulary whose columns the heads score, if any (heads.DraftVocabulary);
-    `pick`: how a head's k guesses are chosen from its logits (top_k; speculative_sampling.py
-    draws them)."""
+    `pick`: how a head's k guesses are chosen from its logits (best_guesses;
+    speculative_sampling.py draws them)."""
     top = token_ids(vocabulary, pick(head_logits[:tree.num_heads], tree.top_k))
     flat = torch.cat([root.reshape(1), top.reshape(-1)])  # (1 + D * top_k,)
     return flat[tree.token_index]
@@ -48,7 +48,7 @@ def guess(heads: MedusaHeads, model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def tree_tokens(heads: MedusaHeads | HydraHeads, model, tree: MedusaTree, root: int,
-                hidden: torch.Tensor, pick=top_k) -> torch.Tensor:
+                hidden: torch.Tensor, pick=best_guesses) -> torch.Tensor:
     """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
     (or what the heads read there: a draft's read) is hidden (C,). Medusa heads guess every
     depth at once from h_t alone; Hydra heads read the draft's own tokens, so they guess depth
