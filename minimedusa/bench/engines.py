@@ -139,20 +139,23 @@ def seeded(acceptance, seed):
     return dataclasses.replace(acceptance, seed=seed)
 
 
-def medusa_engine(model, heads, tree, acceptance, context=False):
-    draft, budget = fixed(heads, tree)
-    draft = wrapped(fast_draft(draft, model), heads, context)
+def fixed_engine(model, draft, budget, acceptance):
+    """Medusa with a draft and a budget kept from question to question (one tree size)."""
     return lambda ids, n, seed: timed(medusa_decode(model, draft, budget, seeded(acceptance, seed),
                                                     ids, n, set()))
+
+
+def medusa_engine(model, heads, tree, acceptance, context=False):
+    draft, budget = fixed(heads, tree)
+    return fixed_engine(model, wrapped(fast_draft(draft, model), heads, context), budget,
+                        acceptance)
 
 
 def drawn_engine(model, heads, tree, temperature: float):
     """Speculative sampling of candidates drawn from the heads, on one tree every step."""
     draft, budget = fixed(heads, tree)
     drawn = fast_draft(DrawnDraft(heads, draft.trees, temperature), model)
-    rule = speculative(drawn, temperature)
-    return lambda ids, n, seed: timed(medusa_decode(model, drawn, budget, seeded(rule, seed),
-                                                    ids, n, set()))
+    return fixed_engine(model, drawn, budget, speculative(drawn, temperature))
 
 
 def adaptive_engine(model, draft, budget, acceptance, usage: Counter):
@@ -219,7 +222,7 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
     if context == "both":
         rules["greedy" + NO_CONTEXT] = rules["greedy"]
     usage.update({label + r: Counter() for r in rules})
-    drafts = {r: fast_draft(TreeDraft(heads, trees), model) for r in rules}
+    drafts = dict.fromkeys(rules, fast_draft(TreeDraft(heads, trees), model))  # stateless
     if temperature > 0:
         name = f"speculative T={temperature}"
         drafts[name] = fast_draft(DrawnDraft(heads, trees, temperature), model)
@@ -286,9 +289,7 @@ def heads_engines(engines: Engines, label, spec, heads, model, device, args) -> 
 
 
 def ranked_engine(model, heads, size: int):
-    accept = greedy_for(model.embed.weight.device)
-    draft = wrapped(RankedDraft(heads), heads, False)
-    return lambda ids, n, seed: timed(medusa_decode(model, draft, FixedSize(size), accept, ids,
-                                                    n, set()))
+    return fixed_engine(model, wrapped(RankedDraft(heads), heads, False), FixedSize(size),
+                        greedy_for(model.embed.weight.device))
 
 
