@@ -47,13 +47,14 @@ def guess(heads: MedusaHeads, model, hidden: torch.Tensor) -> torch.Tensor:
     return heads(hidden, drafting_lm_head(heads.vocabulary, model.lm_head))
 
 
-def tree_tokens(heads: MedusaHeads | HydraHeads, model, tree: MedusaTree, root: int,
-                hidden: torch.Tensor, pick=best_guesses) -> torch.Tensor:
+def tree_tokens(heads: MedusaHeads | HydraHeads, model, tree: MedusaTree,
+                root: int | torch.Tensor, hidden: torch.Tensor, pick=best_guesses) -> torch.Tensor:
     """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
     (or what the heads read there: a draft's read) is hidden (C,). Medusa heads guess every
     depth at once from h_t alone; Hydra heads read the draft's own tokens, so they guess depth
-    by depth (hydra.py)."""
-    root = torch.tensor(root, device=hidden.device)
+    by depth (hydra.py). root: its token id, or a 0-d tensor of it on hidden's device (a CUDA
+    graph's input, speed/cuda_graphs.py)."""
+    root = torch.as_tensor(root, device=hidden.device)
     if isinstance(heads, HydraHeads):
         return hydra_candidates(heads, model, hidden, root, tree, pick)
     return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary, pick)

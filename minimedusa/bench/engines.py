@@ -31,6 +31,7 @@ from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import TreeDraft
 from minimedusa.ranked_tree import RankedDraft
 from minimedusa.speed.fused_draft import fast_draft
+from minimedusa.speed.plug_in import eager_step
 from minimedusa.errors import UserError
 from minimedusa.speed.memory_bandwidth import weight_bytes
 from minimedusa.speculative_sampling import DrawnDraft, speculative
@@ -66,7 +67,7 @@ def engines_to_time(args, model, folder: Path, device, dtype, tokenizer) -> Engi
         engines.run[name], engines.step_bytes[name] = (plain_engine(model, args.temperature),
                                                        weight_bytes(model))
     if args.eager_too:
-        engines.run["plain" + EAGER] = eager_engine(engines.run["plain"])
+        engines.run["plain" + EAGER] = eager_engine(engines.run["plain"], model)
         engines.step_bytes["plain" + EAGER] = engines.step_bytes["plain"]
     medusa_engines(args, model, device, engines)
     for name in args.formats:
@@ -91,7 +92,7 @@ def format_engines(args, folder: Path, device, name: str, engines: Engines) -> N
     label = f"[{name}] "
     plain = {label + "plain": plain_engine(model)}
     if args.eager_too:
-        plain[label + "plain" + EAGER] = eager_engine(plain[label + "plain"])
+        plain[label + "plain" + EAGER] = eager_engine(plain[label + "plain"], model)
     engines.run.update(plain)
     engines.step_bytes.update({n: weight_bytes(model) for n in plain})
     medusa = rule_engines(f"{label}{heads.config.head_kind} ", args.heads[0], model, heads, tree,
@@ -108,10 +109,11 @@ def plain_of(name: str) -> str:
     return name[:name.index("] ") + 2] + "plain" if name.startswith("[") else "plain"
 
 
-def eager_engine(run):
-    """The same engine with the model's decoding step eager, even if it is compiled."""
+def eager_engine(run, model):
+    """The same engine with the model's decoding step eager, even if it is compiled or in CUDA
+    graphs."""
     def eager_run(ids, n, seed):
-        with torch.compiler.set_stance("force_eager"):
+        with eager_step(model):
             return run(ids, n, seed)
     return eager_run
 
@@ -213,7 +215,7 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
                                                                        temperature)
         if eager_too:
             run[label + "greedy" + EAGER] = eager_engine(medusa_engine(model, heads, tree,
-                                                                       rules["greedy"]))
+                                                                       rules["greedy"]), model)
         return run
     trees, budget, why = decoding_budget(heads, model, spec, context != "off")
     print(f"{label.strip()}: tree sizes {list(trees)} or plain, {why}", file=sys.stderr)
@@ -233,7 +235,7 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
                                       usage[label + r])
            for r, a in rules.items()}
     if eager_too:
-        run[label + "greedy" + EAGER] = eager_engine(run[label + "greedy" + EAGER])
+        run[label + "greedy" + EAGER] = eager_engine(run[label + "greedy" + EAGER], model)
     return run
 
 

@@ -26,6 +26,7 @@ from minimedusa.draft import TreeDraft
 from minimedusa.heads import drafting_lm_head
 from minimedusa.hydra import HydraHeads
 from minimedusa.speed import group_kernel
+from minimedusa.speed.cuda_graphs import GraphedDraft
 from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import Int8GroupLinear
 from minimedusa.speculative_sampling import DrawnDraft, gumbel_noise, proposal_from
@@ -134,8 +135,11 @@ class FusedDrawnDraft(DrawnDraft):
 
 def fast_draft(draft, model):
     """The draft to decode with: a TreeDraft (or DrawnDraft) of Hydra heads whose draft fuses
-    (fusable_draft) swapped for a FusedHydraDraft (FusedDrawnDraft), on a CPU; any other as
-    it is."""
+    (fusable_draft) swapped for a FusedHydraDraft (FusedDrawnDraft), on a CPU; on CUDA a
+    TreeDraft for a GraphedDraft (its trees' drafts as CUDA graphs, while the model's blocks
+    are); any other as it is."""
+    if model.embed.weight.device.type == "cuda" and type(draft) is TreeDraft:
+        return GraphedDraft(draft.heads, draft.trees)
     if (model.embed.weight.device.type != "cpu" or type(draft) not in (TreeDraft, DrawnDraft)
             or fusable_draft(draft.heads, model) is not None):
         return draft

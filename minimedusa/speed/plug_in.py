@@ -8,7 +8,8 @@ compiled graph exists.
 2. the step: where the blocks' products are group_kernel.c's int4 layers, each block swapped
    for one C++ call (fused_block.py); elsewhere the compiled step
    (compiled_step.py): each block swapped for a compiled one, its attention for the C kernel
-   (attention_kernel.py), where a C++ compiler works.
+   (attention_kernel.py), where a C++ compiler works; on CUDA, the blocks replayed from CUDA
+   graphs (cuda_graphs.py).
 And the heads, in the model's format: plug_in_heads; their draft one C++ call where it runs:
 fused_draft.fast_draft, where the draft is made.
 how_it_runs(model) then says in words what was plugged in: the key step latencies are kept
@@ -16,14 +17,16 @@ under (step_latency.py) names it, so a latency measured for one way of running i
 for another.
 """
 import sys
+from contextlib import contextmanager, nullcontext
 
+import torch
 import torch.nn as nn
 
-from minimedusa.errors import UserError
 from minimedusa.model import Llama
 from minimedusa.speed import c_kernels
 from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
+from minimedusa.speed.cuda_graphs import eager_blocks, graph_step, is_graphed
 from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
 from minimedusa.speed.group_kernel import uses_tiles, uses_vnni
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
@@ -35,17 +38,15 @@ from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
 
 def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
     """Make a loaded model fast in place: its weight format, then its step as --compile asks
-    (None: fused where fused_block.fusable, else compiled where a compiler works, on a CPU;
-    True: compiled). Returns how the step runs, in words: "fused (the blocks one C++ call)",
-    "compiled (warm-up 3.4 s)", or "eager" and why."""
+    (None: on a CPU fused where fused_block.fusable, else compiled where a compiler works; on
+    CUDA the eager blocks in CUDA graphs; True: compiled, in CUDA graphs on CUDA; False: eager).
+    Returns how the step runs, in words: "fused (the blocks one C++ call)", "compiled (warm-up
+    3.4 s)", "CUDA graphs of the eager blocks (9 captured in 1.2 s)", or "eager" and why."""
     apply_format(model, weight_format)
-    if model.embed.weight.device.type != "cpu":
-        if compile_flag:
-            raise UserError("--compile compiles the CPU's step (on CUDA it would be CUDA "
-                            "graphs, left out): drop --compile")
-        return "eager"
     if compile_flag is False:
         return "eager (--no-compile)"
+    if model.embed.weight.device.type == "cuda":  # the host's dispatch is the step's cost there
+        return graph_step(model, compiled=bool(compile_flag))
     if compile_flag is None and fusable(model) is None:  # int4 and w4a8: nothing to compile
         fuse_blocks(model)
         return "fused (the blocks one C++ call)"
@@ -58,6 +59,15 @@ def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
     kernel = kernel_problem()
     attention = "" if kernel is None else f"; attention in PyTorch, no C kernel: {kernel}"
     return f"compiled (warm-up {warm_up(model):.1f} s{attention})"
+
+
+@contextmanager
+def eager_step(model: Llama):
+    """The model's decoding step eager for a while (bench's "(eager)" engines): compiled
+    graphs not run, CUDA graphs not replayed; all kept for after."""
+    graphs = eager_blocks(model) if is_graphed(model) else nullcontext()
+    with torch.compiler.set_stance("force_eager"), graphs:
+        yield
 
 
 def plug_in_heads(heads: nn.Module, model: Llama) -> nn.Module:
@@ -88,6 +98,8 @@ def how_it_runs(model: Llama) -> str:
         weights += (", 8-bit LM head (16-bit activations)"
                     if isinstance(model.lm_head, Int8A16GroupLinear) else ", 8-bit LM head")
     step = " | compiled step" if is_compiled(model) else " | fused step" if is_fused(model) else ""
+    if is_graphed(model):
+        step = " | CUDA graphs" + (", compiled blocks" if model.layers.compiled else "")
     if any(isinstance(m, KernelAttention) for m in block.modules()):
         step += ", C attention"
     layers = [layer for layer in block.modules()

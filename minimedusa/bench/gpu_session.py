@@ -1,0 +1,90 @@
+"""A GPU session's measurements in one command: a GPU is lent for minutes, so everything it
+should measure is prepared (and tried on a CPU, --device cpu --quick) before it starts.
+
+    python -m minimedusa.bench.gpu_session --out DIR                  # every step, on CUDA
+    python -m minimedusa.bench.gpu_session --out DIR --steps tests    # some of them
+    python -m minimedusa.bench.gpu_session --out /tmp/s --device cpu --quick   # tried here
+
+Each step runs as a process of its own under its own time limit, writing its output into DIR
+as it goes, so that a session cut short still brings back what it did:
+1. tests: the CUDA graphs' tests (tests/test_cuda_graphs.py, run on CUDA where present);
+2. graphs: bench in bfloat16 with the step in CUDA graphs: plain decoding, plain decoding
+   eager (today's step, the reference for how much the graphs give), Medusa greedy (the
+   Budget's trees, context candidates) in graphs and eager, typical acceptance, rejection and
+   speculative sampling at T = 0.7;
+3. compiled: the same greedy engines with compiled blocks inside the graphs (--compile);
+4. profile: bench --profile in graphs (kernels and GPU time a step, steps by tree size).
+"""
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def steps(args) -> dict[str, tuple[int, list[str], str]]:
+    """{name: (time limit in seconds, command, the file its output goes to)}."""
+    bench = [sys.executable, "-m", "minimedusa.bench", "--device", args.device,
+             "--no-transformers", "--no-llama-cpp", "--per-category", "1"]
+    bench += ["--dtype", "bfloat16" if args.device == "cuda" else "float32"]
+    if args.quick:
+        bench += ["--max-new-tokens", "16"]
+    if args.questions is not None:
+        bench += ["--questions", str(args.questions)]
+    out = args.out
+    return {
+        "tests": (240, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(REPO / "tests" / "test_cuda_graphs.py")], "tests-cuda-graphs.txt"),
+        "graphs": (200, bench + ["--eager-too", "--temperature", "0.7",
+                                 "--out", str(out / "bench-cuda-graphs.json")],
+                   "bench-cuda-graphs.txt"),
+        "compiled": (200, bench + ["--compile", "--no-sampling",
+                                   "--out", str(out / "bench-cuda-compiled.json")],
+                     "bench-cuda-compiled.txt"),
+        "profile": (120, bench + ["--profile"], "profile-step-cuda-graphs.txt"),
+    }
+
+
+def run_step(name: str, limit: int, command: list[str], log: Path) -> None:
+    """One step, its output into `log` as it comes; a step past its limit is stopped (what
+    it wrote stays), and the next runs."""
+    print(f"== {name} (at most {limit} s): {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(command)}\n")
+        f.flush()
+        try:
+            done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=limit,
+                                  cwd=REPO)
+            status = f"exit {done.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"stopped at its limit of {limit} s"
+        f.write(f"\n== {name}: {status} after {time.perf_counter() - start:.0f} s\n")
+    print(f"== {name}: {status} after {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m minimedusa.bench.gpu_session",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="the folder the records go to")
+    p.add_argument("--steps", default="tests,graphs,compiled,profile",
+                   help="which steps, in this order (default: %(default)s)")
+    p.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the steps")
+    p.add_argument("--questions", type=Path, default=None,
+                   help="MT-Bench's questions (default: bench's)")
+    p.add_argument("--quick", action="store_true", help="16 new tokens a question")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = steps(args)
+    for name in args.steps.split(","):
+        if name not in table:
+            p.error(f"unknown step {name!r}: choose among {', '.join(table)}")
+    for name in args.steps.split(","):
+        limit, command, log = table[name]
+        run_step(name, limit, command, args.out / log)
+
+
+if __name__ == "__main__":
+    main()

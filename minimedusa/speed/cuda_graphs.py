@@ -1,0 +1,265 @@
+"""The decoding step as CUDA graphs: on a GPU, each step's ~1,000 kernels launched at once.
+
+Why: on a GPU the default model's step is ~1,000 small kernels (30 blocks of norms, RoPE, four
+products, the cache write, attention, SwiGLU), each launched from Python; the GPU finishes each
+long before the host has dispatched the next, so a step costs the host's dispatch, ~10x the
+GPU's own work (records: the H100's and H200's step profiles). A CUDA graph records a step's
+kernels once and replays them with one launch: the step then runs at the GPU's speed. This is
+gpt-fast's way (there through torch.compile's mode="reduce-overhead"), written out by hand here
+with torch.cuda.CUDAGraph so that a reader sees what a graph needs:
+
+- Fixed shapes. One graph per row count T: 1 for a plain step, n + 1 for a tree of n nodes.
+  The attended slots S grow every step, so a graph's attention reads the whole static cache, M
+  slots, with the mask False past the sequence: the masked slots weigh exactly 0, and
+  model.exact_attention's float64 sums keep the rows those of the eager step.
+- Fixed addresses. A replay reads and writes the memory the capture used: each graph owns its
+  inputs (the residual stream, RoPE's cos and sin, the mask, the slots), copied in before a
+  replay, and its output. The KV cache is one static cache of M slots per model, which every
+  decoding run's cache is given in turn ("held", StaticCache below).
+- No host sync inside. Positions, slots and masks are device tensors (decoding.py builds them
+  from the cache's host length), so a step's one sync stays the acceptance's.
+
+What it swaps: the model's Blocks for GraphedBlocks (the embedding, the last norm and the LM
+head stay eager: a few kernels), and the heads' TreeDraft for a GraphedDraft (one graph per tree
+size: the heads' draft, every depth of it). Graphs are captured at first use, a plain step and
+the Budget's tree sizes up front (warm_up), and kept across prompts and chat turns; a long
+prompt (more than MAX_ROWS tokens), a batch, training run the eager blocks.
+On a CPU the same code runs with nothing captured (capture() returns the function): the tests
+check there that the static discipline gives the eager step's logits, and where CUDA is, that
+the graphs do. --compile puts the compiled block (compiled_step.py: inductor's Triton kernels,
+fewer of them) inside the graphs.
+
+Shapes: T rows, C model dim, D head dim, G key/value heads, M static slots, N tree nodes.
+"""
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from minimedusa.budget import SIZES
+from minimedusa.draft import TreeDraft, tree_tokens
+from minimedusa.kv_cache import KVCache
+from minimedusa.model import Blocks, Llama, causal_mask
+from minimedusa.speed.compiled_step import CompiledBlock
+
+# the most rows a step graph takes: the Budget's largest tree on a GPU (64 nodes) and its root
+MAX_ROWS = 65
+SLOTS_GRAIN = 256  # the static cache's slots M: a multiple of this, so that few sizes occur
+WARM_UP_RUNS = 2  # runs before a capture: cuBLAS's handles and workspaces are made outside it
+
+
+def capture(run, device: torch.device, pool):
+    """`run` (no arguments, touching only tensors that outlive it) recorded as a CUDA graph:
+    returns its replay. On a CPU, `run` itself: the same buffers, nothing recorded."""
+    if device.type != "cuda":
+        return run
+    side = torch.cuda.Stream(device)  # warm-ups on a side stream, as torch's docs ask
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARM_UP_RUNS):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph.replay
+
+
+class StaticCache:
+    """The one KV cache whose memory the graphs read and write: M slots a layer. A decoding
+    run's cache is held: its layers' tensors become the static ones (its entries copied in),
+    and the cache held before gets its entries back in tensors of its own, so that any number
+    of caches live (a chat's, a benchmark's), one decoding in the graphs at a time."""
+
+    def __init__(self, like: KVCache, slots: int):
+        layer = like.layers[0].k
+        with torch.inference_mode(False):  # decoding's caches are normal tensors: compact
+            self.cache = KVCache(len(like.layers), 1, layer.shape[1], slots, layer.shape[3],
+                                 layer.device, layer.dtype)  # writes them outside it
+        self.held = lambda: None  # a weak reference to the cache held, once one is
+
+    @property
+    def slots(self) -> int:
+        return self.cache.capacity
+
+    def hold(self, cache: KVCache) -> None:
+        """Make `cache` the one whose entries live in the static tensors."""
+        if self.held() is cache:
+            return
+        before = self.held()
+        if before is not None:
+            give_back(before)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.k[:, :, :cache.capacity].copy_(theirs.k)
+            mine.v[:, :, :cache.capacity].copy_(theirs.v)
+            theirs.k, theirs.v = mine.k, mine.v  # M slots: writes stay below its capacity
+        self.held = weakref.ref(cache)
+
+
+def give_back(cache: KVCache) -> None:
+    """A held cache's entries in tensors of its own again, its capacity's slots."""
+    with torch.inference_mode(False):
+        for layer in cache.layers:
+            layer.k = layer.k[:, :, :cache.capacity].clone()
+            layer.v = layer.v[:, :, :cache.capacity].clone()
+
+
+class StepGraph:
+    """One graph of the blocks over T rows, with its own inputs and output. Captured with
+    harmless inputs: each row attends to its own slot, among the last T of the static cache,
+    which no held cache reaches (M >= its capacity + MAX_ROWS)."""
+
+    def __init__(self, blocks: nn.Module, static: StaticCache, x, cos, sin, pool):
+        T, M, device = x.shape[1], static.slots, x.device
+        with torch.inference_mode(False):
+            self.x = torch.zeros_like(x)  # (1, T, C): the residual stream in
+            self.cos, self.sin = torch.zeros_like(cos), torch.zeros_like(sin)  # (1, 1, T, D)
+            self.slots = torch.arange(M - T, M, device=device)  # (T,)
+            self.mask = torch.zeros(1, 1, T, M, dtype=torch.bool, device=device)
+            self.mask[0, 0, torch.arange(T), self.slots] = True
+            self.out = torch.zeros_like(x)  # (1, T, C)
+        cache = static.cache
+
+        def run():
+            self.out.copy_(blocks(self.x, self.cos, self.sin, self.mask, cache, self.slots))
+        self.replay = capture(run, device, pool)
+
+    def __call__(self, x, cos, sin, mask, slots):
+        """The blocks over these inputs: (1, T, C), this graph's output buffer (overwritten by
+        its next replay: read it before)."""
+        S = mask.shape[-1]
+        self.x.copy_(x)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        self.mask[..., :S].copy_(mask)
+        self.mask[..., S:] = False
+        self.slots.copy_(slots)
+        self.replay()
+        return self.out
+
+
+class GraphedBlocks(Blocks):
+    """The model's blocks, whose decoding forwards (one sequence, at most MAX_ROWS rows,
+    inference mode, a cache) replay their row count's graph, and whose other forwards run the
+    eager blocks one after another (as Blocks)."""
+
+    def __init__(self, blocks: Blocks, compiled: bool):
+        super().__init__(blocks)  # the same Block modules: the state dict's names unchanged
+        # inside the graphs: the blocks as they are, or each compiled (inductor's kernels); a
+        # plain list, not a submodule: the same weights, named once
+        self.inside = [Blocks([CompiledBlock(b) for b in blocks]) if compiled else
+                       Blocks(blocks)]
+        self.compiled = compiled
+        self.graphs: dict[int, StepGraph] = {}
+        self.static: StaticCache | None = None
+        self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        self.captures, self.capture_seconds = 0, 0.0
+
+    def forward(self, x, cos, sin, mask, cache=None, slots=None):  # (1, T, C) -> (1, T, C)
+        B, T, _ = x.shape
+        if cache is None or B != 1 or T > MAX_ROWS or not torch.is_inference_mode_enabled():
+            return super().forward(x, cos, sin, mask, cache, slots)
+        self.hold(cache)
+        if T not in self.graphs:
+            start = time.perf_counter()
+            self.graphs[T] = StepGraph(self.inside[0], self.static, x, cos, sin, self.pool)
+            self.captures, self.capture_seconds = (self.captures + 1,
+                                                   self.capture_seconds + elapsed(start, x))
+        return self.graphs[T](x, cos, sin, mask, slots)
+
+    def hold(self, cache: KVCache) -> None:
+        """The cache's entries into the static cache, which grows (its graphs captured again)
+        where this cache's capacity and a capture's rows do not fit."""
+        if self.static is None or cache.capacity + MAX_ROWS > self.static.slots:
+            if self.static is not None and self.static.held() is not None:
+                give_back(self.static.held())
+            slots = -(-(cache.capacity + MAX_ROWS) // SLOTS_GRAIN) * SLOTS_GRAIN
+            self.static, self.graphs = StaticCache(cache, slots), {}
+        self.static.hold(cache)
+
+
+def elapsed(start: float, x: torch.Tensor) -> float:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - start
+
+
+def graph_step(model: Llama, compiled: bool) -> str:
+    """Swap the model's blocks for GraphedBlocks and capture a plain step's graph and the
+    Budget's tree sizes' (warm_up); returns how the step runs, in words."""
+    if compiled:
+        # one compiled graph serves all blocks; each tree size and cache size is a shape
+        torch._dynamo.config.recompile_limit = 64
+    model.layers = GraphedBlocks(model.layers, compiled)
+    warm_up(model)
+    blocks = model.layers
+    inside = "compiled blocks" if compiled else "eager blocks"
+    return (f"CUDA graphs of the {inside} ({blocks.captures} captured in "
+            f"{blocks.capture_seconds:.1f} s)")
+
+
+def warm_up(model: Llama) -> None:
+    """Capture the graphs of a plain step and of the Budget's tree sizes before a run, in a
+    cache of up to 1,024 slots (a longer run's cache grows the static one: captured again)."""
+    device = model.embed.weight.device
+    capacity = min(1024, model.config.max_position_embeddings) - MAX_ROWS
+    cache = KVCache.for_model(model, capacity)
+    for T in (1, *(n + 1 for n in SIZES)):
+        tokens = torch.zeros(1, T, dtype=torch.long, device=device)  # (1, T)
+        positions = torch.arange(8, 8 + T, device=device)[None]  # (1, T): after 8 tokens
+        with torch.inference_mode():
+            model(tokens, positions, causal_mask(8, T, device), cache, cache.slots(8, T))
+
+
+def is_graphed(model: Llama) -> bool:
+    """Whether graph_step swapped this model's blocks."""
+    return isinstance(model.layers, GraphedBlocks)
+
+
+@contextmanager
+def eager_blocks(model: Llama):
+    """The model's blocks eager for a while (bench's '(eager)' engines), its graphs kept."""
+    graphed = model.layers
+    model.layers = Blocks(graphed)
+    try:
+        yield
+    finally:
+        model.layers = graphed
+
+
+class DraftGraph:
+    """One tree's draft as a graph: the hidden state (C,) and root in, its tokens (N,) out."""
+
+    def __init__(self, heads, model, tree, features: torch.Tensor, pool):
+        with torch.inference_mode(False):
+            self.hidden = torch.zeros_like(features)  # (C,)
+            self.root = torch.zeros((), dtype=torch.long, device=features.device)
+            self.tokens = torch.zeros(tree.size, dtype=torch.long, device=features.device)
+
+        def run():
+            self.tokens.copy_(tree_tokens(heads, model, tree, self.root, self.hidden))
+        with torch.inference_mode():
+            self.replay = capture(run, features.device, pool)
+
+
+class GraphedDraft(TreeDraft):
+    """TreeDraft whose tokens come from a graph per tree size (the heads' every depth: a
+    Hydra draft is ~25 kernels a depth), while the model's blocks are graphed."""
+
+    def __init__(self, heads, trees: dict):
+        super().__init__(heads, trees)
+        self.graphs: dict[int, DraftGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+        if not is_graphed(model):  # eager_blocks: the draft eager too
+            return super().tree(model, n, root, features, rank)
+        if n not in self.graphs:
+            self.graphs[n] = DraftGraph(self.heads, model, self.trees[n], features, self.pool)
+        graph = self.graphs[n]
+        graph.hidden.copy_(features)
+        graph.root.fill_(root)
+        graph.replay()
+        return self.trees[n], graph.tokens, rank
