@@ -21,9 +21,10 @@ with torch.cuda.CUDAGraph so that a reader sees what a graph needs:
 
 What it swaps: the model's Blocks for GraphedBlocks (the embedding, the last norm and the LM
 head stay eager: a few kernels), and the heads' TreeDraft for a GraphedDraft (one graph per tree
-size: the heads' draft, every depth of it). Graphs are captured at first use, a plain step and
-the Budget's tree sizes up front (warm_up), and kept across prompts and chat turns; a long
-prompt (more than MAX_ROWS tokens), a batch, training run the eager blocks.
+size: the heads' draft, every depth of it). A row count's graph is captured the second time it
+is asked for (a tree's size recurs, a prompt's length seldom does), a plain step's and the
+Budget's tree sizes' up front (warm_up), and kept across prompts and chat turns; a long prompt
+(more than MAX_ROWS tokens), a batch, training run the eager blocks.
 On a CPU the same code runs with nothing captured (capture() returns the function): the tests
 check there that the static discipline gives the eager step's logits, and where CUDA is, that
 the graphs do. --compile puts the compiled block (compiled_step.py: inductor's Triton kernels,
@@ -33,6 +34,7 @@ Shapes: T rows, C model dim, D head dim, G key/value heads, M static slots, N tr
 """
 import time
 import weakref
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
@@ -153,6 +155,7 @@ class GraphedBlocks(Blocks):
                        Blocks(blocks)]
         self.compiled = compiled
         self.graphs: dict[int, StepGraph] = {}
+        self.asked = Counter()  # row count -> forwards asked for: captured at the second
         self.static: StaticCache | None = None
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.captures, self.capture_seconds = 0, 0.0
@@ -162,6 +165,9 @@ class GraphedBlocks(Blocks):
         if cache is None or B != 1 or T > MAX_ROWS or not torch.is_inference_mode_enabled():
             return super().forward(x, cos, sin, mask, cache, slots)
         self.hold(cache)
+        self.asked[T] += 1
+        if T not in self.graphs and self.asked[T] < 2:  # a tree's size recurs, a prompt's
+            return super().forward(x, cos, sin, mask, cache, slots)  # length seldom does
         if T not in self.graphs:
             start = time.perf_counter()
             self.graphs[T] = StepGraph(self.inside[0], self.static, x, cos, sin, self.pool)
@@ -206,7 +212,7 @@ def warm_up(model: Llama) -> None:
     device = model.embed.weight.device
     capacity = min(1024, model.config.max_position_embeddings) - MAX_ROWS
     cache = KVCache.for_model(model, capacity)
-    for T in (1, *(n + 1 for n in SIZES)):
+    for T in (1, *(n + 1 for n in SIZES)) * 2:  # a row count is captured when asked again
         tokens = torch.zeros(1, T, dtype=torch.long, device=device)  # (1, T)
         positions = torch.arange(8, 8 + T, device=device)[None]  # (1, T): after 8 tokens
         with torch.inference_mode():
