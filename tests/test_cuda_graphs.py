@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import DEVICES, cycling_heads, cycling_model, tiny_model
+from conftest import DEVICES, cached_keys_values, cycling_heads, cycling_model
 from minimedusa.acceptance import greedy
 from minimedusa.budget import FixedSize, fixed
 from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_decode, prefill,
@@ -85,6 +85,23 @@ def test_graphed_medusa_greedy_equals_eager_plain_greedy(pair, kind, choices, se
     steps = list(medusa_decode(graphed, GraphedDraft(heads, draft.trees), budget, greedy(),
                                prompt, 40, set()))
     assert flat(steps) == flat(plain_decode(eager, prompt, 40, Sampling(), set()))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_compaction_through_the_graph_leaves_the_eager_runs_cache(pair, kind):
+    """The held cache's compaction (one graph for every layer) keeps what the eager loop keeps:
+    every entry, bit for bit (the cycling model's tokens hardly depend on them)."""
+    entries = []
+    for model in pair:
+        heads = cycling_heads(model, kind, 2)
+        tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]], num_heads=4,
+                          device=model.embed.weight.device)
+        draft, budget = fixed(heads, tree)
+        cache = KVCache.for_model(model, 64)
+        flat(medusa_decode(model, GraphedDraft(heads, draft.trees), budget, greedy(), [5, 6, 7],
+                           40, set(), cache))
+        entries.append(cached_keys_values(cache, cache.length))
+    assert all(torch.equal(a, b) for a, b in zip(*entries))
 
 
 def test_the_lossless_test_sees_candidates_accepted(pair):

@@ -75,12 +75,32 @@ class StaticCache:
     and the cache held before gets its entries back in tensors of its own, so that any number
     of caches live (a chat's, a benchmark's), one decoding in the graphs at a time."""
 
-    def __init__(self, like: KVCache, slots: int):
+    def __init__(self, like: KVCache, slots: int, pool):
         layer = like.layers[0].k
         with torch.inference_mode(False):  # decoding's caches are normal tensors: compact
             self.cache = KVCache(len(like.layers), 1, layer.shape[1], slots, layer.shape[3],
                                  layer.device, layer.dtype)  # writes them outside it
+            # compaction's slots, from and to: the kept nodes', then the last slot's (which no
+            # held cache reaches) onto itself
+            self.src = torch.full((MAX_ROWS,), slots - 1, device=layer.device)  # (MAX_ROWS,)
+            self.dst = self.src.clone()  # (MAX_ROWS,)
         self.held = lambda: None  # a weak reference to the cache held, once one is
+        # KVCache.copy_slots moves each layer's keys and values in turn: ~120 kernels launched
+        # from Python, a millisecond a Medusa step on a GPU, as one graph
+        self.compaction = capture(lambda: self.cache.copy_slots(self.src, self.dst),
+                                  layer.device, pool)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KVCache.copy_slots for the held cache (hold makes it that cache's): its entries at
+        slots src (N,) to dst (N,), every layer's, one graph replayed."""
+        n = src.numel()
+        if n > MAX_ROWS:  # a tree too big for the step graphs: the core's own loop
+            return KVCache.copy_slots(self.cache, src, dst)
+        self.src[:n].copy_(src)
+        self.dst[:n].copy_(dst)
+        self.src[n:] = self.slots - 1
+        self.dst[n:] = self.slots - 1
+        self.compaction()
 
     @property
     def slots(self) -> int:
@@ -97,15 +117,20 @@ class StaticCache:
             mine.k[:, :, :cache.capacity].copy_(theirs.k)
             mine.v[:, :, :cache.capacity].copy_(theirs.v)
             theirs.k, theirs.v = mine.k, mine.v  # M slots: writes stay below its capacity
+        # note: an instance's attribute before its class's method: the held cache's compaction
+        # (KVCache.compact) now copies through the graph; give_back deletes it
+        cache.copy_slots = self.copy_slots
         self.held = weakref.ref(cache)
 
 
 def give_back(cache: KVCache) -> None:
-    """A held cache's entries in tensors of its own again, its capacity's slots."""
+    """A held cache's entries in tensors of its own again, its capacity's slots, and its own
+    compaction."""
     with torch.inference_mode(False):
         for layer in cache.layers:
             layer.k = layer.k[:, :, :cache.capacity].clone()
             layer.v = layer.v[:, :, :cache.capacity].clone()
+    del cache.copy_slots
 
 
 class StepGraph:
@@ -157,7 +182,7 @@ class GraphedBlocks(Blocks):
         self.graphs: dict[int, StepGraph] = {}
         self.asked = Counter()  # row count -> forwards asked for: captured at the second
         self.static: StaticCache | None = None
-        self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        self.pool = new_pool()
         self.captures, self.capture_seconds = 0, 0.0
 
     def forward(self, x, cos, sin, mask, cache=None, slots=None):  # (1, T, C) -> (1, T, C)
@@ -182,8 +207,14 @@ class GraphedBlocks(Blocks):
             if self.static is not None and self.static.held() is not None:
                 give_back(self.static.held())
             slots = -(-(cache.capacity + MAX_ROWS) // SLOTS_GRAIN) * SLOTS_GRAIN
-            self.static, self.graphs = StaticCache(cache, slots), {}
+            self.pool = new_pool()  # the old graphs' pool goes with them
+            self.static, self.graphs = StaticCache(cache, slots, self.pool), {}
         self.static.hold(cache)
+
+
+def new_pool():
+    """A memory pool for graphs to share (captured one after another, replayed one at a time)."""
+    return torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
 
 
 def elapsed(start: float, x: torch.Tensor) -> float:
@@ -257,7 +288,7 @@ class GraphedDraft(TreeDraft):
     def __init__(self, heads, trees: dict):
         super().__init__(heads, trees)
         self.graphs: dict[int, DraftGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        self.pool = new_pool()
 
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         if not is_graphed(model):  # eager_blocks: the draft eager too
