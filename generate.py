@@ -27,15 +27,16 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.chat import chat
     from minimedusa.cli.draft_heads import decoding_heads
     from minimedusa.cli.drafts import decoding_draft
-    from minimedusa.cli.flags import (Parser, add_compile_argument, add_context_argument,
-                                      add_device_arguments, add_draft_vocab_argument,
-                                      add_quantize_argument, non_negative, positive_int,
-                                      probability)
+    from minimedusa.cli.flags import (Parser, add_batch_argument, add_compile_argument,
+                                      add_context_argument, add_device_arguments,
+                                      add_draft_vocab_argument, add_quantize_argument,
+                                      non_negative, positive_int, probability)
     from minimedusa.cli.acceptance_rule import (acceptance_kind, decoding_acceptance,
                                                 drawn_temperature)
     from minimedusa.cli.load import device_and_format
-    from minimedusa.cli.prompts import (answer_prompts, open_out, prompt_from_stdin, prompt_ids,
-                                        prompts_summary, read_prompts)
+    from minimedusa.cli.prompts import (answer_prompts, answer_prompts_batched, batch_size,
+                                        batched_summary, open_out, prompt_from_stdin,
+                                        prompt_ids, prompts_summary, read_prompts)
     from minimedusa.cli.trees import decoding_tree, ranked_size
     from minimedusa.decoding import check_context, medusa_decode, plain_decode
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
@@ -70,6 +71,7 @@ def add_input_arguments(p) -> None:
                         "an answer, keeping what came")
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
                    help="with --prompts: write the answers to FILE (default: stdout)")
+    add_batch_argument(p)
     p.add_argument("--when-full", choices=["drop-oldest", "reset"], default="drop-oldest",
                    help="a chat past the model's context: drop the oldest exchanges (default) "
                    "or start over from the last message")
@@ -142,6 +144,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.out is not None and args.prompts is None:
         p.error("--out writes the answers of --prompts FILE")
+    if args.batch is not None and args.prompts is None:
+        p.error("--batch answers the prompts of --prompts FILE several at a time")
     if args.json and (args.prompts is not None or args.chat):
         p.error("--json prints one prompt's answer (--prompts writes JSON lines already)")
     return args
@@ -277,6 +281,8 @@ def run_prompts(args) -> None:
     prompts = read_prompts(args.prompts)  # a bad file or --out said before the loading
     out = open_out(args.out, args.prompts)
     try:
+        if batch_size(args, len(prompts)) > 1:
+            return run_batched(args, prompts, sys.stdout if out is None else out.file)
         model, tokenizer, decode, where = load_once(args)
         answers = answer_prompts(args, prompts, model, tokenizer, decode,
                                  sys.stdout if out is None else out.file)
@@ -284,6 +290,18 @@ def run_prompts(args) -> None:
         if out is not None:
             out.close()  # into place if it holds an answer; else the old --out stays
     print(prompts_summary(decode.describe(), answers, f"({where}, not counted)"),
+          file=sys.stderr)
+
+
+def run_batched(args, prompts: list, out) -> None:
+    """--prompts, args.batch at a time: the model loaded, no heads (plain decoding)."""
+    start = time.perf_counter()
+    model, step, weights, tokenizer = load(args)
+    where = (f"{model.embed.weight.device}, {weights}, {step} step; loaded in "
+             f"{time.perf_counter() - start:.1f} s")
+    sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p, args.seed)
+    answers, seconds = answer_prompts_batched(args, prompts, model, tokenizer, sampling, out)
+    print(batched_summary(answers, seconds, args.batch, f"({where}, not counted)"),
           file=sys.stderr)
 
 

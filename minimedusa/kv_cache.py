@@ -23,13 +23,27 @@ class LayerCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> "LayerCache":
+        """A layer cache over these tensors (views of another's: KVCache.row)."""
+        layer = cls.__new__(cls)
+        layer.k, layer.v = k, v
+        return layer
+
     def update(self, slots, k, v, n_read: int):
-        """Store k, v (B, G, N, D) at `slots` (N,); return slots [0, n_read) of the layer.
+        """Store k, v (B, G, N, D) at `slots`: (N,), the same slots in every row, or (B, N),
+        each row its own (batched decoding, where the rows' sequences differ in length);
+        return slots [0, n_read) of the layer.
 
         The returned tensors are views of the cache, (B, G, n_read, D) each: no copy.
         """
-        self.k.index_copy_(2, slots, k)
-        self.v.index_copy_(2, slots, v)
+        if slots.dim() == 1:
+            self.k.index_copy_(2, slots, k)
+            self.v.index_copy_(2, slots, v)
+        else:  # row b's N entries at slots[b]: (B, N, G, D) through the indices
+            rows = torch.arange(len(slots), device=slots.device).unsqueeze(1)  # (B, 1)
+            self.k[rows, :, slots] = k.transpose(1, 2)
+            self.v[rows, :, slots] = v.transpose(1, 2)
         return self.k[:, :, :n_read], self.v[:, :, :n_read]
 
     def copy_slots(self, src, dst) -> None:
@@ -57,6 +71,20 @@ class KVCache:
         cfg, weight = model.config, model.embed.weight
         return cls(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, capacity,
                    cfg.head_dim, weight.device, weight.dtype)
+
+    def row(self, b: int) -> "KVCache":
+        """Row b of a batch's cache as a cache of one sequence, empty: views of the row, so what
+        is written through it (a prompt's prefill, as for batch-1 decoding) is the batch's."""
+        view = KVCache.__new__(KVCache)
+        view.layers = [LayerCache.of(layer.k[b:b + 1], layer.v[b:b + 1]) for layer in self.layers]
+        view.capacity, view.device, view.length = self.capacity, self.device, 0
+        return view
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep these rows of a batch's cache, in this order (the others' sequences are done)."""
+        index = torch.tensor(rows, device=self.device)
+        for layer in self.layers:
+            layer.k, layer.v = layer.k[index], layer.v[index]
 
     def next_slots(self, n: int) -> torch.Tensor:
         """Where the next n tokens are written: slots [length, length + n), (N,)."""

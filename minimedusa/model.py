@@ -139,8 +139,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated_half * sin).to(x.dtype)
 
 
-# a forward of one sequence and at most this many new tokens (a plain step, a Medusa tree, a
-# short prompt) attends with exact_attention; a batch (self-distillation, training) or a long
+# a forward of at most this many new tokens in all (a plain step, a Medusa tree, a short prompt,
+# a batch's step of a token a row) attends with exact_attention; training's batches or a long
 # prompt with SDPA's fused kernel, which never holds the (T, S) scores
 EXACT_ATTENTION_TOKENS = 256
 
@@ -152,7 +152,7 @@ def attention(q, k, v, mask, exact: nn.Module):
     exact: ExactAttention below, or a module that computes what it computes (the compiled
     step's C kernel, speed/attention_kernel.py, swapped in after loading).
     """
-    if q.shape[0] == 1 and q.shape[2] <= EXACT_ATTENTION_TOKENS:
+    if q.shape[0] * q.shape[2] <= EXACT_ATTENTION_TOKENS:
         return exact(q, k, v, mask)
     # enable_gqa: each group of H // G query heads reads one key/value head, no repeat copy
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

@@ -187,7 +187,8 @@ def fresh_answers(monkeypatch, capsys, tmp_path, folder, histories, *flags) -> l
     """The runs of generate.py --prompts over JSON lines, each a whole history to answer."""
     path = tmp_path / "histories.jsonl"
     path.write_text("".join(json.dumps({"prompt": h}) + "\n" for h in histories))
-    out, _ = run_main(monkeypatch, capsys, ["--model", folder, "--prompts", path, *FAST, *flags])
+    out, _ = run_main(monkeypatch, capsys, ["--model", folder, "--prompts", path, "--batch", "1",
+                                         *FAST, *flags])
     return [json.loads(line) for line in out.splitlines()]
 
 
@@ -395,7 +396,8 @@ def test_a_prompts_file_loads_once_and_answers_as_separate_runs(
                                 for p in PROMPTS) + "\n")
     out_file = tmp_path / "answers.jsonl"
     out, err = run_main(monkeypatch, capsys, ["--model", chat_folder, "--prompts", path,
-                                              "--out", out_file, *FAST, *MODES[mode]])
+                                              "--batch", "1", "--out", out_file, *FAST,
+                                              *MODES[mode]])
     assert out == "" and len(loads) == 1
     answers = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert [a["prompt"] for a in answers] == PROMPTS
@@ -449,7 +451,7 @@ def test_a_chat_with_the_default_model_answers_as_fresh_runs(default_model_dir, 
     path = tmp_path / "histories.jsonl"
     path.write_text("".join(json.dumps({"prompt": messages[:k]}) + "\n" for k in (1, 3, 5)))
     runs.clear()
-    run_main(monkeypatch, capsys, ["--prompts", path, *flags])
+    run_main(monkeypatch, capsys, ["--prompts", path, "--batch", "1", *flags])
     assert [r["answer"] for r in runs] == [t["answer"] for t in turns]
     for before, turn in zip(turns, turns[1:]):
         assert turn["kept"] == len(before["prompt"]) + len(before["answer"]) - 1

@@ -97,7 +97,7 @@ def test_a_stopped_run_keeps_the_answers_it_finished(answers, monkeypatch):
     monkeypatch.setattr(prompts_module, "decode_answer", stopped_at_the_second)
     with pytest.raises(SystemExit, match="interrupted"):
         generate_main(["--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4",
-                       "--baseline", "--no-compile"])
+                       "--baseline", "--no-compile", "--batch", "1"])
     [line] = out.read_text().splitlines()
     assert json.loads(line)["prompt"] == "What is 2 + 2?"
     assert sorted(os.listdir(out.parent)) == sorted([prompts.name, out.name])

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from minimedusa.bench.batches import report_batches
 from minimedusa.bench.engines import Engines, engines_to_time, plain_of
 from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.processes import report_generate_processes
@@ -39,7 +40,7 @@ from minimedusa.files.heads_files import read_calibration
 from minimedusa.files.outputs import check_writable, write_json
 from minimedusa.cli.flags import (Parser, add_compile_argument, add_device_arguments,
                                   add_quantize_argument, format_list, non_negative,
-                                  non_negative_int, positive_int)
+                                  non_negative_int, positive_int, size_list)
 from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.cli.load import decoding_model, device_and_format
 from minimedusa.cli.trees import decoding_tree
@@ -178,7 +179,13 @@ def add_mode_flags(p) -> None:
                    help="with --generate: more generate.py flags for the default's processes "
                    "only, e.g. \"--acceptance typical\"")
     p.add_argument("--rounds", type=positive_int, default=2,
-                   help="with --generate: passes over the questions (default: %(default)s)")
+                   help="with --generate or --batch: passes over the questions (default: "
+                   "%(default)s)")
+    p.add_argument("--batch", type=size_list, default=[], metavar="B,B,...",
+                   help="instead of the benchmark, the questions answered as a set: plain and "
+                   "Medusa one prompt after another, and plain batched decoding of B prompts at "
+                   "a time for each B (e.g. 1,4,8,16): tokens/s in all and a row, identical "
+                   "answers, peak memory (bench/batches.py)")
     p.add_argument("--profile", action="store_true",
                    help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
                    "the first question (torch.profiler, operators by their own time), then time "
@@ -290,6 +297,8 @@ def main(argv=None):
         return
     model, step = decoding_model(folder, device, weight_format, args.compile)
     print(f"decoding step: {step}", file=sys.stderr)
+    if args.batch:
+        return report_batches(args, model, tokenizer, questions, device, dtype)
     if args.profile:
         heads = decoding_heads(args.heads[0], model, args.draft_vocab[0])
         _, tree = decoding_tree(args.tree, heads, model)

@@ -149,3 +149,22 @@ def add_draft_vocab_argument(parser) -> None:
                         "unchanged: the model still verifies over the whole vocabulary); 0 = "
                         "the whole vocabulary (default: the heads' draft_vocab_size, if their "
                         "config.json sets one, at most 2048 on a CPU)")
+
+
+def size_list(text: str) -> list[int]:
+    """"1,4,8" -> [1, 4, 8], each a positive int, increasing (argparse's type)."""
+    sizes = [positive_int(part) for part in text.split(",") if part.strip()]
+    if not sizes or sizes != sorted(set(sizes)):
+        raise argparse.ArgumentTypeError(f"expected increasing sizes like 1,4,8, got {text!r}")
+    return sizes
+
+
+def add_batch_argument(parser) -> None:
+    parser.add_argument("--batch", type=positive_int, default=None, metavar="N",
+                        help="with --prompts: answer N prompts at once, plain decoding of N rows "
+                        "a step (continuous batching: a row that finishes takes the next "
+                        "prompt). All the answers come several times sooner, each one no "
+                        "sooner than alone (a step of N rows takes longer than one of a row), "
+                        "and each is the answer --batch 1 gives (greedy: token for token). 1: "
+                        "one prompt after another, with Medusa's heads. Default: a size for "
+                        "this machine (speed/defaults.py), said in the summary")

@@ -1,7 +1,9 @@
 """Prompts from elsewhere than --prompt: standard input's whole text (`echo ... | python
 generate.py`), or a file of many (--prompts FILE), answered one after another by the model,
 heads and tree budget loaded once, each in a fresh cache, so that each answer is what a run
-given that prompt alone gives. The answers go out as JSON lines.
+given that prompt alone gives; or with --batch N, N at a time by plain batched decoding
+(batch_decoding.py), each answer still the one a run given it alone gives (greedy). The answers
+go out as JSON lines, in the file's order.
 
 A file is one prompt a line, or JSON lines whose every object has a "prompt": a user message
 (a string), or a conversation to answer (a list of {"role", "content"} messages, as the chat's
@@ -10,13 +12,19 @@ A file is one prompt a line, or JSON lines whose every object has a "prompt": a 
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
-from minimedusa.decoding import check_context
+from minimedusa.batch_decoding import batch_decode
+from minimedusa.decoding import StepStats, check_context
 from minimedusa.errors import UserError
+from minimedusa.files.default_model import ensure_default_model
 from minimedusa.files.outputs import WrittenAside
+from minimedusa.sampling import Sampling
+from minimedusa.speed.defaults import default_batch
 from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
+from minimedusa.cli.load import device_and_format
 from minimedusa.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -100,11 +108,9 @@ def prompt_ids(prompt, tokenizer: Tokenizer, raw: bool, system: str | None) -> l
     return ids
 
 
-def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoder: Decoder,
-                   out) -> list[Answer]:
-    """Answer every prompt of read_prompts(args.prompts), each encoded and checked against the
-    context first (a bad one ends the run before any is decoded), writing one JSON line each
-    to `out` (prompt, answer, tokens, steps, seconds) and a progress line to stderr."""
+def encoded(args, prompts: list, model, tokenizer: Tokenizer) -> list[list[int]]:
+    """Every prompt's ids, each checked against the context first (a bad one ends the run
+    before any is decoded)."""
     all_ids = []
     for line, prompt in prompts:
         try:
@@ -112,17 +118,67 @@ def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoder: De
             check_context(model, len(all_ids[-1]), args.max_new_tokens)
         except UserError as e:
             raise UserError(f"--prompts {args.prompts} line {line}: {e}") from None
+    return all_ids
+
+
+def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoder: Decoder,
+                   out) -> list[Answer]:
+    """Answer every prompt of read_prompts(args.prompts) one after another, writing one JSON
+    line each to `out` (prompt, answer, tokens, steps, seconds) and a progress line to stderr."""
     answers = []
-    for i, ((_, prompt), ids) in enumerate(zip(prompts, all_ids), 1):
+    for i, ((_, prompt), ids) in enumerate(zip(prompts, encoded(args, prompts, model,
+                                                                tokenizer)), 1):
         answer = decode_answer(decoder, ids, Answer())
         answers.append(answer)
-        text = tokenizer.decode(answer.ids, skip_special=True)
-        print(json.dumps({"prompt": prompt, "answer": text,
-                          "tokens": len(answer.ids), "steps": answer.stats.steps,
-                          "seconds": round(answer.seconds, 4)}), file=out, flush=True)
+        write_answer(out, prompt, answer, tokenizer)
         print(f"prompts: {i}/{len(prompts)}, {len(answer.ids)} tokens in "
               f"{answer.seconds:.2f} s ({answer.tokens_per_s:.1f} tokens/s)", file=sys.stderr)
     return answers
+
+
+def batch_size(args, n_prompts: int) -> int:
+    """How many prompts at a time (args.batch set): --batch N, or by default the machine's size
+    (speed/defaults.py) where the file holds more than one prompt."""
+    if args.batch is None:
+        device, _ = device_and_format(args, args.model or ensure_default_model())
+        args.batch = default_batch(device) if n_prompts > 1 else 1
+    return args.batch
+
+
+def answer_prompts_batched(args, prompts: list, model, tokenizer: Tokenizer, sampling: Sampling,
+                           out) -> tuple[list[Answer], float]:
+    """Answer every prompt plainly, args.batch of them at once (batch_decoding.batch_decode):
+    (the answers, the seconds from the first prompt to the last token). The JSON lines go out
+    in the file's order, each as soon as its answer and those before it are done; an answer's
+    "seconds" is when it was done, counted from the first prompt."""
+    all_ids = encoded(args, prompts, model, tokenizer)
+    start, done = time.perf_counter(), 0
+    answers: list[Answer | None] = [None] * len(prompts)
+    for index, ids in batch_decode(model, all_ids, args.max_new_tokens, sampling,
+                                   model.config.stop_ids, args.batch):
+        answers[index] = Answer(ids, StepStats(len(ids), len(ids), Counter({1: len(ids)})),
+                                time.perf_counter() - start)
+        while done < len(answers) and answers[done] is not None:
+            write_answer(out, prompts[done][1], answers[done], tokenizer)
+            done += 1
+        print(f"prompts: {sum(a is not None for a in answers)}/{len(prompts)} done, "
+              f"{answers[index].seconds:.2f} s", file=sys.stderr)
+    return answers, time.perf_counter() - start
+
+
+def write_answer(out, prompt, answer: Answer, tokenizer: Tokenizer) -> None:
+    """A prompt's JSON line: prompt, answer, tokens, steps, seconds."""
+    text = tokenizer.decode(answer.ids, skip_special=True)
+    print(json.dumps({"prompt": prompt, "answer": text, "tokens": len(answer.ids),
+                      "steps": answer.stats.steps, "seconds": round(answer.seconds, 4)}),
+          file=out, flush=True)
+
+
+def batched_summary(answers: list[Answer], seconds: float, batch: int, tail: str) -> str:
+    """The summary line of a batched run: every answer's tokens over the run's time."""
+    tokens = sum(len(a.ids) for a in answers)
+    return summary_line(f"plain, {batch} prompts at a time; {len(answers)} prompts", tokens,
+                        seconds, tokens, Counter({1: tokens}), tail)
 
 
 def prompts_summary(mode: str, answers: list[Answer], tail: str) -> str:

@@ -75,3 +75,13 @@ CPU_DRAFT_VOCAB = 2048
 def cpu_draft_vocab(size: int, device: torch.device) -> int:
     """The heads' own draft vocabulary size (0: none), cut to CPU_DRAFT_VOCAB on a CPU."""
     return min(size, CPU_DRAFT_VOCAB) if size and device.type == "cpu" else size
+
+
+def default_batch(device: torch.device) -> int:
+    """How many prompts generate.py --prompts answers at once by default: on a GPU the paper's
+    batch of 16 costs little more a step than one row; on a CPU each row adds its share of the
+    products and attention (BATCH_CPU, measured: weights/RESULTS.md)."""
+    return 16 if device.type == "cuda" else BATCH_CPU
+
+
+BATCH_CPU = 8

@@ -26,10 +26,12 @@ Where: the blocks of a model whose four products are group_kernel.c's int4 layer
 where the CPU multiplies it, BF16KernelLinear) without biases,
 its activations in float32 (the AVX2 path's: group_kernel.takes_float32) or bfloat16 (the AVX-512
 BF16 path's; the residual stream float32 as in model.py), its attention the C kernel's. Decoding's
-forwards only (one sequence in inference mode, a cache, at most model.EXACT_ATTENTION_TOKENS rows),
-as CompiledBlock; anything else runs the eager blocks one after another (model.Blocks).
+forwards only (in inference mode, a cache, at most model.EXACT_ATTENTION_TOKENS rows in all: one
+sequence's step, tree or short prompt, or a batch's step, batch_decoding.py, each sequence its
+cache row and its slots); anything else runs the eager blocks one after another (model.Blocks).
 
-Shapes: T rows, C model dim, H query heads, G key/value heads, D head dim, S attended slots.
+Shapes: B sequences, T rows each, C model dim, H query heads, G key/value heads, D head dim, S
+attended slots.
 """
 import torch
 import torch.nn as nn
@@ -40,8 +42,9 @@ from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import (BF16KernelLinear, Int4A8KernelLinear, Int4A16KernelLinear,
                                         Int4KernelLinear)
 
-# x (1, T, C) float32, cos and sin (1, 1, T, D), mask (1, 1, T, S); per block: its layer's
-# cache k and v (1, G, capacity, D), written at slots (T,), and its norms' weights (C,), in the
+# x (B, T, C) float32, cos and sin (B, 1, T, D), mask (B, 1, T, S); per block: its layer's
+# cache k and v (B, G, capacity, D), written at slots (T,) or (B, T) (each sequence its own),
+# and its norms' weights (C,), in the
 # activations' dtype, its 4 products' (packed, scales, minimums) in the order wqkv, wo, gate_up,
 # down and the bits each rounds its rows to (ROW_BITS); H, eps
 OPERATORS.define("blocks_step(Tensor x, Tensor cos, Tensor sin, Tensor mask, "
@@ -99,7 +102,7 @@ class FusedBlocks(Blocks):
 
     def forward(self, x, cos, sin, mask, cache=None, slots=None):
         B, T, _ = x.shape
-        if (B == 1 and T <= EXACT_ATTENTION_TOKENS and cache is not None
+        if (B * T <= EXACT_ATTENTION_TOKENS and cache is not None
                 and x.dtype == torch.float32 and torch.is_inference_mode_enabled()):
             return self.blocks_step(x, cos, sin, mask, [c.k for c in cache.layers],
                                     [c.v for c in cache.layers], slots, self.attn_norms,

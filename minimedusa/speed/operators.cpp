@@ -252,10 +252,11 @@ void block_product(const at::TensorList products, at::IntArrayRef row_bits, int 
         "its rows");
 }
 
-/* a block's sizes: T rows, C model dim, H query heads, G key/value heads, D head dim, S attended
-   slots, the cache's capacity, I the MLP's inner dim */
+/* a block's sizes: B sequences (a batch's rows, each its own cache row), T rows each, C model
+   dim, H query heads, G key/value heads, D head dim, S attended slots, the cache's capacity, I
+   the MLP's inner dim; R = B T rows in all */
 struct Sizes {
-  int64_t T, C, H, G, D, S, capacity, I;
+  int64_t B, T, C, H, G, D, S, capacity, I, R;
 };
 
 /* A block's activations between its steps, one allocation for every block of a call (allocated
@@ -270,40 +271,48 @@ struct Scratch {
 
   Scratch(const Sizes& z, const at::TensorOptions& options) {
     const int64_t width = (z.H + 2 * z.G) * z.D, HD = z.H * z.D;
-    held = at::empty({z.T * (2 * z.C + width + 2 * HD + 3 * z.I)}, options);
-    hp = held.data_ptr<E>(), pp = hp + z.T * z.C, qkv = pp + z.T * z.C;
-    q = qkv + z.T * width, att = q + z.T * HD, both = att + z.T * HD, mid = both + z.T * 2 * z.I;
+    held = at::empty({z.R * (2 * z.C + width + 2 * HD + 3 * z.I)}, options);
+    hp = held.data_ptr<E>(), pp = hp + z.R * z.C, qkv = pp + z.R * z.C;
+    q = qkv + z.R * width, att = q + z.R * HD, both = att + z.R * HD, mid = both + z.R * 2 * z.I;
   }
 };
 
-/* out (T, C) float32 += attn(norm(out)): q and k rotated, k and v written into the caches (G,
-   capacity, D) at slot[t], the rows attending slots [0, S) as mask (T, S) lets them */
+/* out (R, C) float32 += attn(norm(out)): q and k rotated, k and v written into the caches (B,
+   G, capacity, D) at slot[r] (R slots: each row its own) or slot[t] (T: the same in every
+   sequence), each sequence's rows attending its cache row's slots [0, S) as its mask (T, S)
+   lets them */
 template <typename E>
 void attention_half(float* out, const E* norm, at::TensorList products, at::IntArrayRef row_bits,
                     const float* cos, const float* sin, const uint8_t* mask,
-                    const int64_t* slot, E* kc, E* vc, const Sizes& z, double eps,
-                    const Scratch<E>& a) {
+                    const int64_t* slot, bool slot_a_row, E* kc, E* vc, const Sizes& z,
+                    double eps, const Scratch<E>& a) {
   const int64_t width = (z.H + 2 * z.G) * z.D;  /* wqkv's outputs: q, k, v side by side */
+  const int64_t sequence = z.G * z.capacity * z.D;  /* a cache row's entries */
   E *hp = a.hp, *pp = a.pp, *qkvp = a.qkv, *qp = a.q;
-  rms_norm_rows(out, norm, hp, z.T, z.C, eps);
-  block_product(products, row_bits, 0, hp, qkvp, z.T, width, z.C);
-  for (int64_t t = 0; t < z.T; t++) {
-    const E* row = qkvp + t * width;
-    const float *ct = cos + t * z.D, *st = sin + t * z.D;
+  rms_norm_rows(out, norm, hp, z.R, z.C, eps);
+  block_product(products, row_bits, 0, hp, qkvp, z.R, width, z.C);
+  for (int64_t r = 0; r < z.R; r++) {
+    const E* row = qkvp + r * width;
+    const float *ct = cos + r * z.D, *st = sin + r * z.D;
+    const int64_t written = slot[slot_a_row ? r : r % z.T];
     for (int64_t n = 0; n < z.H; n++)
-      rope_head(row + n * z.D, ct, st, qp + (t * z.H + n) * z.D, z.D);
+      rope_head(row + n * z.D, ct, st, qp + (r * z.H + n) * z.D, z.D);
     for (int64_t g = 0; g < z.G; g++) {
-      const int64_t at = (g * z.capacity + slot[t]) * z.D;
+      const int64_t at = (r / z.T) * sequence + (g * z.capacity + written) * z.D;
       rope_head(row + (z.H + g) * z.D, ct, st, kc + at, z.D);
       std::memcpy(vc + at, row + (z.H + z.G + g) * z.D, z.D * sizeof(E));
     }
   }
-  const Step step = {qp, kc, vc, mask, a.att, z.H, z.G, z.T, z.S, z.D,
-                     z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D,
-                     !std::is_same_v<E, float>, static_cast<float>(std::pow(z.D, -0.5))};
-  TORCH_CHECK(attend(&step) == 0, "attention_kernel.c did not attend");
-  block_product(products, row_bits, 1, a.att, pp, z.T, z.C, z.H * z.D);
-  for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + wide(pp[i]);
+  for (int64_t b = 0; b < z.B; b++) {  /* each sequence's rows against its own cache row */
+    const int64_t rows = b * z.T;
+    const Step step = {qp + rows * z.H * z.D, kc + b * sequence, vc + b * sequence,
+                       mask + rows * z.S, a.att + rows * z.H * z.D, z.H, z.G, z.T, z.S, z.D,
+                       z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D,
+                       !std::is_same_v<E, float>, static_cast<float>(std::pow(z.D, -0.5))};
+    TORCH_CHECK(attend(&step) == 0, "attention_kernel.c did not attend");
+  }
+  block_product(products, row_bits, 1, a.att, pp, z.R, z.C, z.H * z.D);
+  for (int64_t i = 0; i < z.R * z.C; i++) out[i] = out[i] + wide(pp[i]);
 }
 
 /* e^x in float32 operations that gcc vectorises (std::exp is a call per value: silu's loop took
@@ -332,30 +341,31 @@ void swiglu_row(const E* gate, const E* up, E* m, int64_t I) {
   }
 }
 
-/* out (T, C) float32 += down(silu(gate) * up) of norm(out), gate and up side by side in
+/* out (R, C) float32 += down(silu(gate) * up) of norm(out), gate and up side by side in
    gate_up's */
 template <typename E>
 void mlp_half(float* out, const E* norm, at::TensorList products, at::IntArrayRef row_bits,
               const Sizes& z, double eps, const Scratch<E>& a) {
   E *hp = a.hp, *pp = a.pp, *w = a.both, *m = a.mid;
-  rms_norm_rows(out, norm, hp, z.T, z.C, eps);
-  block_product(products, row_bits, 2, hp, w, z.T, 2 * z.I, z.C);
-  for (int64_t t = 0; t < z.T; t++)
-    swiglu_row(w + t * 2 * z.I, w + t * 2 * z.I + z.I, m + t * z.I, z.I);
-  block_product(products, row_bits, 3, m, pp, z.T, z.C, z.I);
-  for (int64_t i = 0; i < z.T * z.C; i++) out[i] = out[i] + wide(pp[i]);
+  rms_norm_rows(out, norm, hp, z.R, z.C, eps);
+  block_product(products, row_bits, 2, hp, w, z.R, 2 * z.I, z.C);
+  for (int64_t r = 0; r < z.R; r++)
+    swiglu_row(w + r * 2 * z.I, w + r * 2 * z.I + z.I, m + r * z.I, z.I);
+  block_product(products, row_bits, 3, m, pp, z.R, z.C, z.I);
+  for (int64_t i = 0; i < z.R * z.C; i++) out[i] = out[i] + wide(pp[i]);
 }
 
 /* the residual stream out (T, C) float32 through both halves of one block, activations in E */
 template <typename E>
 void block_halves(float* out, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& mask, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const int64_t* slot, const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
+                  const int64_t* slot, bool slot_a_row, const at::Tensor& attn_norm,
+                  const at::Tensor& mlp_norm,
                   at::TensorList products, at::IntArrayRef row_bits, const Sizes& z, double eps,
                   const Scratch<E>& scratch) {
   attention_half(out, attn_norm.const_data_ptr<E>(), products, row_bits,
                  cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
-                 reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()), slot,
+                 reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()), slot, slot_a_row,
                  k_cache.data_ptr<E>(), v_cache.data_ptr<E>(), z, eps, scratch);
   mlp_half(out, mlp_norm.const_data_ptr<E>(), products, row_bits, z, eps, scratch);
 }
@@ -364,21 +374,24 @@ void block_halves(float* out, const at::Tensor& cos, const at::Tensor& sin,
 template <typename E>
 void blocks(float* out, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
             at::TensorList k_caches, at::TensorList v_caches, const int64_t* slot,
+            bool slot_a_row,
             at::TensorList attn_norms, at::TensorList mlp_norms, at::TensorList products,
             at::IntArrayRef row_bits, const Sizes& z, double eps) {
   const Scratch<E> scratch(z, k_caches[0].options());
   for (int64_t b = 0; b < (int64_t)k_caches.size(); b++)
-    block_halves<E>(out, cos, sin, mask, k_caches[b], v_caches[b], slot, attn_norms[b],
+    block_halves<E>(out, cos, sin, mask, k_caches[b], v_caches[b], slot, slot_a_row,
+                    attn_norms[b],
                     mlp_norms[b], products.slice(12 * b, 12), row_bits.slice(4 * b, 4), z, eps,
                     scratch);
 }
 
-/* x (1, T, C) float32 (the residual stream); cos, sin (1, 1, T, D) float32; mask (1, 1, T, S)
-   bool; per block b = 0 .. L - 1: its layer's cache k_caches[b] and v_caches[b] (1, G,
-   capacity, D) in the activations' dtype (float32 or bfloat16), this step's keys and values
-   written at slots (T,); its norms' weights attn_norms[b], mlp_norms[b] (C,), in that dtype;
+/* x (B, T, C) float32 (the residual stream: B sequences of T rows, a batch's); cos, sin (B, 1,
+   T, D) float32; mask (B, 1, T, S) bool; per block b = 0 .. L - 1: its layer's cache
+   k_caches[b] and v_caches[b] (B, G, capacity, D) in the activations' dtype (float32 or
+   bfloat16), this step's keys and values written at slots (T,) in every sequence's row, or
+   (B, T), each its own; its norms' weights attn_norms[b], mlp_norms[b] (C,), in that dtype;
    its products products[12 b .. 12 b + 12): wqkv, wo, gate_up, down as (packed, scales,
-   minimums) each, and the bits each rounds its rows to, row_bits[4 b .. 4 b + 4) -> (1, T, C)
+   minimums) each, and the bits each rounds its rows to, row_bits[4 b .. 4 b + 4) -> (B, T, C)
    float32: x through every block, one after another */
 at::Tensor blocks_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_,
                      const at::Tensor& mask_, at::TensorList k_caches, at::TensorList v_caches,
@@ -397,34 +410,39 @@ at::Tensor blocks_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Ten
   /* I: down's inputs, its groups of 32 (int4) or its packed bytes over 32 (bfloat16) */
   const int64_t I = row_bits[3] == BF16_WEIGHTS ? products[9].size(1) / 32
                                                 : products[10].size(1) * 32;
-  const Sizes z = {x.size(1), x.size(2), H, k0.size(1), k0.size(3), mask.size(-1), k0.size(2), I};
+  const int64_t B = x.size(0), T = x.size(1);
+  const Sizes z = {B, T, x.size(2), H, k0.size(1), k0.size(3), mask.size(-1), k0.size(2), I,
+                   B * T};
   const auto dtype = k0.scalar_type();
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
                   (dtype == at::kFloat || dtype == at::kBFloat16),
               "blocks_step takes float32 rows and angles, and caches in float32 or bfloat16");
   for (int64_t b = 0; b < L; b++)
     TORCH_CHECK(k_caches[b].sizes() == k0.sizes() && v_caches[b].sizes() == k0.sizes() &&
-                    k_caches[b].scalar_type() == dtype && v_caches[b].scalar_type() == dtype &&
+                    k0.size(0) == B && k_caches[b].scalar_type() == dtype &&
+                    v_caches[b].scalar_type() == dtype &&
                     attn_norms[b].scalar_type() == dtype &&
                     mlp_norms[b].scalar_type() == dtype && k_caches[b].is_contiguous() &&
                     v_caches[b].is_contiguous(),
                 "blocks_step: block ", b, "'s caches or norms are not contiguous, of the "
-                "first block's shape, in one dtype");
-  TORCH_CHECK(cos.numel() == z.T * z.D && sin.numel() == z.T * z.D &&
-                  mask.numel() == z.T * z.S && slots.numel() == z.T && z.S <= z.capacity,
-              "blocks_step: the angles, mask or slots do not fit ", z.T, " rows");
+                "first block's shape (a row for each of x's sequences), in one dtype");
+  const bool slot_a_row = slots.numel() == z.R && B > 1;
+  TORCH_CHECK(cos.numel() == z.R * z.D && sin.numel() == z.R * z.D &&
+                  mask.numel() == z.R * z.S && (slots.numel() == T || slot_a_row) &&
+                  z.S <= z.capacity,
+              "blocks_step: the angles, mask or slots do not fit ", B, " x ", T, " rows");
   const int64_t* slot = slots.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < z.T; t++)
+  for (int64_t t = 0; t < slots.numel(); t++)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < z.capacity, "blocks_step: slot ", slot[t],
                 " is outside the cache's ", z.capacity);
-  at::Tensor out = x.clone().view({z.T, z.C});  /* the residual stream */
+  at::Tensor out = x.clone().view({z.R, z.C});  /* the residual stream */
   if (dtype == at::kFloat)
-    blocks<float>(out.data_ptr<float>(), cos, sin, mask, k_caches, v_caches, slot, attn_norms,
-                  mlp_norms, products, row_bits, z, eps);
+    blocks<float>(out.data_ptr<float>(), cos, sin, mask, k_caches, v_caches, slot, slot_a_row,
+                  attn_norms, mlp_norms, products, row_bits, z, eps);
   else
     blocks<c10::BFloat16>(out.data_ptr<float>(), cos, sin, mask, k_caches, v_caches, slot,
-                          attn_norms, mlp_norms, products, row_bits, z, eps);
-  return out.view({1, z.T, z.C});
+                          slot_a_row, attn_norms, mlp_norms, products, row_bits, z, eps);
+  return out.view({B, T, z.C});
 }
 
 /* ---- the Hydra heads' whole draft in one call (fused_draft.py): hydra.hydra_candidates is the

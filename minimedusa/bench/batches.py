@@ -1,0 +1,89 @@
+"""Many prompts at once: `python -m minimedusa.bench --batch 1,4,8,16`.
+
+The questions answered as a set, each engine in turn, round after round, alternating which goes
+first: plain decoding one prompt after another (batch 1), the default Medusa one prompt after
+another (the heads, the adapted trees, context candidates: generate.py --batch 1), and plain
+batched decoding at each --batch size (batch_decoding.py). Reported per engine: tokens/s over
+all the answers, tokens/s a row (what batching does to one answer's speed), how many answers
+equal batch-1 plain's, and the process's peak resident memory after it (the sizes run in
+increasing order, so each peak is that size's or an earlier one's) beside its KV cache's size.
+Every answer is exactly --max-new-tokens long (stop ids ignored), as in the benchmark.
+"""
+import resource
+import sys
+import time
+
+import torch
+
+from minimedusa.batch_decoding import batch_decode
+from minimedusa.bench.engines import rule_engines
+from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.decoding import plain_decode
+from minimedusa.files.outputs import write_json
+from minimedusa.speed.host_greedy import sampling_for
+from minimedusa.speed.machine import machine_key
+
+
+def batch_engines(args, model, prompts: list[list[int]]) -> dict:
+    """{name: (rows a step, run() -> {prompt index: answer})}."""
+    n, device = args.max_new_tokens, model.embed.weight.device
+    sampling = sampling_for(device)
+    heads = decoding_heads(args.heads[0], model, args.draft_vocab[0])
+    medusa = next(run for name, run in rule_engines(
+        f"{heads.config.head_kind} ", args.heads[0], model, heads, None, 0.0, {}).items()
+        if name.endswith("greedy"))
+    engines = {"plain, one at a time": (1, lambda: {
+                   i: [t for step in plain_decode(model, ids, n, sampling, set()) for t in step]
+                   for i, ids in enumerate(prompts)}),
+               "medusa, one at a time": (1, lambda: {i: medusa(ids, n, i)[0]
+                                               for i, ids in enumerate(prompts)})}
+    for B in args.batch:
+        engines[f"plain, {B} at a time"] = (B, lambda B=B: dict(
+            batch_decode(model, prompts, n, sampling, set(), B)))
+    return engines
+
+
+def report_batches(args, model, tokenizer, questions: list[dict], device, dtype) -> None:
+    """Time every engine on the whole set of questions, --rounds rounds; print and --out."""
+    prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q["prompt"]}]))
+               for q in questions]
+    engines = batch_engines(args, model, prompts)
+    for _, run in engines.values():  # a warm-up each, uncounted (kernels, the Budget's prior)
+        run()
+    times = {name: [] for name in engines}
+    answers, peak = {}, {}
+    for r in range(args.rounds):
+        for name in list(engines)[::1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            answers[name] = engines[name][1]()
+            times[name].append(time.perf_counter() - start)
+            peak[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux)
+            rate = sum(map(len, answers[name].values())) / times[name][-1]
+            print(f"round {r + 1}: {name} {rate:.1f} tokens/s", file=sys.stderr, flush=True)
+    tokens = len(prompts) * args.max_new_tokens
+    reference = answers["plain, one at a time"]
+    result = {"machine": machine_key(device, dtype), "questions": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "engines": {}}
+    print("| engine | tokens/s | tokens/s a row | vs plain one at a time | identical | KV cache MB "
+          "| peak RSS MB |\n|---|---|---|---|---|---|---|")
+    base = tokens / min(times["plain, one at a time"])
+    for name, (rows, _) in engines.items():
+        rate = tokens / min(times[name])  # the best round: these VMs' noise only slows
+        same = sum(answers[name][i] == reference[i] for i in reference)
+        cache = kv_cache_mb(model, rows, max(map(len, prompts)) + args.max_new_tokens)
+        result["engines"][name] = {"rows": rows, "tokens_per_s": round(rate, 1),
+                                   "tokens_per_s_a_row": round(rate / rows, 1),
+                                   "speedup": round(rate / base, 3), "identical": same,
+                                   "seconds": [round(t, 3) for t in times[name]],
+                                   "kv_cache_mb": cache, "peak_rss_mb": round(peak[name], 1)}
+        print(f"| {name} | {rate:.1f} | {rate / rows:.1f} | {rate / base:.2f}x | "
+              f"{same}/{len(reference)} | {cache} | {peak[name]:.0f} |")
+    if args.out:
+        write_json(args.out, result)
+
+
+def kv_cache_mb(model, rows: int, capacity: int) -> float:
+    """The keys and values a cache of `rows` sequences of `capacity` slots holds, in MB."""
+    cfg, dtype = model.config, model.embed.weight.dtype
+    size = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * capacity * cfg.head_dim
+    return round(size * torch.finfo(dtype).bits / 8 / 1e6, 1)
