@@ -121,7 +121,9 @@ class Step(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "k", "v", "mask", "out")]
                 + [(name, ctypes.c_int64) for name in ("H", "G", "T", "S", "D", "q_head",
                                                        "q_row", "kv_head", "out_head", "out_row")]
-                + [("bf16", ctypes.c_int), ("scale", ctypes.c_float)])
+                + [("bf16", ctypes.c_int), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_int64) for name in ("B", "q_seq", "kv_seq", "mask_seq",
+                                                       "out_seq")])
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,7 @@ def test_the_avx2_build_gives_this_builds_bits(avx2_attend, T, S_more, D, dtype,
     out = new_output(q)
     step = Step(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.contiguous().data_ptr(),
                 out.data_ptr(), 9, 3, T, T + S_more, D, q.stride(1), q.stride(2), k.stride(1),
-                out.stride(1), out.stride(2), int(dtype == torch.bfloat16), D ** -0.5)
+                out.stride(1), out.stride(2), int(dtype == torch.bfloat16), D ** -0.5,
+                1, 0, 0, 0, 0)
     assert avx2_attend(ctypes.byref(step)) == 0
     assert torch.equal(out, attend(q, k, v, mask))

@@ -125,6 +125,15 @@ def test_the_fused_steps_batches_answer_as_its_batch_1_steps(batch):
     answers = dict(batch_decode(model, prompts, 16, Sampling(), set(), batch))
     assert answers == {i: flat(plain_decode(model, p, 16, Sampling(), set()))
                        for i, p in enumerate(prompts)}
+    cache = KVCache.for_model(model, 16, batch_size=batch)  # and a step's logits, to the bit
+    for b, p in enumerate(prompts[:batch]):
+        prefill(model, cache.row(b), torch.tensor([p]))
+    tokens = torch.arange(5, 5 + batch).unsqueeze(1)
+    logits = batch_step(model, cache, tokens, [len(p) for p in prompts[:batch]])
+    for b, p in enumerate(prompts[:batch]):
+        alone = KVCache.for_model(model, 16)
+        prefill(model, alone, torch.tensor([p]))
+        assert torch.equal(logits[b:b + 1], decode_step(model, alone, tokens[b:b + 1])[0])
 
 
 def test_generate_answers_a_file_in_batches_as_one_at_a_time_in_the_files_order(

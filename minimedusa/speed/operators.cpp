@@ -57,6 +57,7 @@ typedef struct {
   int64_t out_head, out_row;
   int bf16;
   float scale;
+  int64_t B, q_seq, kv_seq, mask_seq, out_seq;  /* B sequences, and the strides between them */
 } Step;
 int attend(const Step* a);
 }
@@ -170,7 +171,8 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                      reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()),
                      out.mutable_data_ptr(), H, G, T, S, D, q.stride(1), q.stride(2),
                      k.stride(1), out.stride(1), out.stride(2),
-                     q.scalar_type() == at::kBFloat16, static_cast<float>(std::pow(D, -0.5))};
+                     q.scalar_type() == at::kBFloat16, static_cast<float>(std::pow(D, -0.5)),
+                     1, 0, 0, 0, 0};
   const int done = attend(&step);
   TORCH_CHECK(done != 1, "attention_kernel.c does not take a head dim of ", D, " or ", H,
               " query heads over ", G, " key/value heads");
@@ -303,14 +305,12 @@ void attention_half(float* out, const E* norm, at::TensorList products, at::IntA
       std::memcpy(vc + at, row + (z.H + z.G + g) * z.D, z.D * sizeof(E));
     }
   }
-  for (int64_t b = 0; b < z.B; b++) {  /* each sequence's rows against its own cache row */
-    const int64_t rows = b * z.T;
-    const Step step = {qp + rows * z.H * z.D, kc + b * sequence, vc + b * sequence,
-                       mask + rows * z.S, a.att + rows * z.H * z.D, z.H, z.G, z.T, z.S, z.D,
-                       z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D,
-                       !std::is_same_v<E, float>, static_cast<float>(std::pow(z.D, -0.5))};
-    TORCH_CHECK(attend(&step) == 0, "attention_kernel.c did not attend");
-  }
+  /* each sequence's rows against its own cache row, in one call */
+  const Step step = {qp, kc, vc, mask, a.att, z.H, z.G, z.T, z.S, z.D,
+                     z.D, z.H * z.D, z.capacity * z.D, z.D, z.H * z.D,
+                     !std::is_same_v<E, float>, static_cast<float>(std::pow(z.D, -0.5)),
+                     z.B, z.T * z.H * z.D, sequence, z.T * z.S, z.T * z.H * z.D};
+  TORCH_CHECK(attend(&step) == 0, "attention_kernel.c did not attend");
   block_product(products, row_bits, 1, a.att, pp, z.R, z.C, z.H * z.D);
   for (int64_t i = 0; i < z.R * z.C; i++) out[i] = out[i] + wide(pp[i]);
 }
