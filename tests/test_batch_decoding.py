@@ -156,3 +156,11 @@ def test_generate_answers_a_file_in_batches_as_one_at_a_time_in_the_files_order(
 def test_batch_is_for_a_prompts_file():
     with pytest.raises(SystemExit):
         generate.parse_args(["--prompt", "Hi", "--batch", "4"])
+
+
+def test_batch_with_medusas_flags_is_one_error_line(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Hi\nHello\n")
+    with pytest.raises(SystemExit) as stop:
+        generate.main(["--prompts", str(path), "--batch", "4", "--tree", "cpu_8"])
+    assert "--tree ask for Medusa's trees" in str(stop.value) and "\n" not in str(stop.value)

@@ -4,9 +4,10 @@ The questions answered as a set, each engine in turn, round after round, alterna
 first: plain decoding one prompt after another (batch 1), the default Medusa one prompt after
 another (the heads, the adapted trees, context candidates: generate.py --batch 1), and plain
 batched decoding at each --batch size (batch_decoding.py). Reported per engine: tokens/s over
-all the answers, tokens/s a row (what batching does to one answer's speed), how many answers
-equal batch-1 plain's, and the process's peak resident memory after it (the sizes run in
-increasing order, so each peak is that size's or an earlier one's) beside its KV cache's size.
+all the answers (the best round), tokens/s a row (what batching does to one answer's speed), how
+many answers equal batch-1 plain's, and the process's peak resident memory after its first
+round (which runs the sizes in increasing order, each after its warm-up: the peak is that
+size's) beside its KV cache's size.
 Every answer is exactly --max-new-tokens long (stop ids ignored), as in the benchmark.
 """
 import resource
@@ -48,16 +49,17 @@ def report_batches(args, model, tokenizer, questions: list[dict], device, dtype)
     prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q["prompt"]}]))
                for q in questions]
     engines = batch_engines(args, model, prompts)
-    for _, run in engines.values():  # a warm-up each, uncounted (kernels, the Budget's prior)
-        run()
     times = {name: [] for name in engines}
     answers, peak = {}, {}
     for r in range(args.rounds):
         for name in list(engines)[::1 if r % 2 == 0 else -1]:
+            if r == 0:  # a warm-up, uncounted (kernels, the Budget's prior), just before
+                engines[name][1]()
             start = time.perf_counter()
             answers[name] = engines[name][1]()
             times[name].append(time.perf_counter() - start)
-            peak[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux)
+            if r == 0:  # the first round runs the sizes in increasing order
+                peak[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB
             rate = sum(map(len, answers[name].values())) / times[name][-1]
             print(f"round {r + 1}: {name} {rate:.1f} tokens/s", file=sys.stderr, flush=True)
     tokens = len(prompts) * args.max_new_tokens

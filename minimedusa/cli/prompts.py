@@ -138,10 +138,18 @@ def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoder: De
 
 def batch_size(args, n_prompts: int) -> int:
     """How many prompts at a time (args.batch set): --batch N, or by default the machine's size
-    (speed/defaults.py) where the file holds more than one prompt."""
+    (speed/defaults.py) where the file holds more than one prompt and no flag asks for Medusa's
+    trees (--heads, --tree, --acceptance), which decode one prompt at a time."""
+    medusa = [flag for flag, given in (("--heads", args.heads is not None),
+                                       ("--tree", args.tree is not None),
+                                       ("--acceptance", args.acceptance != "auto")) if given]
     if args.batch is None:
         device, _ = device_and_format(args, args.model or ensure_default_model())
-        args.batch = default_batch(device) if n_prompts > 1 else 1
+        args.batch = default_batch(device) if n_prompts > 1 and not medusa else 1
+    if args.batch > 1 and medusa and not args.baseline:
+        raise UserError(f"--batch {args.batch} decodes plainly, {n_prompts} prompts a few at a "
+                        f"time; {' and '.join(medusa)} ask for Medusa's trees, which decode one "
+                        "prompt at a time: drop one or the other")
     return args.batch
 
 
