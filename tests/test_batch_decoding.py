@@ -16,6 +16,8 @@ from minimedusa.decoding import decode_step, plain_decode, prefill
 from minimedusa.kv_cache import KVCache
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
+from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
+from minimedusa.speed.weight_formats import apply_format
 from test_chat import chat_folder  # noqa: F401 (a fixture)
 from test_fused_block import fused
 from test_weight_formats import four_bit_model
@@ -134,6 +136,19 @@ def test_the_fused_steps_batches_answer_as_its_batch_1_steps(batch):
         alone = KVCache.for_model(model, 16)
         prefill(model, alone, torch.tensor([p]))
         assert torch.equal(logits[b:b + 1], decode_step(model, alone, tokens[b:b + 1])[0])
+
+
+def test_the_compiled_steps_batches_answer_as_its_batch_1_steps():
+    """The compiled step (float32, prepacked products) takes a batch's step too."""
+    problem = compiler_problem()
+    if problem is not None:
+        pytest.skip(f"torch.compile does not work here: {problem}")
+    model = apply_format(tiny_model(3, dtype=torch.float32), "float32")
+    compile_blocks(model)
+    prompts = random_prompts(3, 5, 10)
+    answers = dict(batch_decode(model, prompts, 12, Sampling(), {1}, 3))
+    assert answers == {i: flat(plain_decode(model, p, 12, Sampling(), {1}))
+                       for i, p in enumerate(prompts)}
 
 
 def test_generate_answers_a_file_in_batches_as_one_at_a_time_in_the_files_order(

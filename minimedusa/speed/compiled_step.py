@@ -16,13 +16,14 @@ grows every step. warm_up runs a plain step at two lengths, then two trees, in a
 capacity is marked dynamic, so that torch makes S, the capacity and T (for T >= 2) dynamic: one
 graph for plain steps, two for trees (small and not); after it no step of a run compiles again
 (tests/test_compiled_step.py).
-Each block is swapped for a CompiledBlock, which runs the graph for decoding's forwards (one
-sequence in inference mode, at most model.EXACT_ATTENTION_TOKENS rows: a step, a tree, a short
-prompt) and the eager block for anything else (a long prompt, whose attention switches to SDPA,
-a branch the graph would be traced again for; batches; training), so model.py never learns
-that a graph exists. Eager stays the reading path and the reference: compiled steps give its
-logits (tested).
-Left out: CUDA (CUDA graphs would be its way: mode="reduce-overhead"), the heads' drafting.
+Each block is swapped for a CompiledBlock, which runs the graph for decoding's forwards (in
+inference mode, at most model.EXACT_ATTENTION_TOKENS rows in all: a step, a tree, a short prompt,
+a batch's step of a row a sequence, whose batch sizes are shapes of their own) and the eager
+block for anything else (a long prompt, whose attention switches to SDPA, a branch the graph
+would be traced again for; training), so model.py never learns that a graph exists. Eager stays
+the reading path and the reference: compiled steps give its logits (tested).
+On CUDA, cuda_graphs.py puts these compiled blocks inside CUDA graphs (--compile). Left out: the
+heads' drafting.
 Where a block's products are group_kernel.c's int4 layers (AVX2 or AVX-512 BF16 CPUs), all the
 blocks in one C++ call are faster still and compile nothing (fused_block.py): plug_in uses that
 there unless --compile is asked for."""
@@ -57,7 +58,7 @@ class CompiledBlock(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache, slots):
         B, T, _ = x.shape
-        decoding = B == 1 and T <= EXACT_ATTENTION_TOKENS and torch.is_inference_mode_enabled()
+        decoding = B * T <= EXACT_ATTENTION_TOKENS and torch.is_inference_mode_enabled()
         return (self.graph if decoding else self.block)(x, cos, sin, mask, cache, slots)
 
 
