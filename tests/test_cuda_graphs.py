@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, cycling_heads, cycling_model
 from minimedusa.acceptance import greedy
+from minimedusa.batch_decoding import batch_decode
 from minimedusa.budget import FixedSize, fixed
 from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_decode, prefill,
                                  tree_forward)
@@ -45,7 +46,7 @@ def flat(steps):
 def test_graph_step_swaps_the_blocks_and_captures_a_plain_step_and_the_budgets_sizes(pair):
     graphed, eager = pair
     assert is_graphed(graphed) and not is_graphed(eager)
-    assert {1, 2, 3, 5, 9, 17, 33, 65} <= set(graphed.layers.graphs)
+    assert {(1, T, 1) for T in (1, 2, 3, 5, 9, 17, 33, 65)} <= set(graphed.layers.graphs)
     assert graphed.state_dict().keys() == eager.state_dict().keys()
 
 
@@ -68,7 +69,7 @@ def test_graphed_steps_give_the_eager_logits(pair, choices, seed, prompt_len):
             prefill(model, cache, prompt)
             logits.append(step(model, cache))
         assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
-    assert tree.size in graphed.layers.graphs
+    assert (1, tree.size, 1) in graphed.layers.graphs
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
@@ -130,11 +131,11 @@ def test_caches_taking_turns_in_the_static_cache_keep_their_entries(pair):
 
 def test_a_longer_run_grows_the_static_cache_and_keeps_the_eager_answer():
     graphed, eager = twins(DEVICES[-1], seed=5)
-    slots = graphed.layers.static.slots
+    slots = graphed.layers.statics[1].slots
     prompt, new = list(range(2, 60)), slots - 58  # prompt + new tokens + MAX_ROWS > slots
     assert flat(plain_decode(graphed, prompt, new, Sampling(), set())) == \
         flat(plain_decode(eager, prompt, new, Sampling(), set()))
-    assert graphed.layers.static.slots >= len(prompt) + new + MAX_ROWS > slots
+    assert graphed.layers.statics[1].slots >= len(prompt) + new + MAX_ROWS > slots
 
 
 def test_a_chats_turns_continue_in_the_held_cache(pair):
@@ -150,6 +151,21 @@ def test_a_chats_turns_continue_in_the_held_cache(pair):
             history += answer[:-1]  # the last token is not in the cache yet
             answers.append(answer)
     assert answers[:2] == answers[2:]
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 1000), n=st.integers(2, 9), batch=st.integers(2, 6))
+def test_batches_in_graphs_answer_as_the_eager_model_one_at_a_time(pair, seed, n, batch):
+    """batch_decoding's steps replayed from graphs of B rows, B shrinking as rows leave (each B
+    its static cache), between Medusa runs held in the one-row static cache."""
+    graphed, eager = pair
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 64, (int(k),), generator=g).tolist()
+               for k in torch.randint(1, 12, (n,), generator=g)]
+    answers = dict(batch_decode(graphed, prompts, 30, Sampling(), {seed % 64}, batch))
+    assert answers == {i: flat(plain_decode(eager, p, 30, Sampling(), {seed % 64}))
+                       for i, p in enumerate(prompts)}
+    assert any(shape[0] > 1 for shape in graphed.layers.graphs)
 
 
 def test_eager_step_runs_the_eager_blocks_and_gives_the_graphs_back(pair):

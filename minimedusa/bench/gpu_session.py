@@ -13,7 +13,8 @@ as it goes, so that a session cut short still brings back what it did:
    Budget's trees, context candidates) in graphs and eager, typical acceptance, rejection and
    speculative sampling at T = 0.7;
 3. compiled: the same greedy engines with compiled blocks inside the graphs (--compile);
-4. profile: bench --profile in graphs (kernels and GPU time a step, steps by tree size).
+4. profile: bench --profile in graphs (kernels and GPU time a step, steps by tree size);
+5. batch: bench --batch 1,4,16 (many prompts at once, each batch size's step in graphs).
 """
 import argparse
 import subprocess
@@ -44,6 +45,9 @@ def steps(args) -> dict[str, tuple[int, list[str], str]]:
                                    "--out", str(out / "bench-cuda-compiled.json")],
                      "bench-cuda-compiled.txt"),
         "profile": (120, bench + ["--profile"], "profile-step-cuda-graphs.txt"),
+        "batch": (200, bench + ["--per-category", "2", "--batch", "1,4,16", "--rounds", "1",
+                                     "--out", str(out / "bench-cuda-batch.json")],
+                  "bench-cuda-batch.txt"),
     }
 
 
@@ -69,7 +73,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m minimedusa.bench.gpu_session",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="the folder the records go to")
-    p.add_argument("--steps", default="tests,graphs,compiled,profile",
+    p.add_argument("--steps", default="tests,graphs,compiled,profile,batch",
                    help="which steps, in this order (default: %(default)s)")
     p.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the steps")
     p.add_argument("--questions", type=Path, default=None,

@@ -46,8 +46,9 @@ from minimedusa.kv_cache import KVCache
 from minimedusa.model import Blocks, Llama, causal_mask
 from minimedusa.speed.compiled_step import CompiledBlock
 
-# the most rows a step graph takes: the Budget's largest tree on a GPU (64 nodes) and its root
-MAX_ROWS = 65
+# the most rows a step graph takes: the Budget's largest tree on a GPU (64 nodes) and its root;
+# and the most sequences a batch's step graph takes (a row each)
+MAX_ROWS, MAX_BATCH = 65, 64
 SLOTS_GRAIN = 256  # the static cache's slots M: a multiple of this, so that few sizes occur
 WARM_UP_RUNS = 2  # runs before a capture: cuBLAS's handles and workspaces are made outside it
 
@@ -70,16 +71,19 @@ def capture(run, device: torch.device, pool):
 
 
 class StaticCache:
-    """The one KV cache whose memory the graphs read and write: M slots a layer. A decoding
-    run's cache is held: its layers' tensors become the static ones (its entries copied in),
-    and the cache held before gets its entries back in tensors of its own, so that any number
-    of caches live (a chat's, a benchmark's), one decoding in the graphs at a time."""
+    """The KV cache whose memory the graphs of caches of B rows read and write: M slots a
+    layer. A decoding run's cache is held: its layers' tensors become the static ones (its
+    entries copied in), and the cache held before gets its entries back in tensors of its own,
+    so that any number of caches live (a chat's, a benchmark's), one decoding in the graphs at
+    a time. Its graphs share a memory pool of their own."""
 
-    def __init__(self, like: KVCache, slots: int, pool):
+    def __init__(self, like: KVCache, slots: int):
         layer = like.layers[0].k
+        self.pool = new_pool()
         with torch.inference_mode(False):  # decoding's caches are normal tensors: compact
-            self.cache = KVCache(len(like.layers), 1, layer.shape[1], slots, layer.shape[3],
-                                 layer.device, layer.dtype)  # writes them outside it
+            self.cache = KVCache(len(like.layers), layer.shape[0], layer.shape[1], slots,
+                                 layer.shape[3], layer.device, layer.dtype)  # writes them
+            # outside it
             # compaction's slots, from and to: the kept nodes', then the last slot's (which no
             # held cache reaches) onto itself
             self.src = torch.full((MAX_ROWS,), slots - 1, device=layer.device)  # (MAX_ROWS,)
@@ -88,7 +92,7 @@ class StaticCache:
         # KVCache.copy_slots moves each layer's keys and values in turn: ~120 kernels launched
         # from Python, a millisecond a Medusa step on a GPU, as one graph
         self.compaction = capture(lambda: self.cache.copy_slots(self.src, self.dst),
-                                  layer.device, pool)
+                                  layer.device, self.pool)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KVCache.copy_slots for the held cache (hold makes it that cache's): its entries at
@@ -106,16 +110,24 @@ class StaticCache:
     def slots(self) -> int:
         return self.cache.capacity
 
+    def holds(self, cache: KVCache) -> bool:
+        """Whether the cache's entries are these static tensors (KVCache.keep_rows gives a
+        batch's cache others)."""
+        return cache.layers[0].k is self.cache.layers[0].k
+
     def hold(self, cache: KVCache) -> None:
         """Make `cache` the one whose entries live in the static tensors."""
-        if self.held() is cache:
+        if self.holds(cache):
             return
         before = self.held()
-        if before is not None:
+        if before is not None and self.holds(before):
             give_back(before)
+        elif before is not None and before.__dict__.get("copy_slots") == self.copy_slots:
+            del before.copy_slots  # its rows left for tensors of their own: its own compaction
+        n = cache.capacity  # (its tensors may hold more slots: a static cache's rows, kept)
         for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.k[:, :, :cache.capacity].copy_(theirs.k)
-            mine.v[:, :, :cache.capacity].copy_(theirs.v)
+            mine.k[:, :, :n].copy_(theirs.k[:, :, :n])
+            mine.v[:, :, :n].copy_(theirs.v[:, :, :n])
             theirs.k, theirs.v = mine.k, mine.v  # M slots: writes stay below its capacity
         # note: an instance's attribute before its class's method: the held cache's compaction
         # (KVCache.compact) now copies through the graph; give_back deletes it
@@ -130,31 +142,34 @@ def give_back(cache: KVCache) -> None:
         for layer in cache.layers:
             layer.k = layer.k[:, :, :cache.capacity].clone()
             layer.v = layer.v[:, :, :cache.capacity].clone()
-    del cache.copy_slots
+    cache.__dict__.pop("copy_slots", None)
 
 
 class StepGraph:
-    """One graph of the blocks over T rows, with its own inputs and output. Captured with
-    harmless inputs: each row attends to its own slot, among the last T of the static cache,
-    which no held cache reaches (M >= its capacity + MAX_ROWS)."""
+    """One graph of the blocks over B sequences of T rows (one sequence's step or tree, or a
+    batch's step, batch_decoding.py), with its own inputs and output. Captured with harmless
+    inputs: each row attends to its own slot, among the last T of the static cache, which no
+    held cache reaches (M >= its capacity + MAX_ROWS)."""
 
-    def __init__(self, blocks: nn.Module, static: StaticCache, x, cos, sin, pool):
-        T, M, device = x.shape[1], static.slots, x.device
+    def __init__(self, blocks: nn.Module, static: StaticCache, x, cos, sin, slots):
+        B, T, M, device = x.shape[0], x.shape[1], static.slots, x.device
+        tail = torch.arange(M - T, M, device=device)  # (T,)
         with torch.inference_mode(False):
-            self.x = torch.zeros_like(x)  # (1, T, C): the residual stream in
-            self.cos, self.sin = torch.zeros_like(cos), torch.zeros_like(sin)  # (1, 1, T, D)
-            self.slots = torch.arange(M - T, M, device=device)  # (T,)
-            self.mask = torch.zeros(1, 1, T, M, dtype=torch.bool, device=device)
-            self.mask[0, 0, torch.arange(T), self.slots] = True
-            self.out = torch.zeros_like(x)  # (1, T, C)
+            self.x = torch.zeros_like(x)  # (B, T, C): the residual stream in
+            self.cos, self.sin = torch.zeros_like(cos), torch.zeros_like(sin)  # (B, 1, T, D)
+            # (T,) the same slots in every row, or (B, T) each row its own (slots' shape)
+            self.slots = tail.clone() if slots.dim() == 1 else tail.expand(B, T).clone()
+            self.mask = torch.zeros(B, 1, T, M, dtype=torch.bool, device=device)
+            self.mask[:, 0, torch.arange(T), tail] = True
+            self.out = torch.zeros_like(x)  # (B, T, C)
         cache = static.cache
 
         def run():
             self.out.copy_(blocks(self.x, self.cos, self.sin, self.mask, cache, self.slots))
-        self.replay = capture(run, device, pool)
+        self.replay = capture(run, device, static.pool)
 
     def __call__(self, x, cos, sin, mask, slots):
-        """The blocks over these inputs: (1, T, C), this graph's output buffer (overwritten by
+        """The blocks over these inputs: (B, T, C), this graph's output buffer (overwritten by
         its next replay: read it before)."""
         S = mask.shape[-1]
         self.x.copy_(x)
@@ -168,9 +183,10 @@ class StepGraph:
 
 
 class GraphedBlocks(Blocks):
-    """The model's blocks, whose decoding forwards (one sequence, at most MAX_ROWS rows,
-    inference mode, a cache) replay their row count's graph, and whose other forwards run the
-    eager blocks one after another (as Blocks)."""
+    """The model's blocks, whose decoding forwards (in inference mode, with a cache: one
+    sequence of at most MAX_ROWS rows, or a batch's step of a row for each of at most MAX_BATCH
+    sequences) replay their shape's graph, and whose other forwards run the eager blocks one
+    after another (as Blocks)."""
 
     def __init__(self, blocks: Blocks, compiled: bool):
         super().__init__(blocks)  # the same Block modules: the state dict's names unchanged
@@ -179,37 +195,45 @@ class GraphedBlocks(Blocks):
         self.inside = [Blocks([CompiledBlock(b) for b in blocks]) if compiled else
                        Blocks(blocks)]
         self.compiled = compiled
-        self.graphs: dict[int, StepGraph] = {}
-        self.asked = Counter()  # row count -> forwards asked for: captured at the second
-        self.static: StaticCache | None = None
-        self.pool = new_pool()
+        # (B, T, slots' dims) -> its graph; forwards asked for: captured at the second
+        self.graphs: dict[tuple, StepGraph] = {}
+        self.asked = Counter()
+        self.statics: dict[int, StaticCache] = {}  # B -> the static cache of caches of B rows
         self.captures, self.capture_seconds = 0, 0.0
 
-    def forward(self, x, cos, sin, mask, cache=None, slots=None):  # (1, T, C) -> (1, T, C)
+    def forward(self, x, cos, sin, mask, cache=None, slots=None):  # (B, T, C) -> (B, T, C)
         B, T, _ = x.shape
-        if cache is None or B != 1 or T > MAX_ROWS or not torch.is_inference_mode_enabled():
+        fits = (B == 1 and T <= MAX_ROWS) or (T == 1 and B <= MAX_BATCH)
+        # a cache of views of another's (a batch's row, KVCache.row: its prompt's prefill) is
+        # never held: its writes must land in that cache's tensors
+        if (cache is None or not fits or not torch.is_inference_mode_enabled()
+                or cache.layers[0].k._base is not None):
             return super().forward(x, cos, sin, mask, cache, slots)
-        self.hold(cache)
-        self.asked[T] += 1
-        if T not in self.graphs and self.asked[T] < 2:  # a tree's size recurs, a prompt's
-            return super().forward(x, cos, sin, mask, cache, slots)  # length seldom does
-        if T not in self.graphs:
+        static = self.hold(cache)
+        shape = (B, T, slots.dim())
+        self.asked[shape] += 1
+        if shape not in self.graphs and self.asked[shape] < 2:  # a tree's size recurs, a
+            return super().forward(x, cos, sin, mask, cache, slots)  # prompt's seldom does
+        if shape not in self.graphs:
             start = time.perf_counter()
-            self.graphs[T] = StepGraph(self.inside[0], self.static, x, cos, sin, self.pool)
+            self.graphs[shape] = StepGraph(self.inside[0], static, x, cos, sin, slots)
             self.captures, self.capture_seconds = (self.captures + 1,
                                                    self.capture_seconds + elapsed(start, x))
-        return self.graphs[T](x, cos, sin, mask, slots)
+        return self.graphs[shape](x, cos, sin, mask, slots)
 
-    def hold(self, cache: KVCache) -> None:
-        """The cache's entries into the static cache, which grows (its graphs captured again)
-        where this cache's capacity and a capture's rows do not fit."""
-        if self.static is None or cache.capacity + MAX_ROWS > self.static.slots:
-            if self.static is not None and self.static.held() is not None:
-                give_back(self.static.held())
+    def hold(self, cache: KVCache) -> StaticCache:
+        """The cache's entries into the static cache of its rows, which grows (its graphs
+        captured again) where this cache's capacity and a capture's rows do not fit."""
+        B = cache.layers[0].k.shape[0]
+        static = self.statics.get(B)
+        if static is None or cache.capacity + MAX_ROWS > static.slots:
+            if static is not None and static.held() is not None and static.holds(static.held()):
+                give_back(static.held())
             slots = -(-(cache.capacity + MAX_ROWS) // SLOTS_GRAIN) * SLOTS_GRAIN
-            self.pool = new_pool()  # the old graphs' pool goes with them
-            self.static, self.graphs = StaticCache(cache, slots, self.pool), {}
-        self.static.hold(cache)
+            static = self.statics[B] = StaticCache(cache, slots)
+            self.graphs = {shape: g for shape, g in self.graphs.items() if shape[0] != B}
+        static.hold(cache)
+        return static
 
 
 def new_pool():
