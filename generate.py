@@ -13,7 +13,8 @@ the tree's size adapted to this machine as it runs (budget.py); without them, or
 accepted; a summary follows on stderr: tokens, seconds and tokens/s from the prompt to the last
 token, steps, acceleration rate, the histogram of tokens per step, the tree sizes used and why,
 and the one-time loading time apart. A chat does the same turn by turn, in one KV cache kept for
-the conversation; a file of prompts pays the loading once for all of them.
+the conversation; a file of prompts pays the loading once for all of them, and is answered
+several prompts at a time by plain batched decoding (--batch, batch_decoding.py).
 """
 import json
 import sys
