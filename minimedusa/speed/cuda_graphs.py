@@ -8,29 +8,32 @@ kernels once and replays them with one launch: the step then runs at the GPU's s
 gpt-fast's way (there through torch.compile's mode="reduce-overhead"), written out by hand here
 with torch.cuda.CUDAGraph so that a reader sees what a graph needs:
 
-- Fixed shapes. One graph per row count T: 1 for a plain step, n + 1 for a tree of n nodes.
-  The attended slots S grow every step, so a graph's attention reads the whole static cache, M
-  slots, with the mask False past the sequence: the masked slots weigh exactly 0, and
+- Fixed shapes. One graph per shape: T rows of one sequence (1 for a plain step, n + 1 for a
+  tree of n nodes), or a row for each of a batch's B sequences (batch_decoding.py). The attended
+  slots S grow every step, so a graph's attention reads the whole static cache, M slots, with
+  the mask False past the sequence: the masked slots weigh exactly 0, and
   model.exact_attention's float64 sums keep the rows those of the eager step.
 - Fixed addresses. A replay reads and writes the memory the capture used: each graph owns its
   inputs (the residual stream, RoPE's cos and sin, the mask, the slots), copied in before a
-  replay, and its output. The KV cache is one static cache of M slots per model, which every
-  decoding run's cache is given in turn ("held", StaticCache below).
+  replay, and its output. The KV cache is one static cache of M slots for each batch size,
+  which every decoding run's cache of that many rows is given in turn ("held", StaticCache
+  below); a held cache's compaction (KVCache.compact's ~120 copies) is a graph too.
 - No host sync inside. Positions, slots and masks are device tensors (decoding.py builds them
   from the cache's host length), so a step's one sync stays the acceptance's.
 
 What it swaps: the model's Blocks for GraphedBlocks (the embedding, the last norm and the LM
 head stay eager: a few kernels), and the heads' TreeDraft for a GraphedDraft (one graph per tree
-size: the heads' draft, every depth of it). A row count's graph is captured the second time it
-is asked for (a tree's size recurs, a prompt's length seldom does), a plain step's and the
-Budget's tree sizes' up front (warm_up), and kept across prompts and chat turns; a long prompt
-(more than MAX_ROWS tokens), a batch, training run the eager blocks.
+size: the heads' draft, every depth of it). A shape's graph is captured the second time it is
+asked for (a tree's size recurs, a prompt's length seldom does), a plain step's and the Budget's
+tree sizes' up front (warm_up), and kept across prompts and chat turns; a long prompt (more than
+MAX_ROWS tokens), a batch's prefill, training run the eager blocks.
 On a CPU the same code runs with nothing captured (capture() returns the function): the tests
 check there that the static discipline gives the eager step's logits, and where CUDA is, that
 the graphs do. --compile puts the compiled block (compiled_step.py: inductor's Triton kernels,
 fewer of them) inside the graphs.
 
-Shapes: T rows, C model dim, D head dim, G key/value heads, M static slots, N tree nodes.
+Shapes: B sequences, T rows each, C model dim, D head dim, G key/value heads, M static slots,
+N tree nodes.
 """
 import time
 import weakref
