@@ -66,14 +66,14 @@ def batch_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
     cache = KVCache.for_model(model, capacity, batch_size=min(batch_size, len(prompts)))
     queue = deque(enumerate(prompts))
     B = cache.layers[0].k.shape[0]
-    rows: list[Row] = [Row(-1)] * B
+    rows: list[Row | None] = [None] * B  # each row's sequence
     lengths = [0] * B  # each row's cached tokens
     tokens = [0] * B  # each row's last token, not yet cached
     for b in range(B):  # every row its first prompt
         start_row(model, cache, b, queue.popleft(), sampling, rows, lengths, tokens)
     while True:
         left = []  # rows whose answer ended with no prompt left to take
-        for b, row in enumerate(rows):
+        for b in range(len(rows)):
             while ends(rows[b].answer, max_new_tokens, stop_ids):
                 yield rows[b].index, rows[b].answer
                 if not queue:
