@@ -44,14 +44,15 @@ class Row:
 
 @torch.inference_mode()
 def batch_step(model: Llama, cache: KVCache, tokens: torch.Tensor, lengths: list[int]):
-    """Feed each row's token (B, 1) at the end of its sequence: its next-token logits (B, V).
-    Row b writes slot lengths[b] (its position too) and attends to slots [0, lengths[b]]."""
+    """Feed each row's token (B, 1) at the end of its sequence: (next-token logits (B, V),
+    hidden (B, C) at this token), as decoding.decode_step for one. Row b writes slot
+    lengths[b] (its position too) and attends to slots [0, lengths[b]]."""
     device = tokens.device
     positions = torch.tensor(lengths, device=device).unsqueeze(1)  # (B, 1)
     S = max(lengths) + 1
     mask = torch.arange(S, device=device) <= positions  # (B, S): a row's own slots
-    logits, _ = model(tokens, positions, mask.unsqueeze(1), cache, positions)  # (B, 1, V)
-    return at_least_float32(logits[:, -1])
+    logits, hidden = model(tokens, positions, mask.unsqueeze(1), cache, positions)  # (B, 1, .)
+    return at_least_float32(logits[:, -1]), hidden[:, -1]
 
 
 def batch_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
@@ -86,8 +87,8 @@ def batch_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
                 return
             cache.keep_rows(kept)
             rows, lengths, tokens = ([x[b] for b in kept] for x in (rows, lengths, tokens))
-        logits = batch_step(model, cache, torch.tensor(tokens, device=device).unsqueeze(1),
-                            lengths)  # (B, V)
+        logits, _ = batch_step(model, cache, torch.tensor(tokens, device=device).unsqueeze(1),
+                               lengths)  # (B, V)
         lengths = [n + 1 for n in lengths]
         tokens = pick_each(sampling, logits, rows)
         for row, token in zip(rows, tokens):

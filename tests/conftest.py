@@ -159,7 +159,7 @@ def tiny_setup(tmp_path_factory, default_model_dir):
     for s in range(3):
         prompts = [torch.randint(2, 64, (int(n),), generator=g).tolist()
                    for n in torch.randint(2, 8, (8,), generator=g)]
-        rows = answer_batch(model, prompts, 24, Sampling(), {1}, 0, None)
+        rows = answer_batch(model, prompts, 24, Sampling(), {1}, None)
         save_shard(data / f"shard-{s:05d}.safetensors",
                    [{"prompt_ids": p, "answer_ids": a, "hidden": h}
                     for p, (a, h) in zip(prompts, rows)])

@@ -18,6 +18,7 @@ from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
 from minimedusa.speed.weight_formats import apply_format
+from minimedusa.training.self_distill import answer_batch
 from test_chat import chat_folder  # noqa: F401 (a fixture)
 from test_fused_block import fused
 from test_weight_formats import four_bit_model
@@ -107,7 +108,7 @@ def test_a_batch_step_gives_each_rows_own_step():
     for b, p in enumerate(prompts):
         prefill(model, cache.row(b), torch.tensor([p]))
     tokens = torch.tensor([[7], [8], [9], [10]])
-    logits = batch_step(model, cache, tokens, [len(p) for p in prompts])
+    logits, _ = batch_step(model, cache, tokens, [len(p) for p in prompts])
     for b, p in enumerate(prompts):
         alone = KVCache.for_model(model, 16)
         prefill(model, alone, torch.tensor([p]))
@@ -131,7 +132,7 @@ def test_the_fused_steps_batches_answer_as_its_batch_1_steps(batch):
     for b, p in enumerate(prompts[:batch]):
         prefill(model, cache.row(b), torch.tensor([p]))
     tokens = torch.arange(5, 5 + batch).unsqueeze(1)
-    logits = batch_step(model, cache, tokens, [len(p) for p in prompts[:batch]])
+    logits, _ = batch_step(model, cache, tokens, [len(p) for p in prompts[:batch]])
     for b, p in enumerate(prompts[:batch]):
         alone = KVCache.for_model(model, 16)
         prefill(model, alone, torch.tensor([p]))
@@ -198,3 +199,15 @@ def test_a_stopped_batched_run_keeps_the_answers_it_finished_in_order(tmp_path, 
                        "--batch", "3", "--no-compile"])
     assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == [
         "What is 2 + 2?", "Name a colour."]
+
+
+@pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                    reason="the fused step runs group_kernel.c's products")
+def test_self_distillation_answers_in_the_fused_step_as_generate_does_alone():
+    """answer_batch (training/self_distill.py) decodes batch_decoding's rows: in the default
+    int4 step, every answer is the prompt's batch-1 answer."""
+    model = fused(four_bit_model(2), "int4", torch.bfloat16)
+    prompts = random_prompts(2, 6, 12)
+    rows = answer_batch(model, prompts, 16, Sampling(), set(), None)
+    assert [a for a, _ in rows] == [flat(plain_decode(model, p, 16, Sampling(), set()))
+                                    for p in prompts]

@@ -1,4 +1,4 @@
-"""Self-distillation data: batched answers with left padding equal each prompt decoded alone,
+"""Self-distillation data: batched answers equal each prompt decoded alone,
 and the saved hidden states are the ones a plain forward computes; the seed prompts are many,
 diverse and deterministic."""
 import torch
@@ -9,8 +9,7 @@ from minimedusa.model import causal_mask
 from minimedusa.decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.training.self_distill import (answer_batch, model_written_prompts, padded_mask,
-                                              same_settings)
+from minimedusa.training.self_distill import answer_batch, model_written_prompts, same_settings
 from minimedusa.tokenizer import Tokenizer
 
 
@@ -22,7 +21,7 @@ def test_batched_answers_equal_each_prompt_decoded_alone(seed, lengths, max_new)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, 64, (n,), generator=g).tolist() for n in lengths]
     stop = {int(seed % 64)}
-    rows = answer_batch(model, prompts, max_new, Sampling(), stop, pad_id=0, generator=None)
+    rows = answer_batch(model, prompts, max_new, Sampling(), stop, None)
     for prompt, (answer, hidden) in zip(prompts, rows):
         assert answer == [t for s in plain_decode(model, prompt, max_new, Sampling(), stop)
                           for t in s]
@@ -74,10 +73,3 @@ def test_model_written_prompts_are_finished_distinct_and_resume_to_the_same_turn
     assert all(len(t.split()) >= 3 and "<|im_end|>" not in t for t in turns)
 
 
-def test_the_padded_mask_is_made_on_the_paddings_device():
-    """Made on the CPU, it failed every batch answered on a GPU (the suite's first CUDA run);
-    the meta device shows where it is made without one."""
-    pad = torch.tensor([0, 2], device="meta")  # (B,)
-    assert padded_mask(pad, 1, 5).device.type == "meta"
-    real = padded_mask(torch.tensor([0, 2]), 3, 5)  # (B, T, S): the last 3 of 5 slots
-    assert real.shape == (2, 3, 5) and not real[1, :, :2].any() and real[0, 0, :3].all()

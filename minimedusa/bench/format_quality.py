@@ -46,7 +46,7 @@ def held_out_chats(model, tokenizer: Tokenizer, n: int, max_new_tokens: int) -> 
     for i in range(0, n, 16):
         batch = prompts[i:i + 16]
         answers = answer_batch(model, batch, max_new_tokens, Sampling(), model.config.stop_ids,
-                               0, None)
+                               None)
         chats += [(p, a) for p, (a, _) in zip(batch, answers)]
     return chats
 

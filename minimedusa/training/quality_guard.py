@@ -41,7 +41,7 @@ def greedy_agreement(model, prompts: list[list[int]], candidate=None, n_tokens: 
     candidate = model if candidate is None else candidate
 
     def greedy(m, chunk):
-        return [a for a, _ in answer_batch(m, chunk, n_tokens, Sampling(), stop, 0, None)]
+        return [a for a, _ in answer_batch(m, chunk, n_tokens, Sampling(), stop, None)]
 
     agree, same = [], 0
     for i in range(0, len(prompts), batch_size):

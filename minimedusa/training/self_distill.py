@@ -1,12 +1,12 @@
 """Self-distillation data (paper section 5): the model answers seed prompts itself, batched.
 
 The heads must predict the model's own output distribution, so the model's own answers are the
-right training data, and they need no dataset. Prompts are batched with LEFT padding in one
-static KV cache: every row's last prompt token sits in the same slot, so each decoding step is
-one (B, 1) forward; a row's positions start at 0 at its first real token, and its mask hides
-its padding slots. Each step's last hidden state is saved with the answer: it is exactly what
-the frozen backbone would recompute for training (paper: "its hidden states can be computed
-once and reused").
+right training data, and they need no dataset. Prompts are answered in batches as
+batch_decoding.py decodes them: each row its own sequence in one static KV cache, its prompt
+prefilled alone, then one (B, 1) forward a step, each row at its own slots; a row's answer is
+the one the model gives that prompt alone. Each step's last hidden state is saved with the
+answer: it is exactly what the frozen backbone would recompute for training (paper: "its
+hidden states can be computed once and reused").
 
 The prompts: the project's seed prompts (templates x topics, `training/seed_prompts.py`), or,
 with `--prompts model`, user turns the model writes itself: it samples what follows
@@ -23,7 +23,7 @@ token the hidden state that predicts it (the state at the token before it).
     python -m minimedusa.training.self_distill --out data/distill --limit 512
     python -m minimedusa.training.self_distill --out data/distill-mw --prompts model --limit 512
 
-Shapes: B batch, P padded prompt length, T steps, C model dim.
+Shapes: B batch, T steps, C model dim.
 """
 import hashlib
 import json
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from minimedusa.batch_decoding import batch_step
+from minimedusa.decoding import prefill
 from minimedusa.files.outputs import lock_folder, write_atomically
 from minimedusa.cli.flags import Parser, add_device_arguments, non_negative, positive_int
 from minimedusa.cli.load import decoding_model, device_and_dtype
@@ -46,56 +48,36 @@ from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.tokenizer import Tokenizer
 
 
-def left_pad(prompts: list[list[int]], pad_id: int):
-    """(tokens (B, P), positions (B, P), pad (B,)): each row right-aligned at slot P - 1."""
-    P = max(map(len, prompts))
-    pad = torch.tensor([P - len(p) for p in prompts])  # (B,)
-    tokens = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])  # (B, P)
-    positions = (torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)  # (B, P)
-    return tokens, positions, pad
-
-
-def padded_mask(pad: torch.Tensor, n_query: int, n_slots: int) -> torch.Tensor:
-    """(B, T, S) bool for the last n_query of n_slots tokens: causal, blind to each row's padding.
-
-    note: a padding token still sees itself; a row that sees nothing would make attention's
-    softmax NaN, and NaN keys would poison every row through 0 * NaN.
-    """
-    q = torch.arange(n_slots - n_query, n_slots, device=pad.device).view(1, -1, 1)  # (1, T, 1)
-    s = torch.arange(n_slots, device=pad.device).view(1, 1, -1)  # (1, 1, S)
-    real = s >= pad.view(-1, 1, 1)  # (B, 1, S)
-    return ((s <= q) & real) | (s == q)
-
-
 @torch.inference_mode()
 def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                 stop_ids: set[int], pad_id: int, generator):
+                 stop_ids: set[int], generator):
     """Answer B prompts at once. Returns, per row, (answer ids, hidden (n, C)): hidden[i] is the
     last hidden state at the token before answer[i], the state from which the LM head predicted
-    answer[i] and from which head k must predict answer[i + k]."""
+    answer[i] and from which head k must predict answer[i + k]. The rows are batch_decoding's:
+    each prompt prefilled alone in its row of one cache, then one (B, 1) step a token, each row
+    at its own slots; so a row's greedy answer is the one generate.py gives it alone. The rows
+    draw from one generator (write_user_turns' rows share their prompt)."""
     device = model.embed.weight.device
-    tokens, positions, pad = (t.to(device) for t in left_pad(prompts, pad_id))
-    B, P = tokens.shape
-    cache = KVCache.for_model(model, capacity=P + max_new_tokens, batch_size=B)
-    hidden = model.hidden_states(tokens, positions, padded_mask(pad, P, P), cache,
-                                 cache.slots(0, P))[:, -1:]  # (B, 1, C)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,) next positions
-    answers, states, done = [[] for _ in prompts], [hidden], [False] * B
+    cache = KVCache.for_model(model, capacity=max(map(len, prompts)) + max_new_tokens,
+                              batch_size=len(prompts))
+    logits, hidden = zip(*(prefill(model, cache.row(b), torch.tensor([ids], device=device))
+                           for b, ids in enumerate(prompts)))  # (1, V) and (P_b, C) each
+    logits, hidden = torch.cat(logits), torch.cat([h[-1:] for h in hidden])  # (B, V), (B, C)
+    lengths = [len(p) for p in prompts]  # each row's cached tokens
+    answers, states, done = [[] for _ in prompts], [hidden], [False] * len(prompts)
     for t in range(max_new_tokens):
-        token = sampling.pick(model.lm_head(hidden[:, -1]), generator)  # (B,)
+        token = sampling.pick(logits, generator)  # (B,)
         ids = token.tolist()  # the host sync of the step: who has stopped
-        for b in range(B):
+        for b in range(len(prompts)):
             if not done[b]:
                 answers[b].append(ids[b])
                 done[b] = ids[b] in stop_ids
         if all(done) or t == max_new_tokens - 1:
             break
-        slot = P + t
-        hidden = model.hidden_states(token.unsqueeze(1), (lengths + t).unsqueeze(1),
-                                     padded_mask(pad, 1, slot + 1), cache,
-                                     cache.slots(slot, 1))  # (B, 1, C)
+        logits, hidden = batch_step(model, cache, token.unsqueeze(1), lengths)
+        lengths = [n + 1 for n in lengths]
         states.append(hidden)
-    states = torch.cat(states, dim=1)  # (B, T, C)
+    states = torch.stack(states, dim=1)  # (B, T, C)
     return [(a, states[b, :len(a)]) for b, a in enumerate(answers)]
 
 
@@ -107,7 +89,7 @@ def write_user_turns(model, tokenizer: Tokenizer, batch_size: int, max_tokens: i
     opening = tokenizer.encode(tokenizer.user_turn_opening())
     stop_ids = model.config.stop_ids
     rows = answer_batch(model, [opening] * batch_size, max_tokens, Sampling(1.0, 0.95),
-                        stop_ids, pad_id=0, generator=generator)
+                        stop_ids, generator)
     turns = [tokenizer.decode(ids[:-1]).strip() for ids, _ in rows if ids[-1] in stop_ids]
     return [t for t in turns if len(t.split()) >= 3]
 
@@ -219,25 +201,22 @@ def batch_seconds(model, tokenizer: Tokenizer, batch: list[dict], settings: Sett
     A batch of many answers runs to max_new_tokens: one of them at least goes on that long (the
     default model's 2,048 answers in batches of 64: every one of the 32 batches did)."""
     ids, device = prompt_ids(tokenizer, batch), model.embed.weight.device
-    prefill = lambda: answer_batch(model, ids, 1, Sampling(), set(), 0, None)  # noqa: E731
-    prefill()
+    prompts_forward = lambda: answer_batch(model, ids, 1, Sampling(), set(), None)  # noqa: E731
+    prompts_forward()
     start = time.perf_counter()
-    prefill()
+    prompts_forward()
     seconds = time.perf_counter() - start
-    # one decoding step at slot S - 1: B rows of one token, each seeing its whole answer so far,
-    # in a cache of answer_batch's capacity (the attention reads a strided view of it)
-    _, _, pad = left_pad(ids, 0)
-    P = max(map(len, ids))
-    S = P + settings.max_new_tokens // 2
-    cache = KVCache.for_model(model, capacity=P + settings.max_new_tokens, batch_size=len(ids))
+    # one decoding step at mid-answer: B rows of one token, each seeing its whole answer so
+    # far, in a cache of answer_batch's capacity
+    cache = KVCache.for_model(model, capacity=max(map(len, ids)) + settings.max_new_tokens,
+                              batch_size=len(ids))
     token = torch.zeros(len(ids), 1, dtype=torch.long, device=device)  # (B, 1)
-    positions = (S - 1 - pad).unsqueeze(1).to(device)  # (B, 1)
-    mask = padded_mask(pad, 1, S).to(device)  # (B, 1, S)
+    lengths = [len(p) + settings.max_new_tokens // 2 - 1 for p in ids]
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        hidden = model.hidden_states(token, positions, mask, cache, cache.slots(S - 1, 1))
-        Sampling().pick(model.lm_head(hidden[:, -1]), None).tolist()
+        logits, _ = batch_step(model, cache, token, lengths)
+        Sampling().pick(logits, None).tolist()
         times.append(time.perf_counter() - start)
     step = sorted(times[1:])[repeats // 2]
     return seconds + (settings.max_new_tokens - 1) * step
@@ -255,8 +234,7 @@ def distill(model, tokenizer: Tokenizer, out: Path, prompts: list[dict], setting
         ids = prompt_ids(tokenizer, batch)
         generator = make_generator(device, settings.seed + i)  # per batch: resuming is exact
         answers = answer_batch(model, ids, settings.max_new_tokens, sampling,
-                               model.config.stop_ids, pad_id=0,
-                               generator=generator)  # any pad id: padding is masked
+                               model.config.stop_ids, generator)
         save_shard(shard_path(out, i), [{"prompt_ids": p, "answer_ids": a, "hidden": h}
                                         for p, (a, h) in zip(ids, answers)])
         tokens_done += sum(len(a) for a, _ in answers)
