@@ -185,6 +185,7 @@ def write_answer(out, prompt, answer: Answer, tokenizer: Tokenizer) -> None:
 def batched_summary(answers: list[Answer], seconds: float, batch: int, tail: str) -> str:
     """The summary line of a batched run: every answer's tokens over the run's time."""
     tokens = sum(len(a.ids) for a in answers)
+    batch = min(batch, len(answers))  # a file of fewer prompts fills fewer rows
     return summary_line(f"plain, {batch} prompts at a time; {len(answers)} prompts", tokens,
                         seconds, tokens, Counter({1: tokens}), tail)
 
