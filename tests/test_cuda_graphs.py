@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import DEVICES, cached_keys_values, cycling_heads, cycling_model
 from minimedusa.acceptance import greedy
 from minimedusa.batch_decoding import batch_decode
-from minimedusa.budget import FixedSize, fixed
+from minimedusa.budget import fixed
 from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_decode, prefill,
                                  tree_forward)
 from minimedusa.draft import TreeDraft
