@@ -27,26 +27,29 @@ REPO = Path(__file__).resolve().parents[2]
 
 def steps(args) -> dict[str, tuple[int, list[str], str]]:
     """{name: (time limit in seconds, command, the file its output goes to)}."""
-    bench = [sys.executable, "-m", "minimedusa.bench", "--device", args.device,
-             "--no-transformers", "--no-llama-cpp", "--per-category", "1"]
-    bench += ["--dtype", "bfloat16" if args.device == "cuda" else "float32"]
+    base = [sys.executable, "-m", "minimedusa.bench", "--device", args.device,
+            "--no-transformers", "--no-llama-cpp",
+            "--dtype", "bfloat16" if args.device == "cuda" else "float32"]
     if args.quick:
-        bench += ["--max-new-tokens", "16"]
+        base += ["--max-new-tokens", "16"]
     if args.questions is not None:
-        bench += ["--questions", str(args.questions)]
+        base += ["--questions", str(args.questions)]
+
+    def bench(per_category: int, *flags: str) -> list[str]:
+        return [*base, "--per-category", str(per_category), *flags]
     out = args.out
     return {
         "tests": (240, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         str(REPO / "tests" / "test_cuda_graphs.py")], "tests-cuda-graphs.txt"),
-        "graphs": (200, bench + ["--eager-too", "--temperature", "0.7",
-                                 "--out", str(out / "bench-cuda-graphs.json")],
+        "graphs": (200, bench(1, "--eager-too", "--temperature", "0.7",
+                              "--out", str(out / "bench-cuda-graphs.json")),
                    "bench-cuda-graphs.txt"),
-        "compiled": (200, bench + ["--compile", "--no-sampling",
-                                   "--out", str(out / "bench-cuda-compiled.json")],
+        "compiled": (200, bench(1, "--compile", "--no-sampling",
+                                "--out", str(out / "bench-cuda-compiled.json")),
                      "bench-cuda-compiled.txt"),
-        "profile": (120, bench + ["--profile"], "profile-step-cuda-graphs.txt"),
-        "batch": (200, bench + ["--per-category", "2", "--batch", "1,4,16", "--rounds", "1",
-                                     "--out", str(out / "bench-cuda-batch.json")],
+        "profile": (120, bench(1, "--profile"), "profile-step-cuda-graphs.txt"),
+        "batch": (200, bench(2, "--batch", "1,4,16", "--rounds", "1",
+                             "--out", str(out / "bench-cuda-batch.json")),
                   "bench-cuda-batch.txt"),
     }
 

@@ -200,7 +200,7 @@ class GraphedBlocks(Blocks):
         self.compiled = compiled
         # (B, T, slots' dims) -> its graph; forwards asked for: captured at the second
         self.graphs: dict[tuple, StepGraph] = {}
-        self.asked = Counter()
+        self.asked = Counter()  # shapes not graphed yet -> forwards asked for
         self.statics: dict[int, StaticCache] = {}  # B -> the static cache of caches of B rows
         self.captures, self.capture_seconds = 0, 0.0
 
@@ -214,10 +214,10 @@ class GraphedBlocks(Blocks):
             return super().forward(x, cos, sin, mask, cache, slots)
         static = self.hold(cache)
         shape = (B, T, slots.dim())
-        self.asked[shape] += 1
-        if shape not in self.graphs and self.asked[shape] < 2:  # a tree's size recurs, a
-            return super().forward(x, cos, sin, mask, cache, slots)  # prompt's seldom does
         if shape not in self.graphs:
+            self.asked[shape] += 1
+            if self.asked[shape] < 2:  # a tree's size recurs, a prompt's seldom does
+                return super().forward(x, cos, sin, mask, cache, slots)
             start = time.perf_counter()
             self.graphs[shape] = StepGraph(self.inside[0], static, x, cos, sin, slots)
             self.captures, self.capture_seconds = (self.captures + 1,
