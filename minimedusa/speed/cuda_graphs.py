@@ -256,6 +256,11 @@ def graph_step(model: Llama, compiled: bool) -> str:
     if compiled:
         # one compiled graph serves all blocks; each tree size and cache size is a shape
         torch._dynamo.config.recompile_limit = 64
+        # subtle: inductor fuses the block's element-wise steps, and inside a fused kernel it
+        # keeps a bfloat16 result in float32 (no rounding between fused steps); which steps it
+        # fuses can differ between the graphs of 1 row and of many, and so would a row's bits.
+        # Rounding where eager rounds keeps them the same in every graph (and eager's)
+        torch._inductor.config.emulate_precision_casts = True
     model.layers = GraphedBlocks(model.layers, compiled)
     warm_up(model)
     blocks = model.layers
