@@ -73,14 +73,7 @@ class RMSNorm(nn.Module):
         # weight's dtype before the weight, as the reference Llama casts to the activations':
         # the same when both are bf16, and a float32 residual stream (Llama.hidden_states) then
         # feeds the next products in the dtype of their weights
-        # subtle: the mean of squares is summed in float64, as exact_attention's sums are: a
-        # square of a float32 is exact there, and the order its C terms are added in (which a
-        # compiled kernel chooses by how many rows it normalises, cuda_graphs.py) then no longer
-        # changes the float32 scale; a row's bits depend on the row alone, as lossless Medusa
-        # needs (the fused CPU step, operators.cpp, sums so too)
-        x = at_least_float32(x)
-        mean_square = x.double().square().mean(dim=-1, keepdim=True)  # (..., 1)
-        normed = x * torch.rsqrt(mean_square + self.eps).to(x.dtype)  # (..., C)
+        normed = F.rms_norm(at_least_float32(x), x.shape[-1:], eps=self.eps)
         return self.weight * normed.to(self.weight.dtype)
 
 

@@ -217,7 +217,10 @@ class GraphedBlocks(Blocks):
         if shape not in self.graphs:
             self.asked[shape] += 1
             if self.asked[shape] < 2:  # a tree's size recurs, a prompt's seldom does
-                return super().forward(x, cos, sin, mask, cache, slots)
+                # subtle: the blocks the graphs hold, uncaptured: a compiled block's bits are
+                # not the eager block's, and a prompt run first eagerly (one engine's) and then
+                # from its graph (another's) would leave different keys in their caches
+                return self.inside[0](x, cos, sin, mask, cache, slots)
             start = time.perf_counter()
             self.graphs[shape] = StepGraph(self.inside[0], static, x, cos, sin, slots)
             self.captures, self.capture_seconds = (self.captures + 1,
