@@ -9,15 +9,14 @@ Each step runs as a process of its own under its own time limit, writing its out
 as it goes, so that a session cut short still brings back what it did. In the order they run
 (the acceptance's numbers first):
 1. tests: the CUDA graphs' tests (tests/test_cuda_graphs.py, run on CUDA where present);
-2. compiled: bench in bfloat16 with compiled blocks inside the CUDA graphs (--compile): plain
-   decoding and Medusa greedy (the Budget's trees, context candidates);
-3. graphs: the same with the eager blocks in the graphs (the default on CUDA);
-4. batch: bench --batch 1,4,16 (many prompts at once, each batch size's step in graphs);
-5. profile: bench --profile of the compiled graphs (kernels and GPU time a step, steps by
+2. compiled: bench in bfloat16 with compiled blocks inside the CUDA graphs (--compile, the
+   default on CUDA): plain decoding and Medusa greedy (the Budget's trees, context candidates);
+3. batch: bench --batch 1,4,16 (many prompts at once, each batch size's step in graphs);
+4. profile: bench --profile of the compiled graphs (kernels and GPU time a step, steps by
    tree size);
-6. sampling: the graphed step's sampling engines at T = 0.7 (rejection, speculative sampling,
+5. sampling: the graphed step's sampling engines at T = 0.7 (rejection, speculative sampling,
    typical acceptance);
-7. eager: plain and Medusa greedy in graphs and eager (--eager-too): how much the graphs give.
+6. eager: plain and Medusa greedy in graphs and eager (--eager-too): how much the graphs give.
 """
 import argparse
 import subprocess
@@ -47,8 +46,6 @@ def steps(args) -> dict[str, tuple[int, list[str], str]]:
         "compiled": (200, bench(1, "--compile", "--no-sampling",
                                 "--out", str(out / "bench-cuda-compiled.json")),
                      "bench-cuda-compiled.txt"),
-        "graphs": (150, bench(1, "--no-sampling", "--out", str(out / "bench-cuda-graphs.json")),
-                   "bench-cuda-graphs.txt"),
         "batch": (200, bench(2, "--batch", "1,4,16", "--rounds", "1",
                              "--out", str(out / "bench-cuda-batch.json")),
                   "bench-cuda-batch.txt"),
@@ -84,7 +81,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m minimedusa.bench.gpu_session",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="the folder the records go to")
-    p.add_argument("--steps", default="tests,compiled,graphs,batch,profile,sampling,eager",
+    p.add_argument("--steps", default="tests,compiled,batch,profile,sampling,eager",
                    help="which steps, in this order (default: %(default)s)")
     p.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the steps")
     p.add_argument("--questions", type=Path, default=None,

@@ -129,9 +129,9 @@ def add_compile_argument(parser) -> None:
                         "(AVX2 or AVX-512 BF16 CPUs), whose blocks are each one C++ call "
                         "(fused_block.py, faster, nothing to compile); --compile compiles those "
                         "too. On CUDA the step and the heads' draft run in CUDA graphs "
-                        "(cuda_graphs.py, ~1 s of capture); --compile puts compiled blocks in "
-                        "them (~15 s; faster, but Medusa's greedy answers may then differ from "
-                        "plain's). --no-compile: eager, the reading path")
+                        "(cuda_graphs.py), of compiled blocks where torch.compile works there "
+                        "(~1 min the first time, seconds later; else of the eager blocks, ~1 s "
+                        "of capture). --no-compile: eager, the reading path")
 
 
 def add_context_argument(parser) -> None:

@@ -37,11 +37,12 @@ from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Blocks, Llama, causa
 from minimedusa.speed.attention_kernel import use_kernel
 
 
-def compiler_problem() -> str | None:
-    """None if torch.compile works here, else why not in one line (no C++ compiler, most
-    often): a tiny function is compiled and run (cached after the first time)."""
+def compiler_problem(device="cpu") -> str | None:
+    """None if torch.compile works on this device, else why not in one line (no C++ compiler on
+    a CPU, most often; no Triton on CUDA): a tiny function is compiled and run (cached after the
+    first time)."""
     try:
-        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(4))
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(4, device=device))
         return None
     except Exception as e:  # whatever the toolchain raises: the step then stays eager
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"

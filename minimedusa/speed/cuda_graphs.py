@@ -24,18 +24,20 @@ with torch.cuda.CUDAGraph so that a reader sees what a graph needs:
 What it swaps: the model's Blocks for GraphedBlocks (the embedding, the last norm and the LM
 head stay eager: a few kernels), and the heads' TreeDraft for a GraphedDraft (one graph per tree
 size: the heads' draft, every depth of it). A shape's graph is captured the second time it is
-asked for (a tree's size recurs, a prompt's length seldom does), a plain step's and the Budget's
-tree sizes' up front (warm_up), and kept across prompts and chat turns; a long prompt (more than
+asked for (a tree's size recurs, a prompt's length seldom does; the first time, the blocks it
+will hold run uncaptured: the same bits), a plain step's and the Budget's tree sizes' up front
+(warm_up), and kept across prompts and chat turns; a long prompt (more than
 MAX_ROWS tokens), a batch's prefill, training run the eager blocks.
 On a CPU the same code runs with nothing captured (capture() returns the function): the tests
 check there that the static discipline gives the eager step's logits, and where CUDA is, that
-the graphs do. --compile puts the compiled block (compiled_step.py: inductor's Triton kernels,
-fewer of them) inside the graphs.
+the graphs do. Where torch.compile works (plug_in's default on CUDA, or --compile), the graphs
+hold the compiled block (compiled_step.py: inductor's Triton kernels, fewer of them).
 
 Shapes: B sequences, T rows each, C model dim, D head dim, G key/value heads, M static slots,
 N tree nodes.
 """
 import time
+import warnings
 import weakref
 from collections import Counter
 from contextlib import contextmanager
@@ -264,6 +266,9 @@ def graph_step(model: Llama, compiled: bool) -> str:
         # fuses can differ between the graphs of 1 row and of many, and so would a row's bits.
         # Rounding where eager rounds keeps them the same in every graph (and eager's)
         torch._inductor.config.emulate_precision_casts = True
+        # inductor's note that it splits the attention's softmax over the static cache's slots:
+        # nothing a user can act on
+        warnings.filterwarnings("ignore", message="Online softmax is disabled")
     model.layers = GraphedBlocks(model.layers, compiled)
     warm_up(model)
     blocks = model.layers

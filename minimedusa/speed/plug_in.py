@@ -8,8 +8,8 @@ compiled graph exists.
 2. the step: where the blocks' products are group_kernel.c's int4 layers, each block swapped
    for one C++ call (fused_block.py); elsewhere the compiled step
    (compiled_step.py): each block swapped for a compiled one, its attention for the C kernel
-   (attention_kernel.py), where a C++ compiler works; on CUDA, the blocks replayed from CUDA
-   graphs (cuda_graphs.py).
+   (attention_kernel.py), where a C++ compiler works; on CUDA, the blocks (compiled where
+   torch.compile works) replayed from CUDA graphs (cuda_graphs.py).
 And the heads, in the model's format: plug_in_heads; their draft one C++ call where it runs:
 fused_draft.fast_draft, where the draft is made.
 how_it_runs(model) then says in words what was plugged in: the key step latencies are kept
@@ -39,14 +39,18 @@ from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
 def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
     """Make a loaded model fast in place: its weight format, then its step as --compile asks
     (None: on a CPU fused where fused_block.fusable, else compiled where a compiler works; on
-    CUDA the eager blocks in CUDA graphs; True: compiled, in CUDA graphs on CUDA; False: eager).
+    CUDA in CUDA graphs, of compiled blocks where torch.compile works there, else of the eager
+    blocks; True: compiled, in CUDA graphs on CUDA; False: eager).
     Returns how the step runs, in words: "fused (the blocks one C++ call)", "compiled (warm-up
-    3.4 s)", "CUDA graphs of the eager blocks (9 captured in 1.2 s)", or "eager" and why."""
+    3.4 s)", "CUDA graphs of the compiled blocks (9 captured in 6.1 s)", or "eager" and why."""
     apply_format(model, weight_format)
     if compile_flag is False:
         return "eager (--no-compile)"
-    if model.embed.weight.device.type == "cuda":  # the host's dispatch is the step's cost there
-        return graph_step(model, compiled=bool(compile_flag))
+    device = model.embed.weight.device
+    if device.type == "cuda":  # the host's dispatch is the step's cost there
+        # compiled blocks in the graphs where torch.compile works (Triton's kernels: fewer of
+        # them, a faster step), else the eager blocks
+        return graph_step(model, compiled=compile_flag or compiler_problem(device) is None)
     if compile_flag is None and fusable(model) is None:  # int4 and w4a8: nothing to compile
         fuse_blocks(model)
         return "fused (the blocks one C++ call)"
