@@ -21,6 +21,7 @@ from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
 from minimedusa.speed.group_kernel import switch_tiles, switch_vnni, uses_tiles, uses_vnni
 from minimedusa.speed.memory_bandwidth import weight_bytes
+from minimedusa.speed.defaults import largest_grown_tree
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.speed.host_greedy import greedy_for, sampling_for
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
@@ -57,6 +58,12 @@ def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> 
 
 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)  # a plain step, small trees, the 8- and 16-node trees
+LARGE = (32, 64)  # the larger trees the Budget grows where rows are cheap (a GPU's)
+
+
+def large_sizes(device: torch.device) -> tuple[int, ...]:
+    """The tree sizes beyond 16 nodes this device's Budget may choose (none on a CPU)."""
+    return tuple(n for n in LARGE if n <= largest_grown_tree(device))
 
 
 # the layers a weight format swaps in
@@ -136,9 +143,11 @@ STEP_SIZES = (1, 2, 3, 4, 7, 8, 15, 16)
 
 
 def grown_trees(model, heads, accuracy) -> dict:
-    """{n: the tree of the n most probable nodes} for each of STEP_SIZES the heads grow to."""
-    nodes, _ = grow_tree(accuracy, max(STEP_SIZES))
-    sizes = [n for n in STEP_SIZES if n <= len(nodes)]  # few heads and ranks: few nodes
+    """{n: the tree of the n most probable nodes} for each of STEP_SIZES (and the device's
+    large_sizes) the heads grow to."""
+    step_sizes = STEP_SIZES + large_sizes(model.embed.weight.device)
+    nodes, _ = grow_tree(accuracy, max(step_sizes))
+    sizes = [n for n in step_sizes if n <= len(nodes)]  # few heads and ranks: few nodes
     trees, _ = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
                             ranked_vocab_size(heads, model), model.embed.weight.device)
     return trees
@@ -159,9 +168,12 @@ def step_times(model, heads, accuracy, cached: int = 256) -> str:
 
 
 @torch.inference_mode()
-def forward_times(model, rows=ROWS, cached: int = 256, rounds: int = 5) -> str:
+def forward_times(model, rows=None, cached: int = 256, rounds: int = 5) -> str:
     """The model's forward of M new rows after `cached` tokens, for each M (ms, medians, the row
-    counts taking turns): what a tree's extra rows cost, products and all."""
+    counts taking turns): what a tree's extra rows cost, products and all. rows: ROWS and the
+    device's large trees' (n + 1), unless given."""
+    if rows is None:
+        rows = ROWS + tuple(n + 1 for n in large_sizes(model.embed.weight.device))
     cache = KVCache.for_model(model, cached + max(rows))
     seconds = round_robin_medians({M: functools.partial(time_forward, model, cache, cached, M)
                                    for M in rows}, rounds)
