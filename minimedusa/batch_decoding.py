@@ -18,28 +18,44 @@ drawing from its own generator, seeded as batch-1 seeds one), as the step's rows
 independently: model.exact_attention's float64 sums make a row's attention the same whatever
 the slots it does not see, and the products' rows do not depend on the rows beside them (the
 C kernels'; tested for the formats decoding runs).
-Left out here: Medusa's trees in a batch (each row its own tree and acceptance).
+Medusa in a batch (batch_medusa_decode, read against decoding.medusa_decode): each step every
+row drafts its own tree of the size the budget picks for the batch (the same size for all
+rows, so that the step is one (B, N) forward; 0: a plain batch step), verified in one forward
+with a block mask: row b's node i is written at slot lengths[b] + i, sits at position
+lengths[b] + its depth, and sees the row's own cached tokens and its tree ancestors. Each row
+then accepts on its own (its own generator) and compacts its own accepted entries to slots
+lengths[b], lengths[b] + 1, ... (decoding.medusa_step's compaction, through a view of its row),
+so rows that accept different lengths simply have different lengths: nothing is padded or
+squeezed, the mask says what each row sees. Lossless as batch-1 Medusa is: a greedy row's
+answer is its batch-1 plain greedy answer.
+Left out: context candidates (their chains are per sequence: a draft per row) and speculative
+sampling of drawn candidates (its draws would need a generator per row).
 
-Shapes: B rows, S attended slots (the longest row's length + 1), V vocab.
+Shapes: B rows, N tree nodes (the root first), S attended slots, V vocab, C model dim.
 """
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from minimedusa.decoding import check_context, prefill
+from minimedusa.acceptance import Acceptance
+from minimedusa.decoding import check_context, cut_at_stop, prefill
 from minimedusa.kv_cache import KVCache
-from minimedusa.model import Llama, at_least_float32
-from minimedusa.sampling import Sampling
+from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32
+from minimedusa.sampling import Sampling, make_generator
+from minimedusa.tree import MedusaTree
 
 
 @dataclass
 class Row:
-    """One row's sequence: which prompt it answers, its answer so far, its sampling draws."""
+    """One row's sequence: which prompt it answers, its answer so far, its sampling draws (or
+    its acceptance's), and with Medusa what the heads read at its last accepted token."""
     index: int
     answer: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    features: torch.Tensor | None = None
 
 
 @torch.inference_mode()
@@ -70,17 +86,13 @@ def batch_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
     rows: list[Row | None] = [None] * B  # each row's sequence
     lengths = [0] * B  # each row's cached tokens
     tokens = [0] * B  # each row's last token, not yet cached
+
+    def start(b: int, prompt: tuple[int, list[int]]) -> None:
+        start_row(model, cache, b, prompt, sampling, rows, lengths, tokens)
     for b in range(B):  # every row its first prompt
-        start_row(model, cache, b, queue.popleft(), sampling, rows, lengths, tokens)
+        start(b, queue.popleft())
     while True:
-        left = []  # rows whose answer ended with no prompt left to take
-        for b in range(len(rows)):
-            while ends(rows[b].answer, max_new_tokens, stop_ids):
-                yield rows[b].index, rows[b].answer
-                if not queue:
-                    left.append(b)
-                    break
-                start_row(model, cache, b, queue.popleft(), sampling, rows, lengths, tokens)
+        left = yield from refill(rows, queue, start, max_new_tokens, stop_ids)
         if left:  # they leave the batch
             kept = [b for b in range(len(rows)) if b not in left]
             if not kept:
@@ -93,6 +105,21 @@ def batch_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
         tokens = pick_each(sampling, logits, rows)
         for row, token in zip(rows, tokens):
             row.answer.append(token)
+
+
+def refill(rows: list[Row], queue: deque, start, max_new_tokens: int, stop_ids: set[int]):
+    """Yield (prompt index, answer) for each row whose answer ended, the row taking the
+    queue's next prompt (start(b, prompt)); returns the rows whose answer ended with no
+    prompt left to take."""
+    left = []
+    for b in range(len(rows)):
+        while ends(rows[b].answer, max_new_tokens, stop_ids):
+            yield rows[b].index, rows[b].answer
+            if not queue:
+                left.append(b)
+                break
+            start(b, queue.popleft())
+    return left
 
 
 def ends(answer: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
@@ -119,3 +146,126 @@ def pick_each(sampling: Sampling, logits: torch.Tensor, rows: list[Row]) -> list
     if sampling.greedy:
         return sampling.pick(logits, None).tolist()
     return [sampling.pick(logits[b:b + 1], row.generator).item() for b, row in enumerate(rows)]
+
+
+# --- Medusa in a batch: each row its own tree, all verified in one forward ----------------------
+
+@dataclass
+class BatchMedusa:
+    """What Medusa's steps in a batch run: the draft (each row's tree drafted in turn, so one
+    that keeps nothing of a sequence between steps: draft.TreeDraft, fused or graphed), the
+    budget that picks each step's tree size for every row (0: a plain step; its sizes' rows
+    times the batch at most EXACT_ATTENTION_TOKENS: max_tree_size), and the acceptance."""
+    draft: object
+    budget: object
+    acceptance: Acceptance
+
+
+def max_tree_size(batch_size: int) -> int:
+    """The most nodes a batch's trees may have: a step of B x (n + 1) rows stays within
+    model.exact_attention's rows, whose sums keep every row's bits its batch-1 bits."""
+    return EXACT_ATTENTION_TOKENS // batch_size - 1
+
+
+def batch_tree_mask(tree: MedusaTree, lengths: list[int], device) -> torch.Tensor:
+    """(B, N, S) bool, S = max(lengths) + N: row b's node i sees the row's own cached tokens
+    (slots < lengths[b]) and its tree ancestors and itself (tree.mask, at slots lengths[b] + j);
+    nothing of another row's tree, nothing past it (decoding.tree_mask for one row)."""
+    N = tree.size
+    starts = torch.tensor(lengths, device=device).unsqueeze(1)  # (B, 1)
+    offsets = torch.arange(max(lengths) + N, device=device) - starts  # (B, S): slot - start
+    cached = (offsets < 0).unsqueeze(1)  # (B, 1, S)
+    in_tree = ((offsets >= 0) & (offsets < N)).unsqueeze(1)  # (B, 1, S)
+    ancestors = tree.mask[:, offsets.clamp(0, N - 1)].transpose(0, 1)  # (B, N, S)
+    return cached | (in_tree & ancestors)
+
+
+@torch.inference_mode()
+def batch_tree_step(model: Llama, cache: KVCache, tree: MedusaTree, tokens: torch.Tensor,
+                    lengths: list[int]):
+    """Verify every row's candidates (B, N), each row's root first, after its cached tokens,
+    in one forward: (logits (B, N, V), hidden (B, N, C)), as decoding.tree_forward for one.
+    Row b's node i is written at slot lengths[b] + i, at position lengths[b] + its depth."""
+    starts = torch.tensor(lengths, device=tokens.device).unsqueeze(1)  # (B, 1)
+    positions = starts + tree.depth  # (B, N): siblings share a position
+    slots = starts + torch.arange(tree.size, device=tokens.device)  # (B, N)
+    logits, hidden = model(tokens, positions, batch_tree_mask(tree, lengths, tokens.device),
+                           cache, slots)
+    return at_least_float32(logits), hidden
+
+
+def compact_row(cache: KVCache, b: int, length: int, kept: list[int]) -> None:
+    """Row b's accepted nodes' entries (offsets `kept` from its slot `length`, root first) to
+    slots length, length + 1, ...: KVCache.compact through a view of the row."""
+    view = cache.row(b)
+    view.length = length
+    view.compact(kept)
+
+
+def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int,
+                        medusa: BatchMedusa, stop_ids: set[int],
+                        batch_size: int) -> Iterator[tuple[int, list[int]]]:
+    """Yield (prompt index, its answer) for every prompt, as each finishes: batch_size rows
+    decoded together with Medusa's steps (each row its own tree of the budget's size, each its
+    own acceptance), each row refilled with the next prompt when its answer ends. Every row
+    draws from a generator of its own, seeded as batch-1 Medusa seeds its one."""
+    device = model.embed.weight.device
+    draft, budget, acceptance = medusa.draft, medusa.budget, medusa.acceptance
+    for ids in prompts:
+        check_context(model, len(ids), max_new_tokens)
+    # the margin: a step writes all its tree's tokens before compaction keeps the accepted
+    capacity = max(len(ids) for ids in prompts) + max_new_tokens + max(budget.sizes) + 1
+    cache = KVCache.for_model(model, capacity, batch_size=min(batch_size, len(prompts)))
+    queue = deque(enumerate(prompts))
+    B = cache.layers[0].k.shape[0]
+    rows: list[Row | None] = [None] * B
+    lengths = [0] * B  # each row's cached tokens; its last emitted token is not yet cached
+
+    def start(b: int, prompt: tuple[int, list[int]]) -> None:
+        """Row b takes prompt (index, ids): prefilled alone in its row, its first token and
+        what the heads read, as medusa_decode starts."""
+        index, ids = prompt
+        view = cache.row(b)
+        logits, hidden = prefill(model, view, torch.tensor([ids], device=device))
+        generator = make_generator(device, acceptance.seed)
+        rows[b] = Row(index, [acceptance.first(logits[0], generator).item()], generator,
+                      draft.read(hidden))
+        lengths[b] = view.length
+    for b in range(B):
+        start(b, queue.popleft())
+    while True:
+        left = yield from refill(rows, queue, start, max_new_tokens, stop_ids)
+        if left:  # they leave the batch
+            kept = [b for b in range(len(rows)) if b not in left]
+            if not kept:
+                return
+            cache.keep_rows(kept)
+            rows, lengths = [rows[b] for b in kept], [lengths[b] for b in kept]
+        clock = budget.clock()
+        n = budget.choose()
+        roots = [row.answer[-1] for row in rows]
+        if n == 0:  # a plain step: every row's root, one token each
+            logits, hidden = batch_step(model, cache, torch.tensor(roots, device=device)[:, None],
+                                        lengths)  # (B, V), (B, C)
+            steps = [([0], [acceptance.first(logits[b], row.generator).item()], [])
+                     for b, row in enumerate(rows)]
+            hidden = hidden.unsqueeze(1)  # (B, 1, C): the root's, a row's one node
+        else:
+            trees, candidates, _ = zip(*(draft.tree(model, n, root, row.features, budget.rank)
+                                         for root, row in zip(roots, rows)))
+            tree = trees[0]  # one size, one tree: every row's
+            candidates = torch.stack([c.clone() for c in candidates])  # (B, N): a graphed
+            # draft's tokens live in its graph's buffer, overwritten by the next row's draft
+            logits, hidden = batch_tree_step(model, cache, tree, candidates, lengths)
+            steps = []
+            for b, row in enumerate(rows):
+                nodes, new = acceptance.accept(logits[b], tree, candidates[b], row.generator)
+                compact_row(cache, b, lengths[b], nodes)
+                steps.append((nodes, new, [tree.nodes[i] for i in nodes[1:]]))
+        seconds = budget.clock() - clock
+        for b, (row, (nodes, new, accepted)) in enumerate(zip(rows, steps)):
+            lengths[b] += len(nodes)
+            row.answer += cut_at_stop(new, max_new_tokens - len(row.answer), stop_ids)[0]
+            row.features = draft.read(hidden[b, nodes])
+            # a row's share of the step: the budget weighs sizes by tokens a second in all
+            budget.record(n, seconds / len(rows), accepted)

@@ -1,8 +1,11 @@
 """Batched decoding (batch_decoding.py): many prompts at once, each row its own sequence in one
 KV cache. Proven on random tiny models for random prompts, batch sizes and stop ids: every
 row's answer is its batch-1 answer, greedy and sampled (each row its own generator), whatever
-the rows beside it and whenever they finish; the cache's per-row writes and views; the fused
-step's batches (a row's bits whatever the rows beside it); generate.py --prompts --batch."""
+the rows beside it and whenever they finish; with Medusa's trees in the batch (random trees,
+each row its own acceptance and compaction), greedy rows are batch-1 plain greedy and rejection
+sampled rows batch-1 Medusa's; the cache's per-row writes and views; the fused step's batches
+(a row's bits whatever the rows beside it); generate.py --prompts --batch."""
+import itertools
 import json
 
 import pytest
@@ -10,17 +13,26 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import generate
-from conftest import DEVICES, copycat_model, tiny_model
-from minimedusa.batch_decoding import batch_decode, batch_step
-from minimedusa.decoding import decode_step, plain_decode, prefill
+from conftest import DEVICES, copycat_model, cycling_heads, cycling_model, tiny_model
+from minimedusa.acceptance import greedy, rejection
+from minimedusa.batch_decoding import (BatchMedusa, batch_decode, batch_medusa_decode,
+                                       batch_step, batch_tree_mask, batch_tree_step,
+                                       compact_row, max_tree_size)
+from minimedusa.budget import Budget, fixed, nested_trees
+from minimedusa.decoding import (decode_step, medusa_decode, plain_decode, prefill, tree_forward,
+                                 tree_mask)
+from minimedusa.draft import TreeDraft
 from minimedusa.kv_cache import KVCache
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
+from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.speed.weight_formats import apply_format
 from minimedusa.training.self_distill import answer_batch
+from minimedusa.tree import build_tree
 from test_chat import chat_folder  # noqa: F401 (a fixture)
 from test_fused_block import fused
+from test_tree import trees
 from test_weight_formats import four_bit_model
 
 
@@ -117,6 +129,117 @@ def test_a_batch_step_gives_each_rows_own_step():
                                    rtol=0, atol=1e-12)
 
 
+def test_a_rows_tree_mask_is_its_batch_1_tree_mask_at_its_own_slots():
+    """Row b sees its own cached slots and its tree's ancestors at lengths[b] + j: the batch-1
+    mask, shifted past the row's cache, and nothing after it."""
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    lengths = [3, 7, 1]
+    mask = batch_tree_mask(tree, lengths, "cpu")
+    assert mask.shape == (3, tree.size, 7 + tree.size)
+    for b, n in enumerate(lengths):
+        assert torch.equal(mask[b, :, :n + tree.size], tree_mask(tree, n)[0])
+        assert not mask[b, :, n + tree.size:].any()
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 5), choices=trees(max_nodes=12))
+def test_a_batched_tree_step_and_each_rows_compaction_are_each_rows_batch_1_ones(seed, batch,
+                                                                                 choices):
+    """Rows of different lengths, a tree each, each row keeping its own accepted chain: every
+    node's logits are its row's batch-1 tree step's, and so are the next step's after each
+    row's compaction (which read what the compaction left: a random model, whose tokens
+    depend on every cached entry, unlike the cycling model's)."""
+    model = tiny_model(seed % 7)
+    tree = build_tree(choices)
+    prompts = random_prompts(seed, batch, 9)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(2, 64, (batch, tree.size), generator=g)
+    leaves = torch.randint(0, tree.size, (batch,), generator=g).tolist()
+    kept = [[tree.nodes.index(tree.nodes[leaf][:d]) for d in range(len(tree.nodes[leaf]) + 1)]
+            for leaf in leaves]  # each row a root-to-node chain, root first
+    nxt = torch.randint(2, 64, (batch, 1), generator=g)
+    cache = KVCache.for_model(model, 32, batch_size=batch)
+    for b, p in enumerate(prompts):
+        prefill(model, cache.row(b), torch.tensor([p]))
+    lengths = [len(p) for p in prompts]
+    logits, _ = batch_tree_step(model, cache, tree, tokens, lengths)
+    for b in range(batch):
+        compact_row(cache, b, lengths[b], kept[b])
+    after, _ = batch_step(model, cache, nxt, [n + len(k) for n, k in zip(lengths, kept)])
+    for b, p in enumerate(prompts):
+        alone = KVCache.for_model(model, 32)
+        prefill(model, alone, torch.tensor([p]))
+        close = dict(rtol=0, atol=1e-12)  # float64 products: an ulp apart at most
+        torch.testing.assert_close(logits[b], tree_forward(model, alone, tree, tokens[b])[0],
+                                   **close)
+        alone.compact(kept[b])
+        torch.testing.assert_close(after[b:b + 1], decode_step(model, alone, nxt[b:b + 1])[0],
+                                   **close)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+@settings(max_examples=12, deadline=None)
+@given(choices=trees(max_nodes=20, max_depth=4), seed=st.integers(0, 10_000),
+       n=st.integers(1, 8), batch=st.integers(1, 8), max_new=st.integers(1, 30))
+def test_every_rows_batched_medusa_greedy_answer_is_its_batch_1_plain_greedy_answer(
+        kind, choices, seed, n, batch, max_new):
+    """Each row its own tree's candidates and its own acceptance; rows accepting different
+    lengths in one cache (each its own compaction), finishing early (a stop id) and refilled:
+    every answer is plain greedy's, token for token."""
+    model = cycling_model(seed % 5)
+    heads = cycling_heads(model, kind, seed)
+    draft, budget = fixed(heads, build_tree(choices, num_heads=4))
+    prompts, stop = random_prompts(seed, n, 10), {seed % 64}
+    answers = dict(batch_medusa_decode(model, prompts, max_new,
+                                       BatchMedusa(draft, budget, greedy()), stop, batch))
+    assert answers == {i: flat(plain_decode(model, p, max_new, Sampling(), stop))
+                       for i, p in enumerate(prompts)}
+
+
+def test_a_budget_mixing_plain_steps_and_tree_sizes_keeps_every_row_lossless():
+    """The budget picks each step's size for the whole batch, plain steps among them (a fake
+    clock: every step as long; a prior that no tree pays, until a probe shows what they
+    accept): the answers stay plain greedy's, and the trees accept (more than one token a
+    row-step)."""
+    model = cycling_model(1)
+    heads = cycling_heads(model, "hydra", 1)
+    nodes = [(0,), (1,), (0, 0), (0, 0, 0), (1, 0), (0, 1), (0, 0, 0, 0)]
+    trees_by_size, rank = nested_trees(nodes, [1, 2, 4, 7], 4, None, "cpu")
+    ticks = itertools.count()
+    budget = Budget([0, 1, 2, 4, 7], dict.fromkeys([1, 2, 4, 7], 1.0),
+                    dict.fromkeys([0, 1, 2, 4, 7], 1.0), rank, clock=lambda: next(ticks))
+    prompts = random_prompts(3, 6, 10)
+    medusa = BatchMedusa(fast_draft(TreeDraft(heads, trees_by_size), model), budget, greedy())
+    answers = dict(batch_medusa_decode(model, prompts, 40, medusa, set(), 4))
+    assert answers == {i: flat(plain_decode(model, p, 40, Sampling(), set()))
+                       for i, p in enumerate(prompts)}
+    assert budget.used[0] > 0 and sum(budget.used[n] for n in (1, 2, 4, 7)) > 0
+    assert 6 * 40 > 1.2 * sum(budget.used.values())  # tokens over row-steps
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 6), batch=st.integers(2, 6),
+       temperature=st.sampled_from([0.5, 1.0]))
+def test_every_rows_rejection_sampled_answer_is_its_batch_1_medusa_answer(seed, n, batch,
+                                                                         temperature):
+    """Rejection sampling, each row drawing from its own generator seeded as batch-1 Medusa
+    seeds its one: the same tokens as batch-1 Medusa, whose law is plain sampling's
+    (test_rejection_sampling.py's chi-square), so each row keeps that law."""
+    model = cycling_model(seed % 5)
+    heads = cycling_heads(model, "hydra", seed)
+    tree = build_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]], num_heads=4)
+    rule = rejection(temperature, seed=seed)
+    prompts = random_prompts(seed, n, 8)
+    answers = dict(batch_medusa_decode(model, prompts, 20, BatchMedusa(*fixed(heads, tree), rule),
+                                       {3}, batch))
+    assert answers == {i: flat(medusa_decode(model, *fixed(heads, tree), rule, p, 20, {3}))
+                       for i, p in enumerate(prompts)}
+
+
+def test_batches_trees_stay_within_the_exact_attentions_rows():
+    assert max_tree_size(1) == 255 and (max_tree_size(8) + 1) * 8 <= 256
+
+
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,
                     reason="the fused step runs group_kernel.c's products")
 @pytest.mark.parametrize("batch", [2, 5])
@@ -137,6 +260,25 @@ def test_the_fused_steps_batches_answer_as_its_batch_1_steps(batch):
         alone = KVCache.for_model(model, 16)
         prefill(model, alone, torch.tensor([p]))
         assert torch.equal(logits[b:b + 1], decode_step(model, alone, tokens[b:b + 1])[0])
+
+
+@pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                    reason="the fused step runs group_kernel.c's products")
+def test_the_fused_steps_batched_trees_give_each_row_its_batch_1_tree_logits():
+    """The default path's one C++ call for the blocks, a tree a row: row b's logits are its
+    batch-1 tree step's, to the bit; and batched Medusa greedy answers as plain greedy."""
+    model = fused(four_bit_model(1), "int4", torch.bfloat16)
+    prompts = random_prompts(5, 3, 12)
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    tokens = torch.randint(2, 64, (3, tree.size), generator=torch.Generator().manual_seed(5))
+    cache = KVCache.for_model(model, 32, batch_size=3)
+    for b, p in enumerate(prompts):
+        prefill(model, cache.row(b), torch.tensor([p]))
+    logits, _ = batch_tree_step(model, cache, tree, tokens, [len(p) for p in prompts])
+    for b, p in enumerate(prompts):
+        alone = KVCache.for_model(model, 32)
+        prefill(model, alone, torch.tensor([p]))
+        assert torch.equal(logits[b], tree_forward(model, alone, tree, tokens[b])[0])
 
 
 def test_the_compiled_steps_batches_answer_as_its_batch_1_steps():
