@@ -3,30 +3,38 @@
 The questions answered as a set, each engine in turn, round after round, alternating which goes
 first: plain decoding one prompt after another (batch 1), the default Medusa one prompt after
 another (the heads, the adapted trees, context candidates: generate.py --batch 1), and plain
-batched decoding at each --batch size (batch_decoding.py). Reported per engine: tokens/s over
+batched decoding and Medusa in a batch at each --batch size (batch_decoding.py; Medusa's trees
+no larger than the batch allows, the Budget choosing each step's size for the batch, plain steps
+among them, as it measures them, without context candidates). Reported per engine: tokens/s over
 all the answers (the best round), tokens/s a row (what batching does to one answer's speed), how
 many answers equal batch-1 plain's, and the process's peak resident memory after its first
 round (which runs the sizes in increasing order, each after its warm-up: the peak is that
 size's) beside its KV cache's size.
 Every answer is exactly --max-new-tokens long (stop ids ignored), as in the benchmark.
 """
+import copy
 import resource
 import sys
 import time
+from collections import Counter
 
 import torch
 
-from minimedusa.batch_decoding import batch_decode
+from minimedusa.batch_decoding import BatchMedusa, batch_decode, batch_medusa_decode
 from minimedusa.bench.engines import rule_engines
 from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.trees import batch_budget
 from minimedusa.decoding import plain_decode
+from minimedusa.draft import TreeDraft
 from minimedusa.files.outputs import write_json
-from minimedusa.speed.host_greedy import sampling_for
+from minimedusa.speed.fused_draft import fast_draft
+from minimedusa.speed.host_greedy import greedy_for, sampling_for
 from minimedusa.speed.machine import machine_key
 
 
-def batch_engines(args, model, prompts: list[list[int]]) -> dict:
-    """{name: (rows a step, run() -> {prompt index: answer})}."""
+def batch_engines(args, model, prompts: list[list[int]], usage: dict) -> dict:
+    """{name: (rows a step, run() -> {prompt index: answer})}; Medusa in a batch counts its
+    row-steps by tree size into usage[name]."""
     n, device = args.max_new_tokens, model.embed.weight.device
     sampling = sampling_for(device)
     heads = decoding_heads(args.heads[0], model, args.draft_vocab[0])
@@ -41,14 +49,35 @@ def batch_engines(args, model, prompts: list[list[int]]) -> dict:
     for B in args.batch:
         engines[f"plain, {B} at a time"] = (B, lambda B=B: dict(
             batch_decode(model, prompts, n, sampling, set(), B)))
+        if B > 1:
+            engines[f"medusa, {B} at a time"] = (B, batched_medusa(args, model, heads, prompts,
+                                                                   B, usage))
     return engines
+
+
+def batched_medusa(args, model, heads, prompts: list[list[int]], B: int, usage: dict):
+    """Medusa in a batch of B rows: each run from the same Budget prior (a fresh copy), its
+    steps by tree size into usage[name] (0: plain steps)."""
+    trees, budget, _ = batch_budget(heads, model, args.heads[0], B)
+    draft = fast_draft(TreeDraft(heads, trees), model)
+    name = f"medusa, {B} at a time"
+    usage[name] = Counter()
+
+    def run():
+        fresh = copy.deepcopy(budget)
+        medusa = BatchMedusa(draft, fresh, greedy_for(model.embed.weight.device))
+        answers = dict(batch_medusa_decode(model, prompts, args.max_new_tokens, medusa, set(), B))
+        usage[name].update(fresh.used)
+        return answers
+    return run
 
 
 def report_batches(args, model, tokenizer, questions: list[dict], device, dtype) -> None:
     """Time every engine on the whole set of questions, --rounds rounds; print and --out."""
     prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q["prompt"]}]))
                for q in questions]
-    engines = batch_engines(args, model, prompts)
+    usage = {}
+    engines = batch_engines(args, model, prompts, usage)
     times = {name: [] for name in engines}
     answers, peak = {}, {}
     for r in range(args.rounds):
@@ -80,6 +109,9 @@ def report_batches(args, model, tokenizer, questions: list[dict], device, dtype)
                                    "kv_cache_mb": cache, "peak_rss_mb": round(peak[name], 1)}
         print(f"| {name} | {rate:.1f} | {rate / rows:.1f} | {rate / base:.2f}x | "
               f"{same}/{len(reference)} | {cache} | {peak[name]:.0f} |")
+    for name, used in usage.items():  # every round's row-steps (each row's share of a step)
+        result["engines"][name]["row_steps_by_tree_size"] = dict(sorted(used.items()))
+        print(f"{name}: row-steps by tree size (0 = plain) {dict(sorted(used.items()))}")
     if args.out:
         write_json(args.out, result)
 
