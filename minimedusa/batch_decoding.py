@@ -33,7 +33,6 @@ sampling of drawn candidates (its draws would need a generator per row).
 
 Shapes: B rows, N tree nodes (the root first), S attended slots, V vocab, C model dim.
 """
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -51,11 +50,12 @@ from minimedusa.tree import MedusaTree
 @dataclass
 class Row:
     """One row's sequence: which prompt it answers, its answer so far, its sampling draws (or
-    its acceptance's), and with Medusa what the heads read at its last accepted token."""
+    its acceptance's), and with Medusa the hidden states (a, C) its last forward kept (the
+    accepted positions'), which the heads read when the row drafts."""
     index: int
     answer: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    features: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 @torch.inference_mode()
@@ -229,7 +229,7 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
         logits, hidden = prefill(model, view, torch.tensor([ids], device=device))
         generator = make_generator(device, acceptance.seed)
         rows[b] = Row(index, [acceptance.first(logits[0], generator).item()], generator,
-                      draft.read(hidden))
+                      hidden)
         lengths[b] = view.length
     for b in range(B):
         start(b, queue.popleft())
@@ -251,11 +251,12 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
                      for b, row in enumerate(rows)]
             hidden = hidden.unsqueeze(1)  # (B, 1, C): the root's, a row's one node
         else:
-            trees, candidates, _ = zip(*(draft.tree(model, n, root, row.features, budget.rank)
-                                         for root, row in zip(roots, rows)))
-            tree = trees[0]  # one size, one tree: every row's
-            candidates = torch.stack([c.clone() for c in candidates])  # (B, N): a graphed
-            # draft's tokens live in its graph's buffer, overwritten by the next row's draft
+            candidates = []
+            for root, row in zip(roots, rows):  # what the heads read: read for tree steps only
+                tree, tokens, _ = draft.tree(model, n, root, draft.read(row.hidden), budget.rank)
+                # a graphed draft's tokens live in its graph's buffer: the next row's overwrites
+                candidates.append(tokens.clone())
+            candidates = torch.stack(candidates)  # (B, N): one size, one tree, every row's
             logits, hidden = batch_tree_step(model, cache, tree, candidates, lengths)
             steps = []
             for b, row in enumerate(rows):
@@ -266,6 +267,7 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
         for b, (row, (nodes, new, accepted)) in enumerate(zip(rows, steps)):
             lengths[b] += len(nodes)
             row.answer += cut_at_stop(new, max_new_tokens - len(row.answer), stop_ids)[0]
-            row.features = draft.read(hidden[b, nodes])
-            # a row's share of the step: the budget weighs sizes by tokens a second in all
+            row.hidden = hidden[b, nodes]
+            # a row's share of the step (a Budget made with rows=B counts B records a step):
+            # it weighs the sizes by their tokens a second over all rows
             budget.record(n, seconds / len(rows), accepted)

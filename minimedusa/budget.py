@@ -107,21 +107,24 @@ class Budget:
 
     def __init__(self, sizes, expected: dict, latency: dict, rank: dict, prior_steps: int = 8,
                  window: int = 16, trusted: int = 3, margin: float = 0.05, chain: int = 0,
-                 clock=time.perf_counter):
+                 rows: int = 1, clock=time.perf_counter):
         self.sizes = sorted(sizes)
         self.clock = clock  # what the decoding loop times each step with (tests: a fake one)
         self.expected, self.latency, self.rank = expected, latency, rank
         self.chain = chain
-        self.prior_steps = prior_steps  # how many steps' worth of evidence the prior counts for
-        self.trusted = trusted  # steps of a size before its own timing replaces the prior: one
-        # step's time is noise (and a shape's first product is slow), the median of 3 is not
+        # rows: the records a step makes: a batch's rows each record their share of its time
+        # and their own accepted path (batch_decoding.py); the counts below are per step
+        self.prior_steps = prior_steps * rows  # how many steps' worth of evidence the prior
+        # counts for
+        self.trusted = trusted * rows  # steps of a size before its own timing replaces the
+        # prior: one step's time is noise (and a shape's first product is slow), 3's median not
         self.margin = margin  # another size must promise this much more to be switched to, so
         # that timing noise does not make the steps wander between sizes of equal worth, and a
         # tree must promise it over plain decoding, where every run starts: "never slower"
         # per group: tokens size n would have yielded so far, over this many steps
         self.tokens: dict[int, dict[int, int]] = {}
         self.steps: dict[int, dict[int, int]] = {}
-        self.seconds = {n: deque(maxlen=window) for n in self.sizes}  # recent step times
+        self.seconds = {n: deque(maxlen=window * rows) for n in self.sizes}  # recent steps
         self.used = {n: 0 for n in self.sizes}  # steps run at each size
         self.current: dict[int, int] = {}  # per group, the size settled on (probes aside):
         # plain steps, until a tree pays

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, cycling_heads, cycling_model
 from minimedusa.acceptance import greedy
-from minimedusa.batch_decoding import batch_decode
+from minimedusa.batch_decoding import BatchMedusa, batch_decode, batch_medusa_decode
 from minimedusa.budget import fixed
 from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_decode, prefill,
                                  tree_forward)
@@ -167,6 +167,27 @@ def test_batches_in_graphs_answer_as_the_eager_model_one_at_a_time(pair, seed, n
     assert answers == {i: flat(plain_decode(eager, p, 30, Sampling(), {seed % 64}))
                        for i, p in enumerate(prompts)}
     assert any(shape[0] > 1 for shape in graphed.layers.graphs)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 1000), n=st.integers(2, 7), batch=st.integers(2, 5))
+def test_medusa_in_a_batch_in_graphs_answers_as_the_eager_model_plain_greedy(pair, seed, n,
+                                                                           batch):
+    """batch_decoding's Medusa steps, a tree a row, replayed from graphs of (B, N) rows, each
+    row's compaction in the held static cache: every answer is plain greedy's."""
+    graphed, eager = pair
+    heads = cycling_heads(graphed, "hydra", seed)
+    tree = build_tree([[0], [1], [0, 0], [0, 0, 0]], num_heads=4,
+                      device=graphed.embed.weight.device)
+    draft, budget = fixed(heads, tree)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 64, (int(k),), generator=g).tolist()
+               for k in torch.randint(1, 12, (n,), generator=g)]
+    medusa = BatchMedusa(GraphedDraft(heads, draft.trees), budget, greedy())
+    answers = dict(batch_medusa_decode(graphed, prompts, 30, medusa, set(), batch))
+    assert answers == {i: flat(plain_decode(eager, p, 30, Sampling(), set()))
+                       for i, p in enumerate(prompts)}
+    assert any(shape[0] > 1 and shape[1] == tree.size for shape in graphed.layers.graphs)
 
 
 def test_eager_step_runs_the_eager_blocks_and_gives_the_graphs_back(pair):

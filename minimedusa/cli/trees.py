@@ -123,9 +123,9 @@ def batch_budget(heads, model: Llama, heads_spec: str, batch_size: int):
     (batch_decoding.batch_medusa_decode): decoding_budget's, its sizes cut to the batch's
     largest tree (max_tree_size), without context candidates (a chain is one sequence's). Its
     latency priors are a batch-1 step's: the Budget rescales them by the batch's plain steps,
-    timed first, and times each tree size it tries."""
+    timed first, and times each tree size it tries; its rows record a step each (rows=)."""
     trees, budget, why = decoding_budget(heads, model, heads_spec)
     sizes = [n for n in budget.sizes if n <= max_tree_size(batch_size)]
     return ({n: trees[n] for n in sizes if n},
             Budget(sizes, {n: budget.expected[n] for n in sizes if n in budget.expected},
-                   {n: budget.latency[n] for n in sizes}, budget.rank), why)
+                   {n: budget.latency[n] for n in sizes}, budget.rank, rows=batch_size), why)

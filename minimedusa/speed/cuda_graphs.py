@@ -9,7 +9,8 @@ gpt-fast's way (there through torch.compile's mode="reduce-overhead"), written o
 with torch.cuda.CUDAGraph so that a reader sees what a graph needs:
 
 - Fixed shapes. One graph per shape: T rows of one sequence (1 for a plain step, n + 1 for a
-  tree of n nodes), or a row for each of a batch's B sequences (batch_decoding.py). The attended
+  tree of n nodes), or T rows for each of a batch's B sequences (batch_decoding.py: a row each
+  for plain steps, a tree each for Medusa's). The attended
   slots S grow every step, so a graph's attention reads the whole static cache, M slots, with
   the mask False past the sequence: the masked slots weigh exactly 0, and
   model.exact_attention's float64 sums keep the rows those of the eager step.
@@ -48,7 +49,7 @@ import torch.nn as nn
 from minimedusa.budget import SIZES
 from minimedusa.draft import TreeDraft, tree_tokens
 from minimedusa.kv_cache import KVCache
-from minimedusa.model import Blocks, Llama, causal_mask
+from minimedusa.model import EXACT_ATTENTION_TOKENS, Blocks, Llama, causal_mask
 from minimedusa.speed.compiled_step import CompiledBlock
 
 # the most rows a step graph takes: the Budget's largest tree on a GPU (64 nodes) and its root;
@@ -189,9 +190,9 @@ class StepGraph:
 
 class GraphedBlocks(Blocks):
     """The model's blocks, whose decoding forwards (in inference mode, with a cache: one
-    sequence of at most MAX_ROWS rows, or a batch's step of a row for each of at most MAX_BATCH
-    sequences) replay their shape's graph, and whose other forwards run the eager blocks one
-    after another (as Blocks)."""
+    sequence of at most MAX_ROWS rows, or a batch's step of at most MAX_BATCH sequences, a row
+    or a tree each) replay their shape's graph, and whose other forwards run the eager blocks
+    one after another (as Blocks)."""
 
     def __init__(self, blocks: Blocks, compiled: bool):
         super().__init__(blocks)  # the same Block modules: the state dict's names unchanged
@@ -208,7 +209,9 @@ class GraphedBlocks(Blocks):
 
     def forward(self, x, cos, sin, mask, cache=None, slots=None):  # (B, T, C) -> (B, T, C)
         B, T, _ = x.shape
-        fits = (B == 1 and T <= MAX_ROWS) or (T == 1 and B <= MAX_BATCH)
+        # one sequence's step or tree; a batch's step, or its trees (batch_decoding.py: within
+        # the exact attention's rows)
+        fits = T <= MAX_ROWS and B <= MAX_BATCH and (B == 1 or B * T <= EXACT_ATTENTION_TOKENS)
         # a cache of views of another's (a batch's row, KVCache.row: its prompt's prefill) is
         # never held: its writes must land in that cache's tensors
         if (cache is None or not fits or not torch.is_inference_mode_enabled()
