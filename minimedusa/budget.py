@@ -16,9 +16,9 @@ the same name but has narrower vector units. So nothing here is assumed from els
 2. During decoding a Budget keeps measuring: every step's time, and for every smaller size
    nested in the tree it ran, how many tokens that size would have yielded. It runs the size
    with the most tokens per second, plain decoding being one of the choices (a run starts
-   there, and moves only for a clear gain), and times each neighbouring size for a few steps,
-   so a wrong prior (latencies measured on another machine, or under other load) costs a
-   handful of steps, not the run.
+   there, and moves only for a clear gain), and times each neighbouring size for a few steps
+   (again, every few hundred steps, in a long run), so a wrong prior (latencies measured on
+   another machine, or under other load) costs a handful of steps, not the run.
 The sizes are nested trees, the first n grown nodes, so a step of n nodes also shows what
 every size below n would have accepted. A fixed tree, the paper's setting, is the simplest
 budget: one size every step (FixedSize).
@@ -107,7 +107,7 @@ class Budget:
 
     def __init__(self, sizes, expected: dict, latency: dict, rank: dict, prior_steps: int = 8,
                  window: int = 16, trusted: int = 3, margin: float = 0.05, chain: int = 0,
-                 rows: int = 1, clock=time.perf_counter):
+                 rows: int = 1, stale: int = 512, clock=time.perf_counter):
         self.sizes = sorted(sizes)
         self.clock = clock  # what the decoding loop times each step with (tests: a fake one)
         self.expected, self.latency, self.rank = expected, latency, rank
@@ -125,6 +125,11 @@ class Budget:
         self.tokens: dict[int, dict[int, int]] = {}
         self.steps: dict[int, dict[int, int]] = {}
         self.seconds = {n: deque(maxlen=window * rows) for n in self.sizes}  # recent steps
+        # a size's timings are taken again once this many steps have passed without it: a
+        # run's conditions drift (another load, a batch's rows), and a timing that came out
+        # high (plain steps timed among a run's first) would otherwise keep a worse size
+        self.stale, self.records = stale * rows, 0
+        self.timed = {n: 0 for n in self.sizes}  # records so far at each size's last step
         self.used = {n: 0 for n in self.sizes}  # steps run at each size
         self.current: dict[int, int] = {}  # per group, the size settled on (probes aside):
         # plain steps, until a tree pays
@@ -201,11 +206,16 @@ class Budget:
         hill-shaped, so the best size's neighbours are where a wrong prior shows)."""
         self.current[group] = self.best(group)
         i = self.sizes.index(self.current[group])
-        # a neighbour is timed once for every group; its acceptance in a group is the prior
-        # until the group settles on it (a probe a group: 17% of a run's steps, and slower)
+        # a neighbour is timed once for every group (and again when its timings are stale);
+        # its acceptance in a group is the prior until the group settles on it (a probe a
+        # group: 17% of a run's steps, and slower)
         for j in (i + 1, i - 1):
-            if 0 <= j < len(self.sizes) and not self.measured(self.sizes[j]):
-                return self.sizes[j]
+            if 0 <= j < len(self.sizes):
+                n = self.sizes[j]
+                if self.measured(n) and self.records - self.timed[n] > self.stale:
+                    self.seconds[n].clear()
+                if not self.measured(n):
+                    return n
         return self.current[group]
 
     def record(self, n: int, seconds: float, accepted: list[tuple],
@@ -222,6 +232,8 @@ class Budget:
         it is a lower bound (another path of the smaller tree might have passed)."""
         self.seconds[n].append(seconds)
         self.used[n] += 1
+        self.records += 1
+        self.timed[n] = self.records
         rank = rank or self.rank
         tokens, steps = self.tokens.setdefault(group, {}), self.steps.setdefault(group, {})
         for m in self.sizes:

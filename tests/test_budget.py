@@ -66,6 +66,24 @@ def test_a_wrong_latency_prior_recovers_to_the_size_true_latencies_favour(prior)
     assert chosen[-100:].count(4) == 100  # settled: the probes are over
 
 
+def test_a_size_timed_high_once_is_timed_again_and_the_run_returns_to_it():
+    """Plain steps timed slow among a run's first (3x: cold caches, another load) send the
+    budget to a tree that truly pays less; their timings expire (stale) and are taken again,
+    and the steps go back to plain."""
+    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), RANK, stale=200)
+    slow = {n: 1.0 + 0.8 * n for n in SIZES if n}  # every tree step costs > 1.8x: plain pays
+    rng, chosen = random.Random(1), []
+    for _ in range(1200):
+        n = budget.choose()
+        depth = sum(rng.random() < p for p in DEPTH_AT_LEAST[1:2])
+        accepted = [p for p in SPINE[:depth] if RANK[p] <= n]
+        seconds = (3.0 if chosen.count(0) < 3 else 1.0) if n == 0 else slow[n]
+        budget.record(n, seconds, accepted)
+        chosen.append(n)
+    assert chosen[:100].count(0) < 50  # fooled at first
+    assert chosen[-100:].count(0) > 90
+
+
 def test_when_no_tree_pays_the_steps_are_plain():
     slow = {0: 1.0, **{n: 1.0 + 0.8 * n for n in SIZES if n}}  # every tree step costs > 1.8x
     budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), RANK)
