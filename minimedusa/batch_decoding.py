@@ -77,10 +77,7 @@ def batch_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
     batch_size rows decoded together, each refilled with the next prompt when its answer
     ends. An answer ends after a stop id (kept) or max_new_tokens, as plain_decode's."""
     device = model.embed.weight.device
-    for ids in prompts:  # every prompt checked before any is decoded
-        check_context(model, len(ids), max_new_tokens)
-    capacity = max(len(ids) for ids in prompts) + max_new_tokens
-    cache = KVCache.for_model(model, capacity, batch_size=min(batch_size, len(prompts)))
+    cache = batch_cache(model, prompts, max_new_tokens, batch_size)
     queue = deque(enumerate(prompts))
     B = cache.layers[0].k.shape[0]
     rows: list[Row | None] = [None] * B  # each row's sequence
@@ -105,6 +102,17 @@ def batch_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
         tokens = pick_each(sampling, logits, rows)
         for row, token in zip(rows, tokens):
             row.answer.append(token)
+
+
+def batch_cache(model: Llama, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                margin: int = 0) -> KVCache:
+    """The batch's cache: a row for each of batch_size prompts (fewer if the file holds fewer),
+    each as long as the longest prompt + max_new_tokens + margin (Medusa's tree tokens); every
+    prompt checked against the model's context before any is decoded."""
+    for ids in prompts:
+        check_context(model, len(ids), max_new_tokens)
+    capacity = max(len(ids) for ids in prompts) + max_new_tokens + margin
+    return KVCache.for_model(model, capacity, batch_size=min(batch_size, len(prompts)))
 
 
 def refill(rows: list[Row], queue: deque, start, max_new_tokens: int, stop_ids: set[int]):
@@ -209,28 +217,16 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
     decoded together with Medusa's steps (each row its own tree of the budget's size, each its
     own acceptance), each row refilled with the next prompt when its answer ends. Every row
     draws from a generator of its own, seeded as batch-1 Medusa seeds its one."""
-    device = model.embed.weight.device
-    draft, budget, acceptance = medusa.draft, medusa.budget, medusa.acceptance
-    for ids in prompts:
-        check_context(model, len(ids), max_new_tokens)
+    budget = medusa.budget
     # the margin: a step writes all its tree's tokens before compaction keeps the accepted
-    capacity = max(len(ids) for ids in prompts) + max_new_tokens + max(budget.sizes) + 1
-    cache = KVCache.for_model(model, capacity, batch_size=min(batch_size, len(prompts)))
+    cache = batch_cache(model, prompts, max_new_tokens, batch_size, max(budget.sizes) + 1)
     queue = deque(enumerate(prompts))
     B = cache.layers[0].k.shape[0]
     rows: list[Row | None] = [None] * B
     lengths = [0] * B  # each row's cached tokens; its last emitted token is not yet cached
 
     def start(b: int, prompt: tuple[int, list[int]]) -> None:
-        """Row b takes prompt (index, ids): prefilled alone in its row, its first token and
-        what the heads read, as medusa_decode starts."""
-        index, ids = prompt
-        view = cache.row(b)
-        logits, hidden = prefill(model, view, torch.tensor([ids], device=device))
-        generator = make_generator(device, acceptance.seed)
-        rows[b] = Row(index, [acceptance.first(logits[0], generator).item()], generator,
-                      hidden)
-        lengths[b] = view.length
+        rows[b], lengths[b] = start_medusa_row(model, cache, b, prompt, medusa)
     for b in range(B):
         start(b, queue.popleft())
     while True:
@@ -243,26 +239,7 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
             rows, lengths = [rows[b] for b in kept], [lengths[b] for b in kept]
         clock = budget.clock()
         n = budget.choose()
-        roots = [row.answer[-1] for row in rows]
-        if n == 0:  # a plain step: every row's root, one token each
-            logits, hidden = batch_step(model, cache, torch.tensor(roots, device=device)[:, None],
-                                        lengths)  # (B, V), (B, C)
-            steps = [([0], [acceptance.first(logits[b], row.generator).item()], [])
-                     for b, row in enumerate(rows)]
-            hidden = hidden.unsqueeze(1)  # (B, 1, C): the root's, a row's one node
-        else:
-            candidates = []
-            for root, row in zip(roots, rows):  # what the heads read: read for tree steps only
-                tree, tokens, _ = draft.tree(model, n, root, draft.read(row.hidden), budget.rank)
-                # a graphed draft's tokens live in its graph's buffer: the next row's overwrites
-                candidates.append(tokens.clone())
-            candidates = torch.stack(candidates)  # (B, N): one size, one tree, every row's
-            logits, hidden = batch_tree_step(model, cache, tree, candidates, lengths)
-            steps = []
-            for b, row in enumerate(rows):
-                nodes, new = acceptance.accept(logits[b], tree, candidates[b], row.generator)
-                compact_row(cache, b, lengths[b], nodes)
-                steps.append((nodes, new, [tree.nodes[i] for i in nodes[1:]]))
+        steps, hidden = batch_medusa_step(model, cache, medusa, n, rows, lengths)
         seconds = budget.clock() - clock
         for b, (row, (nodes, new, accepted)) in enumerate(zip(rows, steps)):
             lengths[b] += len(nodes)
@@ -271,3 +248,44 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
             # a row's share of the step (a Budget made with rows=B counts B records a step):
             # it weighs the sizes by their tokens a second over all rows
             budget.record(n, seconds / len(rows), accepted)
+
+
+def start_medusa_row(model: Llama, cache: KVCache, b: int, prompt: tuple[int, list[int]],
+                     medusa: BatchMedusa) -> tuple[Row, int]:
+    """Row b takes prompt (index, ids), prefilled alone in its row: (its Row, with its first
+    token and the prefill's hidden states, as medusa_decode starts; its cached tokens)."""
+    index, ids = prompt
+    device = model.embed.weight.device
+    view = cache.row(b)
+    logits, hidden = prefill(model, view, torch.tensor([ids], device=device))
+    generator = make_generator(device, medusa.acceptance.seed)
+    return Row(index, [medusa.acceptance.first(logits[0], generator).item()], generator,
+               hidden), view.length
+
+
+def batch_medusa_step(model: Llama, cache: KVCache, medusa: BatchMedusa, n: int,
+                      rows: list[Row], lengths: list[int]):
+    """One step of every row, from its root (its last token): a plain step (n = 0) or a tree
+    of n nodes each. Returns ([(accepted node indices, root first; new tokens; accepted node
+    paths)] a row, hidden (B, N, C) at every node)."""
+    draft, acceptance = medusa.draft, medusa.acceptance
+    roots = [row.answer[-1] for row in rows]
+    if n == 0:  # a plain step: every row's root, one token each
+        logits, hidden = batch_step(model, cache, torch.tensor(roots, device=cache.device)[:, None],
+                                    lengths)  # (B, V), (B, C)
+        steps = [([0], [acceptance.first(logits[b], row.generator).item()], [])
+                 for b, row in enumerate(rows)]
+        return steps, hidden.unsqueeze(1)  # (B, 1, C): the root's, a row's one node
+    candidates = []
+    for root, row in zip(roots, rows):  # what the heads read: read for tree steps only
+        tree, tokens, _ = draft.tree(model, n, root, draft.read(row.hidden), medusa.budget.rank)
+        # a graphed draft's tokens live in its graph's buffer: the next row's overwrites them
+        candidates.append(tokens.clone())
+    candidates = torch.stack(candidates)  # (B, N): one size, one tree, every row's
+    logits, hidden = batch_tree_step(model, cache, tree, candidates, lengths)
+    steps = []
+    for b, row in enumerate(rows):
+        nodes, new = acceptance.accept(logits[b], tree, candidates[b], row.generator)
+        compact_row(cache, b, lengths[b], nodes)
+        steps.append((nodes, new, [tree.nodes[i] for i in nodes[1:]]))
+    return steps, hidden

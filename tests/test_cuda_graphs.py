@@ -19,8 +19,8 @@ from minimedusa.draft import TreeDraft
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, LlamaConfig
 from minimedusa.sampling import Sampling
-from minimedusa.speed.cuda_graphs import (MAX_ROWS, GraphedBlocks, GraphedDraft, graph_step,
-                                          is_graphed)
+from minimedusa.speed.cuda_graphs import MAX_ROWS, GraphedBlocks, graph_step, is_graphed
+from minimedusa.speed.graphed_draft import GraphedDraft
 from minimedusa.speed.plug_in import eager_step
 from minimedusa.tree import build_tree
 from test_tree import trees

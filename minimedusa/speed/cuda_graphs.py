@@ -23,8 +23,7 @@ with torch.cuda.CUDAGraph so that a reader sees what a graph needs:
   from the cache's host length), so a step's one sync stays the acceptance's.
 
 What it swaps: the model's Blocks for GraphedBlocks (the embedding, the last norm and the LM
-head stay eager: a few kernels), and the heads' TreeDraft for a GraphedDraft (one graph per tree
-size: the heads' draft, every depth of it). A shape's graph is captured the second time it is
+head stay eager: a few kernels); the heads' draft has graphs of its own (graphed_draft.py). A shape's graph is captured the second time it is
 asked for (a tree's size recurs, a prompt's length seldom does; the first time, the blocks it
 will hold run uncaptured: the same bits), a plain step's and the Budget's tree sizes' up front
 (warm_up), and kept across prompts and chat turns; a long prompt (more than
@@ -47,7 +46,6 @@ import torch
 import torch.nn as nn
 
 from minimedusa.budget import SIZES
-from minimedusa.draft import TreeDraft, tree_tokens
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Blocks, Llama, causal_mask
 from minimedusa.speed.compiled_step import CompiledBlock
@@ -307,39 +305,3 @@ def eager_blocks(model: Llama):
         yield
     finally:
         model.layers = graphed
-
-
-class DraftGraph:
-    """One tree's draft as a graph: the hidden state (C,) and root in, its tokens (N,) out."""
-
-    def __init__(self, heads, model, tree, features: torch.Tensor, pool):
-        with torch.inference_mode(False):
-            self.hidden = torch.zeros_like(features)  # (C,)
-            self.root = torch.zeros((), dtype=torch.long, device=features.device)
-            self.tokens = torch.zeros(tree.size, dtype=torch.long, device=features.device)
-
-        def run():
-            self.tokens.copy_(tree_tokens(heads, model, tree, self.root, self.hidden))
-        with torch.inference_mode():
-            self.replay = capture(run, features.device, pool)
-
-
-class GraphedDraft(TreeDraft):
-    """TreeDraft whose tokens come from a graph per tree size (the heads' every depth: a
-    Hydra draft is ~25 kernels a depth), while the model's blocks are graphed."""
-
-    def __init__(self, heads, trees: dict):
-        super().__init__(heads, trees)
-        self.graphs: dict[int, DraftGraph] = {}
-        self.pool = new_pool()
-
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
-        if not is_graphed(model):  # eager_blocks: the draft eager too
-            return super().tree(model, n, root, features, rank)
-        if n not in self.graphs:
-            self.graphs[n] = DraftGraph(self.heads, model, self.trees[n], features, self.pool)
-        graph = self.graphs[n]
-        graph.hidden.copy_(features)
-        graph.root.fill_(root)
-        graph.replay()
-        return self.trees[n], graph.tokens, rank

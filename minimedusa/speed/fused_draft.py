@@ -26,7 +26,7 @@ from minimedusa.draft import TreeDraft
 from minimedusa.heads import drafting_lm_head
 from minimedusa.hydra import HydraHeads
 from minimedusa.speed import group_kernel
-from minimedusa.speed.cuda_graphs import GraphedDraft
+from minimedusa.speed.graphed_draft import GraphedDraft
 from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import Int8GroupLinear
 from minimedusa.speculative_sampling import DrawnDraft, gumbel_noise, proposal_from
