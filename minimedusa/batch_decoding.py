@@ -89,12 +89,10 @@ def batch_decode(model: Llama, prompts: list[list[int]], max_new_tokens: int, sa
     for b in range(B):  # every row its first prompt
         start(b, queue.popleft())
     while True:
-        left = yield from refill(rows, queue, start, max_new_tokens, stop_ids)
-        if left:  # they leave the batch
-            kept = [b for b in range(len(rows)) if b not in left]
+        kept = yield from refill(rows, queue, start, cache, max_new_tokens, stop_ids)
+        if kept is not None:  # the others left the batch
             if not kept:
                 return
-            cache.keep_rows(kept)
             rows, lengths, tokens = ([x[b] for b in kept] for x in (rows, lengths, tokens))
         logits, _ = batch_step(model, cache, torch.tensor(tokens, device=device).unsqueeze(1),
                                lengths)  # (B, V)
@@ -115,10 +113,12 @@ def batch_cache(model: Llama, prompts: list[list[int]], max_new_tokens: int, bat
     return KVCache.for_model(model, capacity, batch_size=min(batch_size, len(prompts)))
 
 
-def refill(rows: list[Row], queue: deque, start, max_new_tokens: int, stop_ids: set[int]):
+def refill(rows: list[Row], queue: deque, start, cache: KVCache, max_new_tokens: int,
+           stop_ids: set[int]):
     """Yield (prompt index, answer) for each row whose answer ended, the row taking the
-    queue's next prompt (start(b, prompt)); returns the rows whose answer ended with no
-    prompt left to take."""
+    queue's next prompt (start(b, prompt)); the rows whose answer ended with no prompt left
+    leave the cache (KVCache.keep_rows). Returns the rows kept, in order, where some left
+    (none: the batch is done), else None."""
     left = []
     for b in range(len(rows)):
         while ends(rows[b].answer, max_new_tokens, stop_ids):
@@ -127,7 +127,12 @@ def refill(rows: list[Row], queue: deque, start, max_new_tokens: int, stop_ids: 
                 left.append(b)
                 break
             start(b, queue.popleft())
-    return left
+    if not left:
+        return None
+    kept = [b for b in range(len(rows)) if b not in left]
+    if kept:
+        cache.keep_rows(kept)
+    return kept
 
 
 def ends(answer: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
@@ -230,12 +235,10 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
     for b in range(B):
         start(b, queue.popleft())
     while True:
-        left = yield from refill(rows, queue, start, max_new_tokens, stop_ids)
-        if left:  # they leave the batch
-            kept = [b for b in range(len(rows)) if b not in left]
+        kept = yield from refill(rows, queue, start, cache, max_new_tokens, stop_ids)
+        if kept is not None:  # the others left the batch
             if not kept:
                 return
-            cache.keep_rows(kept)
             rows, lengths = [rows[b] for b in kept], [lengths[b] for b in kept]
         clock = budget.clock()
         n = budget.choose()
