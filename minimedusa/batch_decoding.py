@@ -223,6 +223,9 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
     own acceptance), each row refilled with the next prompt when its answer ends. Every row
     draws from a generator of its own, seeded as batch-1 Medusa seeds its one."""
     budget = medusa.budget
+    if max(budget.sizes) > max_tree_size(batch_size):
+        raise ValueError(f"trees of {max(budget.sizes)} nodes in a batch of {batch_size} rows: at "
+                         f"most {max_tree_size(batch_size)} (max_tree_size) keep rows lossless")
     # the margin: a step writes all its tree's tokens before compaction keeps the accepted
     cache = batch_cache(model, prompts, max_new_tokens, batch_size, max(budget.sizes) + 1)
     queue = deque(enumerate(prompts))

@@ -238,6 +238,12 @@ def test_every_rows_rejection_sampled_answer_is_its_batch_1_medusa_answer(seed, 
 
 def test_batches_trees_stay_within_the_exact_attentions_rows():
     assert max_tree_size(1) == 255 and (max_tree_size(8) + 1) * 8 <= 256
+    model = cycling_model(0)
+    tree = build_tree([[i] for i in range(4)] + [[i, j] for i in range(4) for j in range(4)],
+                      num_heads=4)  # 20 nodes
+    medusa = BatchMedusa(*fixed(cycling_heads(model, "medusa", 0), tree), greedy())
+    with pytest.raises(ValueError, match="at most 15"):
+        list(batch_medusa_decode(model, [[5, 6]] * 16, 4, medusa, set(), 16))
 
 
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,

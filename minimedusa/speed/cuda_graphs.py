@@ -23,11 +23,12 @@ with torch.cuda.CUDAGraph so that a reader sees what a graph needs:
   from the cache's host length), so a step's one sync stays the acceptance's.
 
 What it swaps: the model's Blocks for GraphedBlocks (the embedding, the last norm and the LM
-head stay eager: a few kernels); the heads' draft has graphs of its own (graphed_draft.py). A shape's graph is captured the second time it is
-asked for (a tree's size recurs, a prompt's length seldom does; the first time, the blocks it
-will hold run uncaptured: the same bits), a plain step's and the Budget's tree sizes' up front
-(warm_up), and kept across prompts and chat turns; a long prompt (more than
-MAX_ROWS tokens), a batch's prefill, training run the eager blocks.
+head stay eager: a few kernels); the heads' draft has graphs of its own (graphed_draft.py). A
+shape's graph is captured the second time it is asked for (a tree's size recurs, a prompt's
+length seldom does; the first time, the blocks it will hold run uncaptured: the same bits), a
+plain step's and the Budget's tree sizes' up front (warm_up), and kept across prompts and chat
+turns; a long prompt (more than MAX_ROWS tokens), a batch's prefill, training run the eager
+blocks.
 On a CPU the same code runs with nothing captured (capture() returns the function): the tests
 check there that the static discipline gives the eager step's logits, and where CUDA is, that
 the graphs do. Where torch.compile works (plug_in's default on CUDA, or --compile), the graphs
@@ -262,10 +263,11 @@ def graph_step(model: Llama, compiled: bool) -> str:
     if compiled:
         # one compiled graph serves all blocks; each tree size and cache size is a shape
         torch._dynamo.config.recompile_limit = 64
-        # subtle: inductor fuses the block's element-wise steps, and inside a fused kernel it
-        # keeps a bfloat16 result in float32 (no rounding between fused steps); which steps it
-        # fuses can differ between the graphs of 1 row and of many, and so would a row's bits.
-        # Rounding where eager rounds keeps them the same in every graph (and eager's)
+        # subtle: inside a fused kernel inductor keeps a bfloat16 result in float32 (no
+        # rounding between the steps it fuses), so a row's bits would depend on what it chose
+        # to fuse in each shape's graph; rounding where eager rounds makes them independent of
+        # that (and nearer eager's). It came with the uncaptured forwards below; which of the
+        # two the lossless answers need alone was not measured (weights/HISTORY.md)
         torch._inductor.config.emulate_precision_casts = True
         # inductor's note that it splits the attention's softmax over the static cache's slots:
         # nothing a user can act on
