@@ -180,13 +180,12 @@ def max_tree_size(batch_size: int) -> int:
     return EXACT_ATTENTION_TOKENS // batch_size - 1
 
 
-def batch_tree_mask(tree: MedusaTree, lengths: list[int], device) -> torch.Tensor:
-    """(B, N, S) bool, S = max(lengths) + N: row b's node i sees the row's own cached tokens
-    (slots < lengths[b]) and its tree ancestors and itself (tree.mask, at slots lengths[b] + j);
-    nothing of another row's tree, nothing past it (decoding.tree_mask for one row)."""
+def batch_tree_mask(tree: MedusaTree, starts: torch.Tensor, S: int) -> torch.Tensor:
+    """(B, N, S) bool: row b's node i sees the row's own cached tokens (slots < starts[b], its
+    length) and its tree ancestors and itself (tree.mask, at slots starts[b] + j); nothing of
+    another row's tree, nothing past it (decoding.tree_mask for one row). starts (B, 1)."""
     N = tree.size
-    starts = torch.tensor(lengths, device=device).unsqueeze(1)  # (B, 1)
-    offsets = torch.arange(max(lengths) + N, device=device) - starts  # (B, S): slot - start
+    offsets = torch.arange(S, device=starts.device) - starts  # (B, S): slot - start
     cached = (offsets < 0).unsqueeze(1)  # (B, 1, S)
     in_tree = ((offsets >= 0) & (offsets < N)).unsqueeze(1)  # (B, 1, S)
     ancestors = tree.mask[:, offsets.clamp(0, N - 1)].transpose(0, 1)  # (B, N, S)
@@ -202,8 +201,8 @@ def batch_tree_step(model: Llama, cache: KVCache, tree: MedusaTree, tokens: torc
     starts = torch.tensor(lengths, device=tokens.device).unsqueeze(1)  # (B, 1)
     positions = starts + tree.depth  # (B, N): siblings share a position
     slots = starts + torch.arange(tree.size, device=tokens.device)  # (B, N)
-    logits, hidden = model(tokens, positions, batch_tree_mask(tree, lengths, tokens.device),
-                           cache, slots)
+    mask = batch_tree_mask(tree, starts, max(lengths) + tree.size)  # (B, N, S)
+    logits, hidden = model(tokens, positions, mask, cache, slots)
     return at_least_float32(logits), hidden
 
 

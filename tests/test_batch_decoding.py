@@ -134,7 +134,7 @@ def test_a_rows_tree_mask_is_its_batch_1_tree_mask_at_its_own_slots():
     mask, shifted past the row's cache, and nothing after it."""
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     lengths = [3, 7, 1]
-    mask = batch_tree_mask(tree, lengths, "cpu")
+    mask = batch_tree_mask(tree, torch.tensor(lengths).unsqueeze(1), 7 + tree.size)
     assert mask.shape == (3, tree.size, 7 + tree.size)
     for b, n in enumerate(lengths):
         assert torch.equal(mask[b, :, :n + tree.size], tree_mask(tree, n)[0])
