@@ -62,9 +62,10 @@ def draw_without_replacement(logits: torch.Tensor, k: int, temperature: float, g
 @dataclass
 class Proposal:
     """What a step's drawn candidates were drawn from: for each parent node path, the heads'
-    q there (V',) and the tokens drawn there in order (k,); ids: the draft vocabulary's token
-    id of each of q's columns (None: columns are token ids)."""
+    q there (V',), the columns of q drawn there in order (k,) and their token ids; ids: the
+    draft vocabulary's token id of each of q's columns (None: columns are token ids)."""
     q: dict = field(default_factory=dict)  # parent node path -> (V',) float32
+    columns: dict = field(default_factory=dict)  # parent node path -> [k columns of q]
     draws: dict = field(default_factory=dict)  # parent node path -> [k token ids]
     ids: torch.Tensor | None = None
 
@@ -88,12 +89,12 @@ class DrawnDraft(TreeDraft):
 
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         tree = self.trees[n]
-        calls = []  # (q (M, V'), draws (M, k)) of each call of the heads, in order
+        calls = []  # (q (M, V'), the columns drawn (M, k)) of each call of the heads, in order
 
         def pick(logits, k):
             columns, q = draw_without_replacement(logits, k, self.temperature,
                                                   self.generator_on(features.device))
-            calls.append((q, token_ids(self.heads.vocabulary, columns)))
+            calls.append((q, columns))
             return columns
 
         tokens = tree_tokens(self.heads, model, tree, root, features, pick)
@@ -108,7 +109,7 @@ class DrawnDraft(TreeDraft):
 
 
 def proposal_of(tree: MedusaTree, calls: list, heads) -> Proposal:
-    """The parents' q and draws from the heads' calls (q (M, V'), draws (M, k)): Hydra heads
+    """The parents' q and draws from the heads' calls (q (M, V'), columns (M, k)): Hydra heads
     make one call a depth, a row a parent (tree.drafting's order); Medusa heads one call, head
     d's row serving every parent of depth d - 1."""
     if isinstance(heads, HydraHeads):
@@ -123,10 +124,11 @@ def proposal_of(tree: MedusaTree, calls: list, heads) -> Proposal:
 
 
 def proposal_from(rows, heads) -> Proposal:
-    """A Proposal of rows (parent node path, q (V',), its draws' token ids (k,))."""
+    """A Proposal of rows (parent node path, q (V',), the columns of q drawn there (k,))."""
     proposal = Proposal(ids=heads.vocabulary.ids if heads.vocabulary is not None else None)
-    for path, q_row, draws_row in rows:
-        proposal.q[path], proposal.draws[path] = q_row, draws_row.tolist()
+    for path, q_row, columns in rows:
+        proposal.q[path], proposal.columns[path] = q_row, columns.tolist()
+        proposal.draws[path] = token_ids(heads.vocabulary, columns).tolist()
     return proposal
 
 
@@ -139,53 +141,65 @@ def children_in_order(tree: MedusaTree) -> dict[tuple, list[int]]:
     return children
 
 
-def law_of(child_path: tuple, token: int, proposal: Proposal | None, vocab: int, device):
-    """q_i: the law the child's token was drawn from, (V,): its parent's q without the draws
-    before it, renormalised, if the token is its rank's draw; else a point mass on the token.
-    A law whose float32 mass underflowed to 0 counts as a point mass too (exact but for that)."""
+def law_of(child_path: tuple, token: int, proposal: Proposal | None):
+    """q_i, the law the child's token was drawn from, on its support: (the support, token ids
+    (S,) or slice(None) for the whole vocabulary; q_i there (S,); q_i(token)). Its parent's q
+    without the draws before it, renormalised, if the token is its rank's draw; else a point
+    mass on the token (q_i None). A law whose float32 mass underflowed to 0 counts as a point
+    mass too (exact but for that)."""
     parent, rank = child_path[:-1], child_path[-1]
     draws = proposal.draws.get(parent, []) if proposal is not None else []
-    q = torch.zeros(vocab, device=device)
     if rank < len(draws) and draws[rank] == token:
-        if proposal.ids is None:
-            q.copy_(proposal.q[parent])
-        else:  # q over the draft vocabulary's columns, scattered to their token ids
-            q[proposal.ids] = proposal.q[parent]
-        q[draws[:rank]] = 0.0  # the draws before it: drawn without replacement
-        mass = q.sum()
+        columns = proposal.columns[parent]
+        q = proposal.q[parent].clone()  # (V',)
+        q[columns[:rank]] = 0.0  # the draws before it: drawn without replacement
+        mass = q.sum().item()
         if mass > 0:
-            return q / mass
-        q.zero_()
-    q[token] = 1.0
-    return q
+            support = slice(None) if proposal.ids is None else proposal.ids
+            return support, q / mass, q[columns[rank]].item() / mass
+    return [token], None, 1.0
 
 
-def verify_drawn(probs: torch.Tensor, tree: MedusaTree, tokens: torch.Tensor,
-                 proposal: Proposal | None, generator) -> tuple[list[int], list[int]]:
-    """Recursive rejection down the tree: probs (N, V), the backbone's p at each node; ->
-    (the accepted nodes' indices, root first; the new tokens: the accepted candidates, then
-    the next token), as every Acceptance returns."""
+def verify_drawn(p, tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal | None,
+                 generator) -> tuple[list[int], list[int]]:
+    """Recursive rejection down the tree: p(i), the backbone's next-token distribution (V,) at
+    node i (asked for at the nodes visited only); -> (the accepted nodes' indices, root
+    first; the new tokens: the accepted candidates, then the next token), as every Acceptance
+    returns.
+
+    The residual r is kept unnormalised, as weights w with a total (r = w / total): a
+    rejection then changes w on q_i's support only, w <- max(0, w - total q_i) (the draft
+    vocabulary's columns, not the whole vocabulary), and the last draw takes the weights as
+    they are."""
     children, token_list = children_in_order(tree), tokens.tolist()
     node, nodes, new = 0, [0], []
-    residual = probs[0]  # r_1 = p at the root
+    weights, total = p(0), 1.0  # r_1 = p at the root
+    coins = iter(torch.rand(tree.size, generator=generator, device=tokens.device).tolist())
     while True:
-        accepted = None
+        accepted, own = None, False  # own: weights is this step's copy, free to change
         for child in children.get(tree.nodes[node], []):
             x = token_list[child]
-            q = law_of(tree.nodes[child], x, proposal, probs.shape[-1], probs.device)
-            coin = torch.rand((), generator=generator, device=probs.device)
-            if coin * q[x] < residual[x]:  # with probability min(1, r(x) / q(x))
+            support, q, q_x = law_of(tree.nodes[child], x, proposal)
+            r_x = weights[x].item()
+            if next(coins) * q_x * total < r_x:  # with probability min(1, r(x) / q_i(x))
                 accepted = child
                 break
-            rest = (residual - q).clamp(min=0.0)  # r <- norm(max(0, r - q_i))
-            mass = rest.sum()
-            residual = rest / mass if mass > 0 else residual  # 0: r == q_i, never rejected
+            if not own:
+                weights, own = weights.clone(), True
+            if q is None:  # a point mass: r(x) <= 1 = q_i(x), so max(0, r - q_i) is 0 at x
+                weights[x], total = 0.0, total - r_x
+                continue
+            there = weights[support]  # (S,)
+            rest = (there - total * q).clamp(min=0.0)  # max(0, w - total q_i) on the support
+            left = total - (there - rest).sum().item()
+            if left > 0:  # 0: r == q_i, never rejected
+                weights[support], total = rest, left
         if accepted is None:
-            new.append(draw(residual, generator).item())
+            new.append(draw(weights, generator).item())
             return nodes, new
         nodes.append(accepted)
         new.append(token_list[accepted])
-        node, residual = accepted, probs[accepted]
+        node, weights, total = accepted, p(accepted), 1.0
 
 
 def speculative(draft: DrawnDraft, temperature: float, top_p: float = 1.0,
@@ -193,8 +207,9 @@ def speculative(draft: DrawnDraft, temperature: float, top_p: float = 1.0,
     """Speculative sampling of `draft`'s drawn candidates (DrawnDraft, maybe inside a context
     draft), lossless at (temperature, top_p): the Acceptance the decoding loop runs."""
     def accept(logits, tree, tokens, generator):
-        probs = probabilities(logits, temperature, top_p)  # (N, V) p at every node
-        return verify_drawn(probs, tree, tokens, draft.take_proposal(), generator)
+        def p(node):  # (V,) p at a node, computed only where the walk goes
+            return probabilities(logits[node], temperature, top_p)
+        return verify_drawn(p, tree, tokens, draft.take_proposal(), generator)
 
     def first(logits, generator):
         return draw(probabilities(logits, temperature, top_p), generator)

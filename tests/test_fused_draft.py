@@ -12,7 +12,7 @@ from conftest import perturbed
 from minimedusa.acceptance import greedy
 from minimedusa.budget import fixed
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.heads import DraftVocabulary, MedusaHeads
+from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ids
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
@@ -138,16 +138,22 @@ def test_the_fused_draw_draws_the_reference_tokens_from_the_same_noise(choices, 
 
     def pick(logits, k):  # the reference's keys at one depth's parents
         parents = next(depth)[0]
+        columns = (logits.float() / temperature + noise[parents]).topk(k, dim=-1).indices
         for row, parent in enumerate(parents.tolist()):
             q_of[tree.nodes[parent]] = torch.softmax(logits[row].float() / temperature, -1)
-        return (logits.float() / temperature + noise[parents]).topk(k, dim=-1).indices
+            columns_of[tree.nodes[parent]] = columns[row].tolist()
+        return columns
 
+    columns_of = {}
     reference = hydra_candidates(heads, model, hidden, torch.tensor(root), tree, pick)
     assert torch.equal(tokens, reference)
     proposal = fused.take_proposal()
     assert set(proposal.q) == set(q_of)
     for path, q in q_of.items():
         torch.testing.assert_close(proposal.q[path], q, rtol=1e-4, atol=1e-6)
+        assert proposal.columns[path] == columns_of[path]  # the columns of q the verifier reads
+        assert proposal.draws[path] == token_ids(heads.vocabulary,
+                                                 torch.tensor(columns_of[path])).tolist()
 
 
 def test_speculative_sampling_swaps_in_the_fused_draw_where_it_fuses():

@@ -40,7 +40,7 @@ def drawn_step(tree, table, guesses, root: int, temperature: float, g, draft_tem
             a = tokens[parent]
             columns, q = draw_without_replacement(guesses[a][None], DRAWS,
                                                   draft_temperature or temperature, g)
-            proposal.draws[parent] = columns[0].tolist()
+            proposal.draws[parent] = proposal.columns[parent] = columns[0].tolist()
             proposal.q[parent] = torch.softmax(guesses[a].float() / temperature, dim=-1)
         draws = proposal.draws[parent]
         tokens[path] = draws[path[-1]] if path[-1] < DRAWS else (tokens[parent] + 1) % V
@@ -57,7 +57,7 @@ def sequences(tree, table, guesses, temperature, top_p, n, seed, draft_temperatu
             root = sequence[-1] if sequence else 0
             tokens, proposal = drawn_step(tree, table, guesses, root, temperature, g,
                                           draft_temperature)
-            _, new = verify_drawn(probs[tokens], tree, tokens, proposal, g)
+            _, new = verify_drawn(probs[tokens].__getitem__, tree, tokens, proposal, g)
             sequence += new
             emitted, steps = emitted + len(new), steps + 1
         counts[tuple(sequence[:M])] += 1
@@ -81,14 +81,13 @@ def test_drawn_drafts_emit_the_plain_law_exactly(shape, temperature, top_p):
     assert per_step > 1.3  # candidates are accepted: not a test of plain sampling
 
 
-def law_without_the_earlier_draws_removed(child_path, token, proposal, vocab, device):
+def law_without_the_earlier_draws_removed(child_path, token, proposal):
     """A later sibling's law taken as its parent's q itself, as if drawn with replacement."""
     parent, rank = child_path[:-1], child_path[-1]
-    q = torch.zeros(vocab)
     if proposal is not None and parent in proposal.draws and rank < DRAWS:
-        return proposal.q[parent].clone()
-    q[token] = 1.0
-    return q
+        q = proposal.q[parent]
+        return slice(None), q, q[token].item()
+    return [token], None, 1.0
 
 
 def test_a_sibling_law_that_forgets_the_earlier_draws_fails(monkeypatch):
@@ -119,8 +118,8 @@ def test_one_candidate_is_accepted_with_probability_one_minus_tv(seed):
     for _ in range(n):
         columns, _ = draw_without_replacement(q_logits[None], 1, 1.0, g)
         x = columns[0, 0].item()
-        proposal = Proposal(q={(): q}, draws={(): [x]})
-        nodes, _ = verify_drawn(torch.stack([p, p]), tree, torch.tensor([0, x]), proposal, g)
+        proposal = Proposal(q={(): q}, columns={(): [x]}, draws={(): [x]})
+        nodes, _ = verify_drawn(lambda node: p, tree, torch.tensor([0, x]), proposal, g)
         accepted += len(nodes) - 1
     expected = 1 - 0.5 * (p - q).abs().sum().item()
     sigma = (expected * (1 - expected) / n) ** 0.5

@@ -117,6 +117,11 @@ class FusedDrawnDraft(DrawnDraft):
     def __init__(self, draft: DrawnDraft, model):
         super().__init__(draft.heads, draft.trees, draft.temperature, draft.seed)
         self.fused = FusedHydraDraft(draft.heads, draft.trees, model)
+        # hydra_draw gives its draws as token ids; the Proposal wants the columns of q
+        vocabulary, V = draft.heads.vocabulary, model.embed.weight.shape[0]
+        self.column_of = torch.arange(V)  # token id -> column of q
+        if vocabulary is not None:
+            self.column_of[vocabulary.ids.cpu()] = torch.arange(len(vocabulary.ids))
 
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         tree = self.trees[n]
@@ -128,7 +133,7 @@ class FusedDrawnDraft(DrawnDraft):
                 *self.fused.arguments(tree, root, features), noise, self.temperature)
         parents = sorted({p for parents, *_ in tree.drafting for p in parents.tolist()})
         q = torch.softmax(logits[parents].float() / self.temperature, dim=-1)  # (M, V')
-        self.proposal = proposal_from([(tree.nodes[p], q[i], draws[p])
+        self.proposal = proposal_from([(tree.nodes[p], q[i], self.column_of[draws[p]])
                                        for i, p in enumerate(parents)], self.heads)
         return tree, tokens, rank
 
