@@ -89,6 +89,27 @@ def pick_budget(probs: list[float], latency: dict[int, float]) -> tuple[int, dic
     return best, table
 
 
+def batch_latency(latency: dict[int, float], batch_size: int) -> dict[int, float]:
+    """Prior seconds per step of each size for a batch of B rows, from batch-1 latencies: a
+    step of n nodes in a batch is a forward of B (n + 1) rows, which costs about what a batch-1
+    forward of as many rows does (the weights are read once a step either way). So the batch-1
+    table is read by rows (n + 1), linearly between its sizes and past its largest.
+
+    Why not batch-1's latencies as they are: rows are what a CPU pays for, and in a batch of 8
+    a 1-node tree doubles them; timed against batch-1's small growth (a tree of 1 node ~1.1x a
+    plain step), every tree looked cheap, and the Budget's probes of sizes that could never pay
+    made Medusa in a batch slower than plain batching (weights/HISTORY.md)."""
+    known = sorted((n + 1, seconds) for n, seconds in latency.items())  # (rows, seconds)
+    if len(known) < 2:  # one size: nothing to read growth from
+        return dict(latency)
+
+    def at(rows: int) -> float:  # the segment holding rows, else the last one, extended
+        (r0, s0), (r1, s1) = next(((a, b) for a, b in zip(known, known[1:]) if rows < b[0]),
+                                  known[-2:])
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+    return {n: at(batch_size * (n + 1)) for n in latency}
+
+
 # --- the budget, adapted step by step ------------------------------------------------------------
 
 class Budget:

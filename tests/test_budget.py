@@ -9,10 +9,12 @@ import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conftest import copycat_model, tiny_model
 from minimedusa.acceptance import greedy
-from minimedusa.budget import Budget, grow_tree, nested_trees
+from minimedusa.budget import Budget, batch_latency, grow_tree, nested_trees
 from minimedusa.speed import latency_cache
 from minimedusa.speed.latency_cache import machine_latency
 from minimedusa.decoding import medusa_decode, plain_decode
@@ -96,6 +98,24 @@ def test_when_no_tree_pays_the_steps_are_plain():
     # the prior said trees were cheap: a few sizes get 3 timed steps each, then plain only
     assert sum(c for n, c in budget.used.items() if n) <= 15
     assert budget.used[0] >= 185
+
+
+@given(st.integers(1, 16), st.dictionaries(st.integers(0, 64), st.floats(0.1, 10.0),
+                                           min_size=2, max_size=8))
+def test_a_batch_steps_prior_is_a_batch_1_forward_of_as_many_rows(batch, latency):
+    """A step of n nodes in a batch of B rows is priced as a batch-1 forward of B (n + 1) rows:
+    a size whose rows the batch-1 table holds takes that size's latency, batch 1 the table
+    itself, and between or past the table's sizes the latency is linear in the rows."""
+    prior = batch_latency(latency, batch)
+    assert set(prior) == set(latency)
+    rows = {n + 1: seconds for n, seconds in latency.items()}
+    for n, seconds in prior.items():
+        if batch * (n + 1) in rows:
+            assert seconds == pytest.approx(rows[batch * (n + 1)])
+    assert batch_latency(latency, 1) == pytest.approx(latency)
+    line = {n: 1.0 + 0.25 * (n + 1) for n in latency}  # latencies linear in the rows stay so
+    assert batch_latency(line, batch) == pytest.approx(
+        {n: 1.0 + 0.25 * batch * (n + 1) for n in latency})
 
 
 def test_a_step_counts_what_every_smaller_nested_tree_would_have_accepted():

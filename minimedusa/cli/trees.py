@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 
 from minimedusa.batch_decoding import max_tree_size
-from minimedusa.budget import SIZES, Budget, expected_length, grow_tree, nested_trees
+from minimedusa.budget import (SIZES, Budget, batch_latency, expected_length, grow_tree,
+                               nested_trees)
 from minimedusa.context_candidates import CHAIN
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.heads import ranked_vocab_size
@@ -122,10 +123,12 @@ def batch_budget(heads, model: Llama, heads_spec: str, batch_size: int):
     """(trees by size, the Budget, why) for Medusa in a batch of batch_size rows
     (batch_decoding.batch_medusa_decode): decoding_budget's, its sizes cut to the batch's
     largest tree (max_tree_size), without context candidates (a chain is one sequence's). Its
-    latency priors are a batch-1 step's: the Budget rescales them by the batch's plain steps,
-    timed first, and times each tree size it tries; its rows record a step each (rows=)."""
+    latency priors are batch-1's read by rows (budget.batch_latency: a step of n nodes is
+    batch_size (n + 1) rows); the Budget rescales them by the batch's plain steps, timed first,
+    and times each tree size it tries; its rows record a step each (rows=)."""
     trees, budget, why = decoding_budget(heads, model, heads_spec)
     sizes = [n for n in budget.sizes if n <= max_tree_size(batch_size)]
+    latency = batch_latency(budget.latency, batch_size)
     return ({n: trees[n] for n in sizes if n},
             Budget(sizes, {n: budget.expected[n] for n in sizes if n in budget.expected},
-                   {n: budget.latency[n] for n in sizes}, budget.rank, rows=batch_size), why)
+                   {n: latency[n] for n in sizes}, budget.rank, rows=batch_size), why)
