@@ -192,7 +192,9 @@ def verify_drawn(p, tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal |
             there = weights[support]  # (S,)
             rest = (there - total * q).clamp(min=0.0)  # max(0, w - total q_i) on the support
             left = total - (there - rest).sum().item()
-            if left > 0:  # 0: r == q_i, never rejected
+            # r == q_i leaves nothing (it is never rejected); a rejection then came of float32's
+            # rounding, and what it left is rounding too: r is kept
+            if left > 1e-6 * total:
                 weights[support], total = rest, left
         if accepted is None:
             new.append(draw(weights, generator).item())
