@@ -35,7 +35,7 @@ Shapes: B rows, N tree nodes (the root first), S attended slots, V vocab, C mode
 """
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -168,10 +168,14 @@ class BatchMedusa:
     """What Medusa's steps in a batch run: the draft (each row's tree drafted in turn, so one
     that keeps nothing of a sequence between steps: draft.TreeDraft, fused or graphed), the
     budget that picks each step's tree size for every row (0: a plain step; its sizes' rows
-    times the batch at most EXACT_ATTENTION_TOKENS: max_tree_size), and the acceptance."""
+    times the batch at most EXACT_ATTENTION_TOKENS: max_tree_size), and the acceptance.
+    fewer(r): a budget of its own for steps of r rows, fewer than the batch's (its tail, once
+    no prompt is left to take a finished row's place), made at the first such step; None: the
+    budget for every count of rows."""
     draft: object
     budget: object
     acceptance: Acceptance
+    fewer: Callable[[int], object] | None = None
 
 
 def max_tree_size(batch_size: int) -> int:
@@ -232,6 +236,10 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
     rows: list[Row | None] = [None] * B
     lengths = [0] * B  # each row's cached tokens; its last emitted token is not yet cached
 
+    # a budget for each count of rows: a step's time is its rows', so the tail's steps (rows
+    # leave once no prompt is left, and there trees pay more) are not timed among the batch's
+    budgets = {B: budget}
+
     def start(b: int, prompt: tuple[int, list[int]]) -> None:
         rows[b], lengths[b] = start_medusa_row(model, cache, b, prompt, medusa)
     for b in range(B):
@@ -242,6 +250,9 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
             if not kept:
                 return
             rows, lengths = [rows[b] for b in kept], [lengths[b] for b in kept]
+            if len(rows) not in budgets:
+                budgets[len(rows)] = medusa.fewer(len(rows)) if medusa.fewer else medusa.budget
+            budget = budgets[len(rows)]
         clock = budget.clock()
         n = budget.choose()
         steps, hidden = batch_medusa_step(model, cache, medusa, n, rows, lengths)

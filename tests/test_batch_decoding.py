@@ -217,6 +217,48 @@ def test_a_budget_mixing_plain_steps_and_tree_sizes_keeps_every_row_lossless():
     assert 6 * 40 > 1.2 * sum(budget.used.values())  # tokens over row-steps
 
 
+class RowsBudget(Budget):
+    """A Budget that notes how many rows recorded each of its steps (a step: one choose)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows_a_step: list[int] = []
+
+    def choose(self, group: int = 0) -> int:
+        self.rows_a_step.append(0)
+        return super().choose(group)
+
+    def record(self, *args, **kwargs) -> None:
+        self.rows_a_step[-1] += 1
+        super().record(*args, **kwargs)
+
+
+def test_a_batchs_tail_is_timed_by_a_budget_of_its_own_row_count():
+    """Rows leave once no prompt is left (answers of different lengths: stop ids), and a step's
+    time is its rows': each count of rows gets a budget of its own (fewer), which sees only
+    steps of that many rows; the answers stay plain greedy's."""
+    model = cycling_model(2)
+    heads = cycling_heads(model, "hydra", 2)
+    trees_by_size, rank = nested_trees([(0,), (1,), (0, 0)], [1, 3], 4, None, "cpu")
+    ticks = itertools.count()
+
+    def budget(rows: int) -> RowsBudget:
+        made[rows] = RowsBudget([0, 1, 3], {1: 1.5, 3: 2.0}, {0: 1.0, 1: 1.0, 3: 1.0}, rank,
+                                rows=rows, clock=lambda: next(ticks))
+        return made[rows]
+    made: dict[int, RowsBudget] = {}
+    prompts = random_prompts(5, 7, 10)
+    medusa = BatchMedusa(fast_draft(TreeDraft(heads, trees_by_size), model), budget(4), greedy(),
+                         budget)
+    stop = {11, 23, 37}
+    answers = dict(batch_medusa_decode(model, prompts, 30, medusa, stop, 4))
+    assert answers == {i: flat(plain_decode(model, p, 30, Sampling(), stop))
+                       for i, p in enumerate(prompts)}
+    assert len(made) > 1  # the tail ran fewer rows
+    for rows, b in made.items():
+        assert b.rows_a_step and set(b.rows_a_step) == {rows}
+
+
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 6), batch=st.integers(2, 6),
        temperature=st.sampled_from([0.5, 1.0]))

@@ -12,7 +12,6 @@ round (which runs the sizes in increasing order, each after its warm-up: the pea
 size's) beside its KV cache's size.
 Every answer is exactly --max-new-tokens long (stop ids ignored), as in the benchmark.
 """
-import copy
 import resource
 import sys
 import time
@@ -56,18 +55,23 @@ def batch_engines(args, model, prompts: list[list[int]], usage: dict) -> dict:
 
 
 def batched_medusa(args, model, heads, prompts: list[list[int]], B: int, usage: dict):
-    """Medusa in a batch of B rows: each run from the same Budget prior (a fresh copy), its
-    steps by tree size into usage[name] (0: plain steps)."""
-    trees, budget, _ = batch_budget(heads, model, args.heads[0], B)
+    """Medusa in a batch of B rows: each run from the same Budget priors (fresh Budgets, one
+    for each count of rows), its steps by tree size into usage[name] (0: plain steps)."""
+    trees, _, for_rows, _ = batch_budget(heads, model, args.heads[0], B)
     draft = fast_draft(TreeDraft(heads, trees), model)
     name = f"medusa, {B} at a time"
     usage[name] = Counter()
 
     def run():
-        fresh = copy.deepcopy(budget)
-        medusa = BatchMedusa(draft, fresh, greedy_for(model.embed.weight.device))
+        budgets = []
+
+        def fresh(rows: int):
+            budgets.append(for_rows(rows))
+            return budgets[-1]
+        medusa = BatchMedusa(draft, fresh(B), greedy_for(model.embed.weight.device), fresh)
         answers = dict(batch_medusa_decode(model, prompts, args.max_new_tokens, medusa, set(), B))
-        usage[name].update(fresh.used)
+        for budget in budgets:
+            usage[name].update(budget.used)
         return answers
     return run
 
