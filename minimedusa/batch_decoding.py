@@ -238,7 +238,12 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
 
     # a budget for each count of rows: a step's time is its rows', so the tail's steps (rows
     # leave once no prompt is left, and there trees pay more) are not timed among the batch's
-    budgets = {B: budget}
+    budgets = {batch_size: budget}
+
+    def budget_for(count: int):
+        if count not in budgets:
+            budgets[count] = medusa.fewer(count) if medusa.fewer else budget
+        return budgets[count]
 
     def start(b: int, prompt: tuple[int, list[int]]) -> None:
         rows[b], lengths[b] = start_medusa_row(model, cache, b, prompt, medusa)
@@ -250,20 +255,18 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
             if not kept:
                 return
             rows, lengths = [rows[b] for b in kept], [lengths[b] for b in kept]
-            if len(rows) not in budgets:
-                budgets[len(rows)] = medusa.fewer(len(rows)) if medusa.fewer else medusa.budget
-            budget = budgets[len(rows)]
-        clock = budget.clock()
-        n = budget.choose()
+        step_budget = budget_for(len(rows))
+        clock = step_budget.clock()
+        n = step_budget.choose()
         steps, hidden = batch_medusa_step(model, cache, medusa, n, rows, lengths)
-        seconds = budget.clock() - clock
+        seconds = step_budget.clock() - clock
         for b, (row, (nodes, new, accepted)) in enumerate(zip(rows, steps)):
             lengths[b] += len(nodes)
             row.answer += cut_at_stop(new, max_new_tokens - len(row.answer), stop_ids)[0]
             row.hidden = hidden[b, nodes]
             # a row's share of the step (a Budget made with rows=B counts B records a step):
             # it weighs the sizes by their tokens a second over all rows
-            budget.record(n, seconds / len(rows), accepted)
+            step_budget.record(n, seconds / len(rows), accepted)
 
 
 def start_medusa_row(model: Llama, cache: KVCache, b: int, prompt: tuple[int, list[int]],
