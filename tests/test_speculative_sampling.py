@@ -1,7 +1,7 @@
 """Speculative sampling of drawn drafts is lossless: tested against the exact law on a Markov
 chain (as test_rejection_exact.py tests the point-mass rule), siblings drawn without
 replacement, a rank drawn but not a node, a context candidate (a point mass) among drawn
-siblings; against plain sampling through medusa_decode for Medusa and Hydra heads, with
+siblings, drafts over a draft vocabulary (q on some tokens only); against plain sampling through medusa_decode for Medusa and Hydra heads, with
 context candidates; one candidate is accepted with probability 1 - TV(p, q). Broken versions
 (the law of a later sibling taken as q itself, drafts drawn from another q than the one
 verified against) fail the same test, so it can fail."""
@@ -29,25 +29,30 @@ TREES = {  # every node's token drawn at its parent
 POINT_MASS = [[0], [1], [3], [0, 0], [3, 0]]  # rank 3: not drawn, a fixed token (as a context one)
 
 
-def drawn_step(tree, table, guesses, root: int, temperature: float, g, draft_temperature=None):
+def drawn_step(tree, table, guesses, root: int, temperature: float, g, draft_temperature=None,
+               ids=None):
     """One step's candidates on the chain: at each parent (token a) DRAWS draws from the
-    draft's q = softmax(guesses[a] / T) without replacement; a node of rank >= DRAWS holds the
-    fixed token a + 1 (mod V). -> (tokens (N,), the Proposal, the draws' q)."""
-    proposal, tokens = Proposal(), {(): root}
+    draft's q = softmax(guesses[a] / T) without replacement (over the draft vocabulary's
+    tokens `ids` only, if given: q's columns); a node of rank >= DRAWS holds the fixed token
+    a + 1 (mod V). -> (tokens (N,), the Proposal)."""
+    proposal, tokens = Proposal(ids=ids), {(): root}
     for path in tree.nodes[1:]:
         parent = path[:-1]
         if parent not in proposal.draws:
             a = tokens[parent]
-            columns, q = draw_without_replacement(guesses[a][None], DRAWS,
+            scores = guesses[a] if ids is None else guesses[a][ids]  # (V',)
+            columns, q = draw_without_replacement(scores[None], DRAWS,
                                                   draft_temperature or temperature, g)
-            proposal.draws[parent] = proposal.columns[parent] = columns[0].tolist()
-            proposal.q[parent] = torch.softmax(guesses[a].float() / temperature, dim=-1)
+            proposal.columns[parent] = columns[0].tolist()
+            proposal.draws[parent] = (columns[0] if ids is None else ids[columns[0]]).tolist()
+            proposal.q[parent] = torch.softmax(scores.float() / temperature, dim=-1)
         draws = proposal.draws[parent]
         tokens[path] = draws[path[-1]] if path[-1] < DRAWS else (tokens[parent] + 1) % V
     return torch.tensor([tokens[p] for p in tree.nodes]), proposal
 
 
-def sequences(tree, table, guesses, temperature, top_p, n, seed, draft_temperature=None):
+def sequences(tree, table, guesses, temperature, top_p, n, seed, draft_temperature=None,
+              ids=None):
     """n sequences of M tokens after token 0, from drawn steps verified by verify_drawn."""
     g, counts, emitted, steps = torch.Generator().manual_seed(seed), Counter(), 0, 0
     probs = probabilities(table, temperature, top_p).float()  # (V, V): p after each token
@@ -56,7 +61,7 @@ def sequences(tree, table, guesses, temperature, top_p, n, seed, draft_temperatu
         while len(sequence) < M:
             root = sequence[-1] if sequence else 0
             tokens, proposal = drawn_step(tree, table, guesses, root, temperature, g,
-                                          draft_temperature)
+                                          draft_temperature, ids)
             _, new = verify_drawn(probs[tokens].__getitem__, tree, tokens, proposal, g)
             sequence += new
             emitted, steps = emitted + len(new), steps + 1
@@ -79,6 +84,21 @@ def test_drawn_drafts_emit_the_plain_law_exactly(shape, temperature, top_p):
     p = goodness_of_fit(counts, exact_law(table, 0, temperature, top_p))
     assert p > ALPHA, f"Medusa's sequences do not follow plain sampling's law (p = {p:.2g})"
     assert per_step > 1.3  # candidates are accepted: not a test of plain sampling
+
+
+@pytest.mark.parametrize("shape", ["drawn siblings", "a point mass among drawn siblings"])
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.8)])
+def test_drafts_over_a_draft_vocabulary_emit_the_plain_law_exactly(shape, temperature, top_p):
+    """q over 3 of the 4 tokens (a draft vocabulary: token 1 is never drawn), so a rejection
+    changes the residual on q's columns only and token 1 keeps its mass: the law is still
+    plain sampling's."""
+    tree = build_tree(TREES.get(shape, POINT_MASS), num_heads=3)
+    table, guesses = chain_and_guesses()
+    counts, per_step = sequences(tree, table, guesses, temperature, top_p, N_SAMPLES, seed=2,
+                                 ids=torch.tensor([2, 0, 3]))
+    p = goodness_of_fit(counts, exact_law(table, 0, temperature, top_p))
+    assert p > ALPHA, f"Medusa's sequences do not follow plain sampling's law (p = {p:.2g})"
+    assert per_step > 1.3
 
 
 def law_without_the_earlier_draws_removed(child_path, token, proposal):
