@@ -1,10 +1,11 @@
 """Speculative sampling of drawn drafts is lossless: tested against the exact law on a Markov
 chain (as test_rejection_exact.py tests the point-mass rule), siblings drawn without
 replacement, a rank drawn but not a node, a context candidate (a point mass) among drawn
-siblings, drafts over a draft vocabulary (q on some tokens only); against plain sampling through medusa_decode for Medusa and Hydra heads, with
-context candidates; one candidate is accepted with probability 1 - TV(p, q). Broken versions
-(the law of a later sibling taken as q itself, drafts drawn from another q than the one
-verified against) fail the same test, so it can fail."""
+siblings, drafts over a draft vocabulary (q on some tokens only); against plain sampling
+through medusa_decode for Medusa and Hydra heads, with context candidates; one candidate is
+accepted with probability 1 - TV(p, q). Broken versions (the law of a later sibling taken as q
+itself, drafts drawn from another q than the one verified against, q's columns taken as token
+ids) fail the same tests, so they can fail."""
 import dataclasses
 from collections import Counter
 
