@@ -236,14 +236,7 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
     rows: list[Row | None] = [None] * B
     lengths = [0] * B  # each row's cached tokens; its last emitted token is not yet cached
 
-    # a budget for each count of rows: a step's time is its rows', so the tail's steps (rows
-    # leave once no prompt is left, and there trees pay more) are not timed among the batch's
-    budgets = {batch_size: budget}
-
-    def budget_for(count: int):
-        if count not in budgets:
-            budgets[count] = medusa.fewer(count) if medusa.fewer else budget
-        return budgets[count]
+    budget_for = row_count_budgets(medusa, batch_size)
 
     def start(b: int, prompt: tuple[int, list[int]]) -> None:
         rows[b], lengths[b] = start_medusa_row(model, cache, b, prompt, medusa)
@@ -267,6 +260,21 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
             # a row's share of the step (a Budget made with rows=B counts B records a step):
             # it weighs the sizes by their tokens a second over all rows
             step_budget.record(n, seconds / len(rows), accepted)
+
+
+def row_count_budgets(medusa: BatchMedusa, batch_size: int) -> Callable[[int], object]:
+    """The budget for a step of r rows: medusa.budget for the whole batch, medusa.fewer(r),
+    made once, for fewer (the batch's tail, once no prompt is left to take a finished row's
+    place, or a file of fewer prompts than the batch holds). A step's time is its rows', so the
+    tail's steps, where trees pay more, are not timed among the batch's. Without fewer:
+    medusa.budget for every count."""
+    budgets = {batch_size: medusa.budget}
+
+    def budget_for(rows: int):
+        if rows not in budgets:
+            budgets[rows] = medusa.fewer(rows) if medusa.fewer else medusa.budget
+        return budgets[rows]
+    return budget_for
 
 
 def start_medusa_row(model: Llama, cache: KVCache, b: int, prompt: tuple[int, list[int]],
