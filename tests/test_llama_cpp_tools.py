@@ -1,6 +1,7 @@
 """llama.cpp's own tools in `bench` (bench/llama_cpp_tools.py): found where the user built them,
-run as a user runs them, their own prompt and decoding times read from their log. Stand-in
-programs here print what the real ones print; the real ones run where they are on PATH."""
+run as a user runs them, their own prompt and decoding times read from their log (or, for
+llama-batched-bench, its JSON lines). Stand-in programs here print what the real ones print;
+the real ones run where they are on PATH."""
 import shutil
 import stat
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from minimedusa.bench.llama_cpp import EngineDied
-from minimedusa.bench.llama_cpp_tools import completion_engine, decoding_rate, find_tools
+from minimedusa.bench.llama_cpp_tools import (batched_rates, completion_engine, decoding_rate,
+                                              find_tools)
 from minimedusa.errors import UserError
 
 COMPLETION = f"""#!{sys.executable}
@@ -26,6 +28,14 @@ print(args[args.index("-p") + 1])
 """
 BENCH = f"""#!{sys.executable}
 print('[{{"n_gen": 64, "avg_ts": 143.2345}}]')
+"""
+BATCHED = f"""#!{sys.executable}
+import json, sys
+args = sys.argv[1:]
+n = int(args[args.index("-ntg") + 1])
+print("main: n_kv_max = 8192")  # its log lines, then a JSON line a batch size
+for pl in map(int, args[args.index("-npl") + 1].split(",")):
+    print(json.dumps({{"pp": 64, "tg": n, "pl": pl, "t_pp": 0.1 * pl, "t_tg": 0.5 * pl ** 0.5}}))
 """
 WORDS = type("Words", (), {"decode": staticmethod(lambda ids: " ".join(map(str, ids)))})
 
@@ -55,6 +65,21 @@ def test_a_completion_is_timed_from_its_own_log(tmp_path):
     run = completion_engine(tools, tmp_path / "model.gguf", 2, WORDS)
     assert run([1, 2, 3], 64, 0) == (None, pytest.approx(3.30525), 64)
     assert decoding_rate(tools, tmp_path / "model.gguf", 2, 64) == 143.23
+
+
+def test_batched_rates_count_each_sizes_new_tokens_over_its_prefill_and_decoding(tmp_path,
+                                                                                 monkeypatch):
+    tools = find_tools(stand_ins(tmp_path / "bin"))
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # not found on PATH either
+    assert batched_rates(tools, tmp_path / "model.gguf", 2, 64, 32, [1, 4]) is None  # not built
+    (tmp_path / "bin" / "llama-batched-bench").write_text(BATCHED)
+    (tmp_path / "bin" / "llama-batched-bench").chmod(0o755)
+    rates = batched_rates(tools, tmp_path / "model.gguf", 2, 64, 32, [1, 4])
+    assert rates == {1: {"tokens_per_s": round(32 / 0.6, 1), "decoding_tokens_per_s": 64.0},
+                     4: {"tokens_per_s": round(128 / 1.4, 1), "decoding_tokens_per_s": 128.0}}
+    (tmp_path / "bin" / "llama-batched-bench").write_text("#!/bin/sh\nexit 2\n")
+    with pytest.raises(EngineDied, match="llama-batched-bench failed \\(exit status 2\\)"):
+        batched_rates(tools, tmp_path / "model.gguf", 2, 64, 32, [1, 4])
 
 
 def test_a_completion_that_fails_is_an_engine_that_died(tmp_path):

@@ -11,20 +11,26 @@ many answers equal batch-1 plain's, and the process's peak resident memory after
 round (which runs the sizes in increasing order, each after its warm-up: the peak is that
 size's) beside its KV cache's size.
 Every answer is exactly --max-new-tokens long (stop ids ignored), as in the benchmark.
+Beside them, on the default model where llama.cpp's tools are at hand, llama.cpp's own batched
+decoding (llama-batched-bench) at the same sizes: its sequences as long as the questions' prompts
+on average, prefilled together, the same number of new tokens each.
 """
 import resource
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
 from minimedusa.batch_decoding import BatchMedusa, batch_decode, batch_medusa_decode
 from minimedusa.bench.engines import rule_engines
+from minimedusa.bench.llama_cpp_tools import batched_rates, find_tools
 from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.cli.trees import batch_budget
 from minimedusa.decoding import plain_decode
 from minimedusa.draft import TreeDraft
+from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_gguf
 from minimedusa.files.outputs import write_json
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.speed.host_greedy import greedy_for, sampling_for
@@ -116,8 +122,35 @@ def report_batches(args, model, tokenizer, questions: list[dict], device, dtype)
     for name, used in usage.items():  # every round's row-steps (each row's share of a step)
         result["engines"][name]["row_steps_by_tree_size"] = dict(sorted(used.items()))
         print(f"{name}: row-steps by tree size (0 = plain) {dict(sorted(used.items()))}")
+    report_llama_cpp(args, prompts, base, result)
     if args.out:
         write_json(args.out, result)
+
+
+def report_llama_cpp(args, prompts: list[list[int]], base: float, result: dict) -> None:
+    """Print llama.cpp's batched rates (llama_cpp_batches), where it runs, against plain one
+    at a time's `base` tokens/s, and keep them in result."""
+    llama_cpp = llama_cpp_batches(args, prompts)
+    if llama_cpp is None:
+        return
+    result["llama-batched-bench"] = llama_cpp
+    for B, rates in llama_cpp.items():
+        print(f"llama.cpp Q4_1 (llama-batched-bench), {B} at a time: {rates['tokens_per_s']} "
+              f"tokens/s ({rates['decoding_tokens_per_s']} decoding alone), "
+              f"{rates['tokens_per_s'] / base:.2f}x plain one at a time")
+
+
+def llama_cpp_batches(args, prompts: list[list[int]]) -> dict | None:
+    """llama.cpp's own batched decoding at 1 and each --batch size (batched_rates), its
+    prompts the questions' mean length; None where it cannot run: another model than the
+    default (llama.cpp runs its GGUF), --no-llama-cpp, or its tools not at hand."""
+    default = args.model is None or Path(args.model).resolve() == DEFAULT_MODEL_DIR.resolve()
+    tools = None if args.no_llama_cpp or not default else find_tools(args.llama_cpp)
+    if tools is None:
+        return None
+    prompt_len = round(sum(map(len, prompts)) / len(prompts))
+    return batched_rates(tools, ensure_default_gguf(), args.threads, prompt_len,
+                         args.max_new_tokens, sorted({1, *args.batch}))
 
 
 def kv_cache_mb(model, rows: int, capacity: int) -> float:

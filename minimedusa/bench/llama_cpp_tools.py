@@ -9,6 +9,9 @@ on the GGUF the default model came from: greedy, the question's chat-templated p
 n new tokens (EOS ignored), and counts its own prompt and decoding times from its log (its
 loading apart, as generate.py's). `decoding_rate` is `llama-bench`'s decoding alone.
 `llama_cpp_engines` gives a benchmark every llama.cpp at hand: the tools, and the binding.
+`batched_rates` is `llama-batched-bench`'s: llama.cpp decoding many sequences at once, beside
+`bench --batch`'s engines (built beside the other tools: `cmake --build build --target
+llama-batched-bench`).
 """
 import json
 import re
@@ -23,6 +26,7 @@ from minimedusa.errors import UserError
 from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_gguf
 
 TOOLS = ("llama-completion", "llama-bench")
+BATCHED = "llama-batched-bench"
 COMPLETION = "llama.cpp Q4_1 (llama-completion)"  # the engines' names in bench's reports
 BINDING = "llama.cpp Q4_1 (llama-cpp-python)"
 
@@ -71,6 +75,29 @@ def decoding_rate(tools: dict[str, Path], gguf: Path, threads: int, n: int) -> f
     if done.returncode != 0:
         raise EngineDied(f"llama-bench failed (exit status {done.returncode})")
     return round(json.loads(done.stdout)[0]["avg_ts"], 2)
+
+
+def batched_rates(tools: dict[str, Path], gguf: Path, threads: int, prompt_len: int, n: int,
+                  batches: list[int]) -> dict[int, dict] | None:
+    """llama-batched-bench's rates where it lies beside `tools` (or on PATH), else None: for each
+    B of `batches`, B sequences of prompt_len tokens prefilled together, then n new tokens each
+    decoded together, {B: {"tokens_per_s": B n / (prefill + decoding seconds), as bench --batch
+    counts its engines', "decoding_tokens_per_s": B n / decoding seconds}}."""
+    beside = tools["llama-completion"].parent / BATCHED
+    program = beside if beside.is_file() else shutil.which(BATCHED)
+    if program is None:
+        return None
+    context = max(batches) * (prompt_len + n)  # every sequence's slots, in one cache
+    done = subprocess.run(
+        [str(program), "-m", str(gguf), "-t", str(threads), "-c", str(context),
+         "-npp", str(prompt_len), "-ntg", str(n), "-npl", ",".join(map(str, batches)),
+         "--output-format", "jsonl"], capture_output=True, text=True, errors="replace")
+    if done.returncode != 0:
+        raise EngineDied(f"{BATCHED} failed (exit status {done.returncode})")
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {row["pl"]: {"tokens_per_s": round(row["pl"] * n / (row["t_pp"] + row["t_tg"]), 1),
+                        "decoding_tokens_per_s": round(row["pl"] * n / row["t_tg"], 1)}
+            for row in rows}
 
 
 def llama_cpp_engines(args, folder: Path, threads: int, tokenizer) -> dict:
