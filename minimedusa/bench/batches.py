@@ -130,25 +130,25 @@ def report_batches(args, model, tokenizer, questions: list[dict], device, dtype)
 def report_llama_cpp(args, prompts: list[list[int]], base: float, result: dict) -> None:
     """Print llama.cpp's batched rates (llama_cpp_batches), where it runs, against plain one
     at a time's `base` tokens/s, and keep them in result."""
-    llama_cpp = llama_cpp_batches(args, prompts)
+    prompt_len = round(sum(map(len, prompts)) / len(prompts))  # its sequences' prompts
+    llama_cpp = llama_cpp_batches(args, prompt_len)
     if llama_cpp is None:
         return
-    result["llama-batched-bench"] = llama_cpp
+    result["llama-batched-bench"] = {"prompt_tokens": prompt_len, "by_batch": llama_cpp}
     for B, rates in llama_cpp.items():
         print(f"llama.cpp Q4_1 (llama-batched-bench), {B} at a time: {rates['tokens_per_s']} "
               f"tokens/s ({rates['decoding_tokens_per_s']} decoding alone), "
               f"{rates['tokens_per_s'] / base:.2f}x plain one at a time")
 
 
-def llama_cpp_batches(args, prompts: list[list[int]]) -> dict | None:
-    """llama.cpp's own batched decoding at 1 and each --batch size (batched_rates), its
-    prompts the questions' mean length; None where it cannot run: another model than the
-    default (llama.cpp runs its GGUF), --no-llama-cpp, or its tools not at hand."""
+def llama_cpp_batches(args, prompt_len: int) -> dict | None:
+    """llama.cpp's own batched decoding at 1 and each --batch size (batched_rates), prompts of
+    prompt_len tokens; None where it cannot run: another model than the default (llama.cpp
+    runs its GGUF), --no-llama-cpp, or its tools not at hand."""
     default = args.model is None or Path(args.model).resolve() == DEFAULT_MODEL_DIR.resolve()
     tools = None if args.no_llama_cpp or not default else find_tools(args.llama_cpp)
     if tools is None:
         return None
-    prompt_len = round(sum(map(len, prompts)) / len(prompts))
     return batched_rates(tools, ensure_default_gguf(), args.threads, prompt_len,
                          args.max_new_tokens, sorted({1, *args.batch}))
 
