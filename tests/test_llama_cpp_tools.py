@@ -96,3 +96,23 @@ def test_the_real_tools_decode_the_default_models_gguf():
     tools = find_tools(None)
     _, seconds, n = completion_engine(tools, ensure_default_gguf(), 2, WORDS)([1, 2, 3], 8, 0)
     assert n == 8 and seconds > 0
+
+
+def test_a_batched_llama_cpp_that_fails_costs_a_line_not_the_engines_results(monkeypatch,
+                                                                             capsys):
+    from minimedusa.bench import batches
+    result = {"engines": {"plain, one at a time": {"tokens_per_s": 100.0}}}
+
+    def dies(args, prompt_len):
+        raise EngineDied("llama-batched-bench failed (exit status 2)")
+    monkeypatch.setattr(batches, "llama_cpp_batches", dies)
+    batches.report_llama_cpp(None, [[1, 2], [3, 4, 5, 6]], 100.0, result)
+    assert list(result) == ["engines"]
+    assert capsys.readouterr().err.splitlines() == [
+        "llama.cpp's batched decoding left out: llama-batched-bench failed (exit status 2)"]
+    monkeypatch.setattr(batches, "llama_cpp_batches", lambda args, prompt_len: {
+        4: {"tokens_per_s": 250.0, "decoding_tokens_per_s": 300.0}})
+    batches.report_llama_cpp(None, [[1, 2], [3, 4, 5, 6]], 100.0, result)
+    assert result["llama-batched-bench"] == {"prompt_tokens": 3, "by_batch": {
+        4: {"tokens_per_s": 250.0, "decoding_tokens_per_s": 300.0}}}
+    assert "4 at a time: 250.0 tokens/s (300.0 decoding alone), 2.50x" in capsys.readouterr().out

@@ -25,6 +25,7 @@ import torch
 
 from minimedusa.batch_decoding import BatchMedusa, batch_decode, batch_medusa_decode
 from minimedusa.bench.engines import rule_engines
+from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.llama_cpp_tools import batched_rates, find_tools
 from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.cli.trees import batch_budget
@@ -129,9 +130,14 @@ def report_batches(args, model, tokenizer, questions: list[dict], device, dtype)
 
 def report_llama_cpp(args, prompts: list[list[int]], base: float, result: dict) -> None:
     """Print llama.cpp's batched rates (llama_cpp_batches), where it runs, against plain one
-    at a time's `base` tokens/s, and keep them in result."""
+    at a time's `base` tokens/s, and keep them in result; a llama.cpp that fails costs a line
+    on stderr, not the engines' results."""
     prompt_len = round(sum(map(len, prompts)) / len(prompts))  # its sequences' prompts
-    llama_cpp = llama_cpp_batches(args, prompt_len)
+    try:
+        llama_cpp = llama_cpp_batches(args, prompt_len)
+    except EngineDied as e:
+        print(f"llama.cpp's batched decoding left out: {e}", file=sys.stderr)
+        return
     if llama_cpp is None:
         return
     result["llama-batched-bench"] = {"prompt_tokens": prompt_len, "by_batch": llama_cpp}
