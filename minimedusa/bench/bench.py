@@ -184,8 +184,9 @@ def add_mode_flags(p) -> None:
     p.add_argument("--batch", type=size_list, default=[], metavar="B,B,...",
                    help="instead of the benchmark, the questions answered as a set: plain and "
                    "Medusa one prompt after another, and plain batched decoding of B prompts at "
-                   "a time for each B (e.g. 1,4,8,16): tokens/s in all and a row, identical "
-                   "answers, peak memory (bench/batches.py)")
+                   "a time for each B (e.g. 1,4,8,16), and Medusa in a batch: tokens/s in all "
+                   "and a row, identical answers, peak memory; beside them llama.cpp's "
+                   "llama-batched-bench where it is built (bench/batches.py)")
     p.add_argument("--profile", action="store_true",
                    help="instead of the benchmark, profile a few plain and Medusa greedy steps on "
                    "the first question (torch.profiler, operators by their own time), then time "
