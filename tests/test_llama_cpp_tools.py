@@ -103,16 +103,16 @@ def test_a_batched_llama_cpp_that_fails_costs_a_line_not_the_engines_results(mon
     from minimedusa.bench import batches
     result = {"engines": {"plain, one at a time": {"tokens_per_s": 100.0}}}
 
-    def dies(args, prompt_len):
+    def dies(args, folder, prompt_len):
         raise EngineDied("llama-batched-bench failed (exit status 2)")
     monkeypatch.setattr(batches, "llama_cpp_batches", dies)
-    batches.report_llama_cpp(None, [[1, 2], [3, 4, 5, 6]], 100.0, result)
+    batches.report_llama_cpp(None, None, [[1, 2], [3, 4, 5, 6]], 100.0, result)
     assert list(result) == ["engines"]
     assert capsys.readouterr().err.splitlines() == [
         "llama.cpp's batched decoding left out: llama-batched-bench failed (exit status 2)"]
-    monkeypatch.setattr(batches, "llama_cpp_batches", lambda args, prompt_len: {
+    monkeypatch.setattr(batches, "llama_cpp_batches", lambda args, folder, prompt_len: {
         4: {"tokens_per_s": 250.0, "decoding_tokens_per_s": 300.0}})
-    batches.report_llama_cpp(None, [[1, 2], [3, 4, 5, 6]], 100.0, result)
+    batches.report_llama_cpp(None, None, [[1, 2], [3, 4, 5, 6]], 100.0, result)
     assert result["llama-batched-bench"] == {"prompt_tokens": 3, "by_batch": {
         4: {"tokens_per_s": 250.0, "decoding_tokens_per_s": 300.0}}}
     assert "4 at a time: 250.0 tokens/s (300.0 decoding alone), 2.50x" in capsys.readouterr().out

@@ -26,12 +26,12 @@ import torch
 from minimedusa.batch_decoding import BatchMedusa, batch_decode, batch_medusa_decode
 from minimedusa.bench.engines import rule_engines
 from minimedusa.bench.llama_cpp import EngineDied
-from minimedusa.bench.llama_cpp_tools import batched_rates, find_tools
+from minimedusa.bench.llama_cpp_tools import batched_rates, find_tools, runs_the_model
 from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.cli.trees import batch_budget
 from minimedusa.decoding import plain_decode
 from minimedusa.draft import TreeDraft
-from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_gguf
+from minimedusa.files.default_model import ensure_default_gguf
 from minimedusa.files.outputs import write_json
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.speed.host_greedy import greedy_for, sampling_for
@@ -64,7 +64,7 @@ def batch_engines(args, model, prompts: list[list[int]], usage: dict) -> dict:
 def batched_medusa(args, model, heads, prompts: list[list[int]], B: int, usage: dict):
     """Medusa in a batch of B rows: each run from the same Budget priors (fresh Budgets, one
     for each count of rows), its steps by tree size into usage[name] (0: plain steps)."""
-    trees, _, for_rows, _ = batch_budget(heads, model, args.heads[0], B)
+    trees, for_rows, _ = batch_budget(heads, model, args.heads[0], B)
     draft = fast_draft(TreeDraft(heads, trees), model)
     name = f"medusa, {B} at a time"
     usage[name] = Counter()
@@ -83,8 +83,10 @@ def batched_medusa(args, model, heads, prompts: list[list[int]], B: int, usage: 
     return run
 
 
-def report_batches(args, model, tokenizer, questions: list[dict], device, dtype) -> None:
-    """Time every engine on the whole set of questions, --rounds rounds; print and --out."""
+def report_batches(args, model, tokenizer, questions: list[dict], device, dtype,
+                   folder: Path) -> None:
+    """Time every engine on the whole set of questions, --rounds rounds; print and --out.
+    folder: the model's (llama.cpp runs beside the default model only)."""
     prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q["prompt"]}]))
                for q in questions]
     usage = {}
@@ -123,18 +125,19 @@ def report_batches(args, model, tokenizer, questions: list[dict], device, dtype)
     for name, used in usage.items():  # every round's row-steps (each row's share of a step)
         result["engines"][name]["row_steps_by_tree_size"] = dict(sorted(used.items()))
         print(f"{name}: row-steps by tree size (0 = plain) {dict(sorted(used.items()))}")
-    report_llama_cpp(args, prompts, base, result)
+    report_llama_cpp(args, folder, prompts, base, result)
     if args.out:
         write_json(args.out, result)
 
 
-def report_llama_cpp(args, prompts: list[list[int]], base: float, result: dict) -> None:
+def report_llama_cpp(args, folder: Path, prompts: list[list[int]], base: float,
+                     result: dict) -> None:
     """Print llama.cpp's batched rates (llama_cpp_batches), where it runs, against plain one
     at a time's `base` tokens/s, and keep them in result; a llama.cpp that fails costs a line
     on stderr, not the engines' results."""
     prompt_len = round(sum(map(len, prompts)) / len(prompts))  # its sequences' prompts
     try:
-        llama_cpp = llama_cpp_batches(args, prompt_len)
+        llama_cpp = llama_cpp_batches(args, folder, prompt_len)
     except EngineDied as e:
         print(f"llama.cpp's batched decoding left out: {e}", file=sys.stderr)
         return
@@ -147,12 +150,13 @@ def report_llama_cpp(args, prompts: list[list[int]], base: float, result: dict) 
               f"{rates['tokens_per_s'] / base:.2f}x plain one at a time")
 
 
-def llama_cpp_batches(args, prompt_len: int) -> dict | None:
+def llama_cpp_batches(args, folder: Path, prompt_len: int) -> dict | None:
     """llama.cpp's own batched decoding at 1 and each --batch size (batched_rates), prompts of
-    prompt_len tokens; None where it cannot run: another model than the default (llama.cpp
-    runs its GGUF), --no-llama-cpp, or its tools not at hand."""
-    default = args.model is None or Path(args.model).resolve() == DEFAULT_MODEL_DIR.resolve()
-    tools = None if args.no_llama_cpp or not default else find_tools(args.llama_cpp)
+    prompt_len tokens; None where it cannot run: --no-llama-cpp, a model in `folder` other than
+    the default (runs_the_model), or its tools not at hand."""
+    if args.no_llama_cpp or not runs_the_model(folder):
+        return None
+    tools = find_tools(args.llama_cpp)
     if tools is None:
         return None
     return batched_rates(tools, ensure_default_gguf(), args.threads, prompt_len,

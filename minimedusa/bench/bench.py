@@ -299,7 +299,7 @@ def main(argv=None):
     model, step = decoding_model(folder, device, weight_format, args.compile)
     print(f"decoding step: {step}", file=sys.stderr)
     if args.batch:
-        return report_batches(args, model, tokenizer, questions, device, dtype)
+        return report_batches(args, model, tokenizer, questions, device, dtype, folder)
     if args.profile:
         heads = decoding_heads(args.heads[0], model, args.draft_vocab[0])
         _, tree = decoding_tree(args.tree, heads, model)

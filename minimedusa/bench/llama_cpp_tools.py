@@ -100,15 +100,20 @@ def batched_rates(tools: dict[str, Path], gguf: Path, threads: int, prompt_len: 
             for row in rows}
 
 
+def runs_the_model(folder: Path) -> bool:
+    """Whether llama.cpp can run beside this project on the model in `folder`: only the
+    default model, whose GGUF is the one; else a line on stderr says it is left out."""
+    if Path(folder).resolve() == DEFAULT_MODEL_DIR.resolve():
+        return True
+    print("llama.cpp runs only the default model's GGUF: left out for --model", file=sys.stderr)
+    return False
+
+
 def llama_cpp_engines(args, folder: Path, threads: int, tokenizer) -> dict:
     """{name: engine} of the llama.cpp engines at hand for `bench`: its own llama-completion
     where found (find_tools), and the binding (llama_cpp.py) where installed; each left out
     with one line where it cannot run. Only on the default model (its GGUF is the one)."""
-    if args.no_llama_cpp:
-        return {}
-    if Path(folder).resolve() != DEFAULT_MODEL_DIR.resolve():
-        print("llama.cpp runs only the default model's GGUF: left out for --model",
-              file=sys.stderr)
+    if args.no_llama_cpp or not runs_the_model(folder):
         return {}
     engines, tools = {}, find_tools(args.llama_cpp)
     if tools is None:

@@ -120,12 +120,13 @@ def decoding_budget(heads, model: Llama, heads_spec: str, context: bool = False)
 
 
 def batch_budget(heads, model: Llama, heads_spec: str, batch_size: int):
-    """(trees by size, the Budget for a step of batch_size rows, a maker of one for fewer
-    rows, why) for Medusa in a batch (batch_decoding.batch_medusa_decode): decoding_budget's,
-    its sizes cut to the batch's largest tree (max_tree_size), without context candidates (a
-    chain is one sequence's). A Budget for r rows takes batch-1's latency priors read by rows
-    (budget.batch_latency: a step of n nodes is r (n + 1) rows), rescales them by its plain
-    steps, timed first, and times each tree size it tries; its rows record a step each."""
+    """(trees by size, for_rows(r): a fresh Budget for a step of r rows, why) for Medusa in a
+    batch (batch_decoding.batch_medusa_decode: for_rows(batch_size) its budget, for_rows its
+    fewer): decoding_budget's, its sizes cut to the batch's largest tree (max_tree_size),
+    without context candidates (a chain is one sequence's). A Budget for r rows takes batch-1's
+    latency priors read by rows (budget.batch_latency: a step of n nodes is r (n + 1) rows),
+    rescales them by its plain steps, timed first, and times each tree size it tries; its rows
+    record a step each."""
     trees, budget, why = decoding_budget(heads, model, heads_spec)
     sizes = [n for n in budget.sizes if n <= max_tree_size(batch_size)]
 
@@ -133,4 +134,4 @@ def batch_budget(heads, model: Llama, heads_spec: str, batch_size: int):
         latency = batch_latency(budget.latency, rows)
         return Budget(sizes, {n: budget.expected[n] for n in sizes if n in budget.expected},
                       {n: latency[n] for n in sizes}, budget.rank, rows=rows)
-    return {n: trees[n] for n in sizes if n}, for_rows(batch_size), for_rows, why
+    return {n: trees[n] for n in sizes if n}, for_rows, why
