@@ -19,7 +19,6 @@ several prompts at a time by plain batched decoding (--batch, batch_decoding.py)
 import json
 import sys
 import time
-from pathlib import Path
 
 from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
@@ -28,10 +27,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.chat import chat
     from minimedusa.cli.draft_heads import decoding_heads
     from minimedusa.cli.drafts import decoding_draft
-    from minimedusa.cli.flags import (Parser, add_batch_argument, add_compile_argument,
-                                      add_context_argument, add_device_arguments,
-                                      add_draft_vocab_argument, add_quantize_argument,
-                                      non_negative, positive_int, probability)
+    from minimedusa.cli.generate_flags import parse_args
     from minimedusa.cli.acceptance_rule import (acceptance_kind, decoding_acceptance,
                                                 drawn_temperature)
     from minimedusa.cli.load import device_and_format
@@ -47,109 +43,12 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.speed.defaults import four_bit_checkpoint
     from minimedusa.speed.kept_weights import formatted_model
     from minimedusa.speed.plug_in import plug_in
+    from minimedusa.speed.reference_check import checked_step
     from minimedusa.speed.weight_formats import describe_weights, format_of
     from minimedusa.tokenizer import StreamDecoder, Tokenizer
-    from minimedusa.tree import NAMED_TREES
 
 
-def add_input_arguments(p) -> None:
-    """Where the prompts come from: --prompt, --prompts FILE, a chat, or standard input."""
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompt", default=None,
-                        help="the user's message (or raw text with --raw). Without --prompt, "
-                        "--prompts or --chat: a chat on a terminal, else standard input's whole "
-                        "text is the prompt (echo \"Hi\" | python generate.py)")
-    source.add_argument("--prompts", type=Path, default=None, metavar="FILE",
-                        help="answer every prompt of FILE, loading the model once: one prompt a "
-                        "line, or JSON lines whose objects all have a \"prompt\" (a message, or "
-                        "a list of {\"role\", \"content\"} messages); writes a JSON line per "
-                        "prompt (prompt, answer, tokens, steps, seconds)")
-    source.add_argument("--chat", action="store_true",
-                        help="a chat even where standard input is not a terminal (a script of "
-                        "messages and commands, one a line). Its commands: /help, /exit, /reset, "
-                        "/undo (the last exchange), /regen (the last answer), /save FILE, "
-                        "/load FILE (JSON: a list of {\"role\", \"content\"}); Ctrl-C stops "
-                        "an answer, keeping what came")
-    p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="with --prompts: write the answers to FILE (default: stdout)")
-    add_batch_argument(p)
-    p.add_argument("--when-full", choices=["drop-oldest", "reset"], default="drop-oldest",
-                   help="a chat past the model's context: drop the oldest exchanges (default) "
-                   "or start over from the last message")
-
-
-def add_prompt_arguments(p) -> None:
-    p.add_argument("--raw", action="store_true",
-                   help="feed the prompt as is, without the chat template")
-    p.add_argument("--system", default=None,
-                   help="system message (default: the model's own default system prompt)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256,
-                   help="stop after this many new tokens (default: %(default)s)")
-    p.add_argument("--temperature", type=non_negative, default=0.0,
-                   help="0 = greedy (default); > 0 samples from softmax(logits / T)")
-    p.add_argument("--top-p", type=probability, default=1.0,
-                   help="nucleus sampling: keep the smallest token set with this much "
-                   "probability (default: %(default)s = off)")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
-    p.add_argument("--model", type=Path, default=None,
-                   help="an HF Llama folder with config.json, *.safetensors and tokenizer.json "
-                   "(default: weights/SmolLM2-135M-Instruct, fetched and converted on first use)")
-
-
-def add_medusa_arguments(p) -> None:
-    p.add_argument("--heads", default=None,
-                   help="Medusa heads folder (config.json + medusa_lm_head.safetensors; "
-                   "default: the trained heads in weights/ for the default model, none for "
-                   "--model); "
-                   "'untrained:K' / 'untrained-shared:K' / 'untrained-hydra:K' make K heads in "
-                   "the paper's initialisation, own / shared projection / Hydra's (they only "
-                   "guess repeats: for trying the machinery, not for speed)")
-    add_draft_vocab_argument(p)
-    add_context_argument(p)
-    p.add_argument("--tree", default=None,
-                   help=f"candidate tree: {', '.join(NAMED_TREES)}, dense:s1,s2,... (top-s_k "
-                   "of head k), or a JSON file of node paths, used for every step; or ranked:N, "
-                   "each step's N nodes of highest path probability under the heads, or ranked, "
-                   "N chosen step by step as the default tree's size is (default: "
-                   "the tree grown from the heads' calibration, its size chosen step by step "
-                   "from step latencies measured on this machine, plain steps included)")
-    p.add_argument("--acceptance", choices=["auto", "greedy", "typical", "rejection",
-                                             "speculative"],
-                   default="auto", help="how candidates are verified (default: auto = greedy "
-                   "at temperature 0; above it, lossless speculative sampling of candidates "
-                   "drawn from the heads (speculative_sampling.py), or with --tree ranked "
-                   "rejection sampling of their top guesses (also lossless); typical: faster, "
-                   "not lossless)")
-    p.add_argument("--eps", type=non_negative, default=0.09,
-                   help="typical acceptance: hard threshold epsilon (default: %(default)s)")
-    p.add_argument("--delta", type=non_negative, default=0.3,
-                   help="typical acceptance: entropy-scaled threshold delta "
-                   "(default: %(default)s)")
-    p.add_argument("--baseline", action="store_true",
-                   help="plain decoding, one token per forward, even if heads are given")
-
-
-def parse_args(argv=None):
-    p = Parser(description="Generate text with a Llama (default: SmolLM2-135M-Instruct, "
-               "fetched and converted into weights/ on first use): a chat, one prompt or a file "
-               "of them.")
-    add_input_arguments(p)
-    add_prompt_arguments(p)
-    add_device_arguments(p)
-    add_quantize_argument(p)
-    add_compile_argument(p)
-    add_medusa_arguments(p)
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (ids, text, timing) instead of streaming text "
-                   "(one prompt)")
-    args = p.parse_args(argv)
-    if args.out is not None and args.prompts is None:
-        p.error("--out writes the answers of --prompts FILE")
-    if args.batch is not None and args.prompts is None:
-        p.error("--batch answers the prompts of --prompts FILE several at a time")
-    if args.json and (args.prompts is not None or args.chat):
-        p.error("--json prints one prompt's answer (--prompts writes JSON lines already)")
-    return args
+PROBE = "What is the capital of France?"  # the reference check's prompt, without --prompt
 
 
 def input_mode(args) -> str:
@@ -181,9 +80,19 @@ def load(args):
     model = formatted_model(folder, device, weight_format)  # block by block, in its format
     check_flags(args, model, tokenizer)  # in seconds, before the speed's warm-up
     step = plug_in(model, weight_format, args.compile)  # its layers, the step fused or compiled
+    # a fast step's logits against the eager step's, on the prompt's first tokens: eager where
+    # they part (speed/reference_check.py), so that no run writes a broken step's text
+    step = checked_step(model, step, probe_ids(args, tokenizer))
     rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
                                           and not four_bit_checkpoint(folder))
     return model, step, describe_weights(model.config, weight_format, rounded, device), tokenizer
+
+
+def probe_ids(args, tokenizer) -> list[int]:
+    """The tokens the reference check feeds the step: the prompt's (--prompt), else a
+    question's, rendered as the run renders its prompts."""
+    return prompt_ids(args.prompt if args.prompt is not None else PROBE, tokenizer, args.raw,
+                      args.system)
 
 
 def check_flags(args, model, tokenizer) -> None:

@@ -12,7 +12,7 @@ import torch
 from hypothesis import settings
 
 from minimedusa.files.default_model import ensure_default_model
-from minimedusa.model import Llama, LlamaConfig
+from minimedusa.model import Blocks, Llama, LlamaConfig
 from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
@@ -116,6 +116,62 @@ def greedy_pair(model, heads, tree, prompt: list[int], new: int) -> tuple[list, 
     plain = [t for step in plain_decode(model, prompt, new, Sampling(), set()) for t in step]
     medusa = [t for step in steps for t in step]
     return medusa, plain, len(medusa) / len(steps)
+
+
+# --- negative controls of the reference check: steps broken as steps break ----------------
+
+class WrittenOneEarly(Blocks):
+    """Blocks that write the keys and values one slot before where they belong (over the
+    previous token's; their own slot left as it was)."""
+
+    def forward(self, x, cos, sin, mask, cache=None, slots=None):
+        early = None if slots is None else (slots - 1).clamp(min=0)
+        return super().forward(x, cos, sin, mask, cache, early)
+
+
+class OwnKeyHidden(Blocks):
+    """Blocks whose mask hides each token's own key (a causal mask off by one)."""
+
+    def forward(self, x, cos, sin, mask, cache=None, slots=None):
+        T, S = mask.shape[-2:]
+        own = torch.arange(T, device=mask.device) + (S - T)  # (T,): each row's own slot
+        mask = mask.clone()
+        mask[..., torch.arange(T), own] = False
+        mask[..., 0] = True  # a row must see something
+        return super().forward(x, cos, sin, mask, cache, slots)
+
+
+class LastBlockSkipped(Blocks):
+    """Blocks whose loop stops one block short."""
+
+    def forward(self, x, cos, sin, mask, cache=None, slots=None):
+        layer_caches = cache.layers if cache is not None else [None] * len(self)
+        for layer, layer_cache in list(zip(self, layer_caches))[:-1]:
+            x = layer(x, cos, sin, mask, layer_cache, slots)
+        return x
+
+
+class RoundedToBfloat16(Blocks):
+    """Blocks whose float32 residual stream is rounded to bfloat16 after each block (a fast
+    path that keeps its activations narrower than the format's): within bfloat16's bound,
+    caught by float32's."""
+
+    def forward(self, x, cos, sin, mask, cache=None, slots=None):
+        layer_caches = cache.layers if cache is not None else [None] * len(self)
+        for layer, layer_cache in zip(self, layer_caches):
+            x = layer(x, cos, sin, mask, layer_cache, slots).bfloat16().to(x.dtype)
+        return x
+
+
+# each broken step, and the format whose bound it must break (the loosest it can: int8's)
+BROKEN = [(WrittenOneEarly, "int8"), (OwnKeyHidden, "int8"), (LastBlockSkipped, "int8"),
+          (RoundedToBfloat16, "float32")]
+
+
+def broken(model, kind):
+    """The model with its blocks run as `kind` (a broken step plugged in)."""
+    model.layers = kind(model.layers)
+    return model
 
 
 @pytest.fixture(scope="session")

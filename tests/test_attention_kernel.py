@@ -1,7 +1,7 @@
 """The compiled step's C attention (attention_kernel.py) against its reference,
 model.exact_attention: the same outputs to float32's precision, and the property that keeps greedy
 Medusa lossless, to the bit: a row's output depends only on the keys it sees, in their order, not
-on the slots they sit in nor on the rows beside it. And its AVX2 build (8 keys a vector where
+on the slots they sit in nor on the rows (or a batch's other sequences) beside it. And its AVX2 build (8 keys a vector where
 AVX-512 has 16), built here whatever this CPU has: the same bits. Skipped where the kernel cannot
 be built."""
 import ctypes
@@ -95,6 +95,27 @@ def test_a_rows_output_is_the_same_wherever_its_keys_sit(tree, dtype, seed):
         plain = attend(q[:, :, i:i + 1], k[:, :, order], v[:, :, order],
                        torch.ones(1, 1, 1, S, dtype=torch.bool))
         assert torch.equal(plain[:, :, 0], tree_rows[:, :, i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5])
+def test_a_batchs_row_attends_as_it_does_alone(dtype, T):
+    """B sequences in one call (a batch's step, each its own keys, mask and length) give each
+    sequence's rows the bits of a call of that sequence alone: a compiled batch's row is its
+    batch-1 row (batch_decoding's losslessness)."""
+    B, H, G, D, S = 3, 9, 3, 64, 40
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, D)
+    cache = torch.randn(2, B, G, S + 7, D, generator=g).to(dtype)  # k and v, 7 slots spare
+    k, v = cache[0, :, :, :S], cache[1, :, :, :S]  # (B, G, S, D) each
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.7  # each sequence its own
+    mask[..., -1] = True
+    batch = attend(q, k, v, mask)  # (B, H, T, D)
+    for b in range(B):
+        alone = attend(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1])
+        assert torch.equal(batch[b:b + 1], alone)
+    torch.testing.assert_close(batch, exact_attention(q, k, v, mask),
+                               **(dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}))
 
 
 def test_compiled_blocks_attend_with_the_kernel():

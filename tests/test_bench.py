@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import LastBlockSkipped, broken, tiny_model
 from minimedusa.bench import bench, processes as bench_generate, questions as bench_questions
 from minimedusa.files.heads_files import CALIBRATION
 from minimedusa.heads import MedusaHeads
@@ -59,6 +59,40 @@ def test_quick_bench_reports_every_engine_per_category(tmp_path, tiny_folder):
         for t in totals.values():
             assert t["speedup"] == round(t["tokens_per_s"] / totals["plain"]["tokens_per_s"], 3)
             assert t["acceleration_rate"] >= 1.0
+
+
+QUICK_GREEDY = ["--quick", "--heads", "untrained-shared:3", "--tree", "chain3", "--threads", "1",
+                "--no-compile", "--no-sampling"]
+
+
+def test_every_greedy_engine_is_held_to_the_reference_text(tmp_path, tiny_folder, capsys):
+    bench.main(QUICK_GREEDY + ["--model", str(tiny_folder), "--out", str(tmp_path / "b.json")])
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert all(t["same_as_reference"] == 8 for t in result["totals"].values())
+    out = capsys.readouterr().out
+    assert out.startswith("reference check: all 2 greedy engines wrote the eager float32 text")
+    assert "| same as plain | same as the reference |" in out
+
+
+def test_a_broken_step_fails_the_reference_column_though_it_equals_plain(tmp_path, tiny_folder,
+                                                                         monkeypatch, capsys):
+    """A step broken in both engines alike: "same as plain" passes, the reference fails it, and
+    the report's first line says so. On the tiny model with its LM head scaled up: a random
+    model's top two tokens are nearly tied everywhere, and a parting there is forgiven."""
+    model = load_model(tiny_folder)
+    model.lm_head.weight.data.mul_(100)  # its margins 100 times wider
+    save_model(model, tiny_folder)
+    real = bench.decoding_model
+
+    def broken_model(*args, **kwargs):
+        model, step = real(*args, **kwargs)
+        return broken(model, LastBlockSkipped), step
+    monkeypatch.setattr(bench, "decoding_model", broken_model)
+    bench.main(QUICK_GREEDY + ["--model", str(tiny_folder), "--out", str(tmp_path / "b.json")])
+    totals = json.loads((tmp_path / "b.json").read_text())["totals"]
+    assert totals["medusa greedy"]["identical"] == 8
+    assert totals["plain"]["same_as_reference"] < 8
+    assert capsys.readouterr().out.startswith("REFERENCE CHECK FAILED: plain (")
 
 
 def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, capsys):

@@ -219,7 +219,8 @@ def test_the_graphed_draft_gives_the_drafts_tokens(pair, kind):
         assert torch.equal(ours[1], theirs[1])
 
 
-def test_batches_and_long_prompts_run_the_eager_blocks(pair):
+def test_batches_and_long_prompts_run_the_blocks_the_graphs_hold_uncaptured(pair):
+    """(here the eager blocks: what graphs of the eager blocks hold)"""
     graphed, eager = pair
     device = graphed.embed.weight.device
     before = dict(graphed.layers.graphs)

@@ -21,15 +21,18 @@ import torch
 import torch.nn.functional as F
 
 from minimedusa.cli.flags import Parser, format_list, positive_int
+from minimedusa.cli.load import decoding_model
 from minimedusa.files.default_model import (DEFAULT_MODEL_DIR, ensure_default_gguf,
                                             ensure_default_model)
 from minimedusa.errors import entry_point
 from minimedusa.files.outputs import check_writable, write_json
+from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.training.self_distill import answer_batch
 from minimedusa.tokenizer import Tokenizer
+from minimedusa.speed.reference_check import largest_shift
 from minimedusa.speed.weight_formats import FORMATS, apply_format
 from minimedusa.files.weights import load_model
 
@@ -51,12 +54,15 @@ def held_out_chats(model, tokenizer: Tokenizer, n: int, max_new_tokens: int) -> 
     return chats
 
 
-@torch.inference_mode()
 def answer_log_probs(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
-    """log p(next token) at every answer position: (len(answer), V) float32."""
+    """log p(next token) at every answer position: (len(answer), V) float32. In one forward
+    into a cache, as a decoding step runs (a fused step runs only so)."""
     tokens = torch.tensor([prompt + answer[:-1]])  # (1, T)
     T = tokens.shape[1]
-    logits, _ = model(tokens, torch.arange(T)[None], causal_mask(0, T))  # (1, T, V)
+    cache = KVCache.for_model(model, T)  # note: outside inference mode, as decoding's
+    with torch.inference_mode():
+        logits, _ = model(tokens, torch.arange(T)[None], causal_mask(0, T), cache,
+                          cache.next_slots(T))  # (1, T, V)
     return F.log_softmax(logits[0, len(prompt) - 1:].float(), dim=-1)
 
 
@@ -83,12 +89,29 @@ def llama_cpp_log_probs(folder: Path, chats: list[tuple]) -> list[torch.Tensor] 
 
 
 def compare(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dict:
-    """Top-1 agreement and mean KL(reference || candidate) over every answer position."""
+    """Top-1 agreement and mean KL(reference || candidate) over every answer position, and the
+    most any token gained on the reference's top one (reference_check.largest_shift: what the
+    check's FORMAT_ERROR bounds), at most and at its 99.9th percentile."""
     ref, cand = torch.cat(reference), torch.cat(candidate)  # (positions, V)
     agree = (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
     kl = F.kl_div(cand, ref, log_target=True, reduction="none").sum(-1).mean().item()
+    shift = largest_shift(cand, ref)  # (positions,): log-probs shift as their logits do
     return {"top1_agreement": round(agree, 5), "mean_kl": round(kl, 6),
+            "max_shift": round(shift.max().item(), 4),
+            "shift_p999": round(shift.quantile(0.999).item(), 4),
             "positions": ref.shape[0], "default_ok": agree >= MIN_AGREEMENT}
+
+
+def step_models(folder: Path, name: str):
+    """(words, model) for each step of format `name` this machine runs besides the eager one
+    (--steps): fused where the blocks fuse, compiled where a compiler works."""
+    seen = set()
+    for compile_flag in (None, True):
+        model, step = decoding_model(folder, torch.device("cpu"), name, compile_flag)
+        kind = step.split(" ")[0]  # "fused", "compiled" or "eager"
+        if kind not in seen and kind != "eager":
+            seen.add(kind)
+            yield kind, model
 
 
 @entry_point
@@ -103,6 +126,9 @@ def main(argv=None):
     p.add_argument("--formats", type=format_list(CPU_FORMATS), default=None,
                    help="formats to score, e.g. int4,w4a8 (default: every CPU format: "
                    f"{', '.join(CPU_FORMATS)})")
+    p.add_argument("--steps", action="store_true",
+                   help="also score each format's fast steps (fused, compiled) where they run: "
+                   "their largest shifts set speed/reference_check.FORMAT_ERROR")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.out is not None:
@@ -117,6 +143,10 @@ def main(argv=None):
         model = apply_format(load_model(folder), name)
         results[name] = compare(reference, [answer_log_probs(model, p, a) for p, a in chats])
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+        for kind, fast in step_models(folder, name) if args.steps else ():
+            results[f"{name} {kind}"] = compare(reference, [answer_log_probs(fast, p, a)
+                                                            for p, a in chats])
+            print(f"{name} {kind}: {results[name + ' ' + kind]}", file=sys.stderr, flush=True)
     llama_cpp = llama_cpp_log_probs(folder, chats)
     if llama_cpp is not None:
         results["llama.cpp Q4_1"] = compare(reference, llama_cpp)

@@ -24,6 +24,9 @@ def summarize(rows: list[dict], engines: list[str], reference: str = "plain") ->
                      "step_ms": round(1000 * seconds / steps, 2),
                      "identical": sum(r[e]["same_as_plain"] for r in rows),
                      "questions": len(rows)}
+        checked = [r[e].get("same_as_reference") for r in rows]
+        if rows and None not in checked:  # greedy engines, where bench checked them
+            totals[e]["same_as_reference"] = sum(checked)
     plain = totals[reference]
     for t in totals.values():
         t["overhead"] = round(t["step_ms"] / plain["step_ms"], 3)
@@ -33,14 +36,17 @@ def summarize(rows: list[dict], engines: list[str], reference: str = "plain") ->
 
 def markdown(totals: dict, expected: dict) -> str:
     lines = ["| engine | tokens/s | tokens/step | expected | step ms | overhead | speedup | "
-             "same as plain | weights MB/step | GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "same as plain | same as the reference | weights MB/step | GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in totals.items():
         estimate = f"{expected[name]:.2f}" if name in expected else ""
         same = f"{t['identical']}/{t['questions']}" if "T=" not in name else "(sampled)"
+        reference = (f"{t['same_as_reference']}/{t['questions']}" if "same_as_reference" in t
+                     else "")
         mb = f"{t['weight_bytes'] / 1e6:.1f}" if "weight_bytes" in t else ""
         lines.append(f"| {name} | {t['tokens_per_s']:.1f} | {t['acceleration_rate']:.2f} | "
                      f"{estimate} | {t['step_ms']:.1f} | {t['overhead']:.2f}x | "
-                     f"{t['speedup']:.2f}x | {same} | {mb} | "
+                     f"{t['speedup']:.2f}x | {same} | {reference} | {mb} | "
                      f"{t.get('gb_s', '')} |")
     return "\n".join(lines)
 

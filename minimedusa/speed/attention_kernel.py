@@ -15,8 +15,9 @@ against 4.84-5.13 and 11.13-11.16 against 9.23-9.39. The same bits.
 Built at first use (c_kernels.py: the C compiler torch.compile already needs, -march=native, the
 user's cache folder); called through a torch operator (its schema and shape here, what it runs in
 operators.cpp), so that compiled graphs call it as they call oneDNN's products
-(packed_linear.OPERATORS). It serves bfloat16 and float32 rows of one sequence with a head dim up
-to 256; anything else (float64 test models, batches, long prompts) keeps the reference. Outside
+(packed_linear.OPERATORS). It serves bfloat16 and float32 rows of one sequence or of a batch's
+(each its own keys, its row's bits those it has alone) with a head dim up to 256; anything else
+(float64 test models, long prompts) keeps the reference. Outside
 compiled graphs (the prompt's prefill, a compiled model run eagerly) the reference runs: eager
 decoding stays the reading path.
 tests/test_attention_kernel.py checks it against the reference, the row property itself, and that
@@ -53,16 +54,16 @@ def kernel_problem() -> str | None:
     return _kernel["problem"]
 
 
-# exact_attention's output (1, H, T, D) from the C kernel; q (1, H, T, D), k and v (1, G, S, D)
-# with each key a contiguous row of D (cache slices), mask (1, 1, T, S) bool
+# exact_attention's output (B, H, T, D) from the C kernel; q (B, H, T, D), k and v (B, G, S, D)
+# with each key a contiguous row of D (cache slices), mask (B or 1, 1, T, S) bool
 OPERATORS.define("step_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
-    """(1, H, T, D) laid out as (1, T, H, D): the block's next reshape to (1, T, H * D) is then
+    """(B, H, T, D) laid out as (B, T, H, D): the block's next reshape to (B, T, H * D) is then
     a view, not a copy."""
-    _, H, T, D = q.shape
-    return q.new_empty(1, T, H, D).transpose(1, 2)
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D).transpose(1, 2)
 
 
 @torch.library.register_fake("minimedusa::step_attention")
@@ -75,8 +76,10 @@ class KernelAttention(nn.Module):
     tensors; the reference everywhere else (see the module's docstring)."""
 
     def forward(self, q, k, v, mask):
+        # every sequence of a batch too: a batch's row then attends as it would alone (the
+        # reference's float64 sums round otherwise than the kernel's float32 ones)
         serves = (torch.compiler.is_compiling() and q.dtype in (torch.bfloat16, torch.float32)
-                  and q.shape[0] == 1 and q.shape[-1] <= MAX_D and k.dtype == q.dtype
+                  and q.shape[-1] <= MAX_D and k.dtype == q.dtype
                   and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
                   and v.stride() == k.stride() and q.stride(-1) == 1)
         if serves:

@@ -41,7 +41,6 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -190,8 +189,9 @@ class StepGraph:
 class GraphedBlocks(Blocks):
     """The model's blocks, whose decoding forwards (in inference mode, with a cache: one
     sequence of at most MAX_ROWS rows, or a batch's step of at most MAX_BATCH sequences, a row
-    or a tree each) replay their shape's graph, and whose other forwards run the eager blocks
-    one after another (as Blocks)."""
+    or a tree each) replay their shape's graph, whose other decoding forwards (a long prompt, a
+    batch's row prefilled) run the blocks the graphs hold, uncaptured, and whose forwards
+    outside decoding (training) run the eager blocks one after another (as Blocks)."""
 
     def __init__(self, blocks: Blocks, compiled: bool):
         super().__init__(blocks)  # the same Block modules: the state dict's names unchanged
@@ -211,11 +211,15 @@ class GraphedBlocks(Blocks):
         # one sequence's step or tree; a batch's step, or its trees (batch_decoding.py: within
         # the exact attention's rows)
         fits = T <= MAX_ROWS and B <= MAX_BATCH and (B == 1 or B * T <= EXACT_ATTENTION_TOKENS)
-        # a cache of views of another's (a batch's row, KVCache.row: its prompt's prefill) is
-        # never held: its writes must land in that cache's tensors
-        if (cache is None or not fits or not torch.is_inference_mode_enabled()
-                or cache.layers[0].k._base is not None):
+        if cache is None or not torch.is_inference_mode_enabled():  # training, a whole text
             return super().forward(x, cos, sin, mask, cache, slots)
+        # a cache of views of another's (a batch's row, KVCache.row: its prompt's prefill) is
+        # never held: its writes must land in that cache's tensors.
+        # subtle: what is not captured still runs the blocks the graphs hold, as a prompt alone
+        # does: run eagerly, a batch's row prefilled its keys with other bits than the same
+        # prompt alone, and its answer parted from it at the first near-tie
+        if not fits or cache.layers[0].k._base is not None:
+            return self.inside[0](x, cos, sin, mask, cache, slots)
         static = self.hold(cache)
         shape = (B, T, slots.dim())
         if shape not in self.graphs:
@@ -296,14 +300,3 @@ def warm_up(model: Llama) -> None:
 def is_graphed(model: Llama) -> bool:
     """Whether graph_step swapped this model's blocks."""
     return isinstance(model.layers, GraphedBlocks)
-
-
-@contextmanager
-def eager_blocks(model: Llama):
-    """The model's blocks eager for a while (bench's '(eager)' engines), its graphs kept."""
-    graphed = model.layers
-    model.layers = Blocks(graphed)
-    try:
-        yield
-    finally:
-        model.layers = graphed

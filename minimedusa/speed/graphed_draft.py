@@ -36,7 +36,7 @@ class GraphedDraft(TreeDraft):
         self.pool = new_pool()
 
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
-        if not is_graphed(model):  # eager_blocks: the draft eager too
+        if not is_graphed(model):  # plug_in.eager_step: the draft eager too
             return super().tree(model, n, root, features, rank)
         if n not in self.graphs:
             self.graphs[n] = DraftGraph(self.heads, model, self.trees[n], features, self.pool)

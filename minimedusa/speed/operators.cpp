@@ -159,20 +159,24 @@ at::Tensor bf16_op(const at::Tensor& rows_, const at::Tensor& packed, bool wide)
   return y;
 }
 
-/* q (1, H, T, D), k and v (1, G, S, D) with each key a contiguous row of D (cache slices), mask
-   (1, 1, T, S) bool -> (1, H, T, D) laid out as (1, T, H, D): the block's next reshape to
-   (1, T, H * D) is then a view, not a copy (attention_kernel.new_output, its fake twin) */
+/* q (B, H, T, D), k and v (B, G, S, D) with each key a contiguous row of D (cache slices), mask
+   (B or 1, 1, T, S) bool -> (B, H, T, D) laid out as (B, T, H, D): the block's next reshape to
+   (B, T, H * D) is then a view, not a copy (attention_kernel.new_output, its fake twin). Each
+   of the B sequences (a batch's rows) attends its own keys in one call, as the fused step's
+   do: a row's bits the same as alone */
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& mask_) {
-  const int64_t H = q.size(1), T = q.size(2), D = q.size(3), G = k.size(1), S = k.size(2);
-  at::Tensor out = at::empty({1, T, H, D}, q.options()).transpose(1, 2);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), G = k.size(1),
+                S = k.size(2);
+  at::Tensor out = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
   const at::Tensor mask = mask_.contiguous();
   const Step step = {q.const_data_ptr(), k.const_data_ptr(), v.const_data_ptr(),
                      reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()),
                      out.mutable_data_ptr(), H, G, T, S, D, q.stride(1), q.stride(2),
                      k.stride(1), out.stride(1), out.stride(2),
                      q.scalar_type() == at::kBFloat16, static_cast<float>(std::pow(D, -0.5)),
-                     1, 0, 0, 0, 0};
+                     B, q.stride(0), k.stride(0), mask.size(0) == 1 ? 0 : T * S,
+                     out.stride(0)};
   const int done = attend(&step);
   TORCH_CHECK(done != 1, "attention_kernel.c does not take a head dim of ", D, " or ", H,
               " query heads over ", G, " key/value heads");

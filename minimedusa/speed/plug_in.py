@@ -17,16 +17,17 @@ under (step_latency.py) names it, so a latency measured for one way of running i
 for another.
 """
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
-from minimedusa.model import Llama
+from minimedusa.model import Blocks, Llama
 from minimedusa.speed import c_kernels
 from minimedusa.speed.attention_kernel import KernelAttention, kernel_problem
-from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
-from minimedusa.speed.cuda_graphs import eager_blocks, graph_step, is_graphed
+from minimedusa.speed.compiled_step import (CompiledBlock, compile_blocks, compiler_problem,
+                                           is_compiled, warm_up)
+from minimedusa.speed.cuda_graphs import graph_step, is_graphed
 from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
 from minimedusa.speed.group_kernel import uses_tiles, uses_vnni
 from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
@@ -67,11 +68,23 @@ def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
 
 @contextmanager
 def eager_step(model: Llama):
-    """The model's decoding step eager for a while (bench's "(eager)" engines): compiled
-    graphs not run, CUDA graphs not replayed; all kept for after."""
-    graphs = eager_blocks(model) if is_graphed(model) else nullcontext()
-    with torch.compiler.set_stance("force_eager"), graphs:
-        yield
+    """The model's decoding step eager for a while, as --no-compile runs it (bench's "(eager)"
+    engines, the reference check): its blocks one after another (not fused, no CUDA graph
+    replayed), compiled graphs not run; all kept for after."""
+    fast = model.layers
+    model.layers = Blocks(fast)  # the same Block modules (or compiled blocks: run eagerly)
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        model.layers = fast
+
+
+def unplug_step(model: Llama) -> None:
+    """The model's decoding step eager for good, its weight format kept: what --no-compile
+    would have made (the reference check's way back from a step that fails it)."""
+    model.layers = Blocks([layer.block if isinstance(layer, CompiledBlock) else layer
+                           for layer in model.layers])
 
 
 def plug_in_heads(heads: nn.Module, model: Llama) -> nn.Module:

@@ -1,0 +1,226 @@
+"""Every path the flags can pick writes the eager float32 reference's text on the REAL default
+model (speed/reference_check.py): each weight format x step (eager, fused, compiled), its plain
+step forced along the fixture's greedy chats (every position checked: the logits rule, then
+the margin rule), its Medusa tree step and its batch of rows decoding freely (the margin rule,
+and equal to the same path's plain greedy); each fast step against the eager step of its
+format. A path may part from the reference only where the reference's top-2 margin is under
+its format's bound (reference_check.FORMAT_ERROR, measured by format_quality --steps).
+Negative controls (conftest.BROKEN): steps broken as steps break (keys written one slot early,
+a mask that hides a token's own key, a loop one block short, activations narrower than the
+format's) fail every check here, and generate.py falls back to its eager step, with one line,
+where its fast step fails. Not controls, as they change nothing: a rotation one position on
+everywhere (RoPE sees only relative positions); keys kept in another block's layer of the cache
+(each block still reads what it wrote). The CUDA paths (graphs of the compiled and of the eager
+blocks) are checked by the GPU session's script (bench/gpu_session.py), which a CPU cannot run.
+"""
+import functools
+
+import pytest
+import torch
+
+from conftest import BROKEN, LastBlockSkipped, broken
+from generate import main as generate_main
+from minimedusa.batch_decoding import batch_decode
+from minimedusa.budget import fixed, grow_tree
+from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.drafts import wrapped
+from minimedusa.cli.load import decoding_model
+from minimedusa.decoding import decode_step, medusa_decode, new_cache, plain_decode, prefill
+from minimedusa.files.default_model import DEFAULT_HEADS_DIR
+from minimedusa.files.heads_files import read_calibration
+from minimedusa.heads import ranked_vocab_size
+from minimedusa.model import Blocks
+from minimedusa.sampling import Sampling
+from minimedusa.speed import group_kernel
+from minimedusa.speed.compiled_step import compiler_problem
+from minimedusa.speed.host_greedy import greedy_for
+from minimedusa.speed.reference_check import (FORMAT_ERROR, SAME_FORMAT, checked_step,
+                                              largest_shift, parting, probe_logits)
+from minimedusa.speed.weight_formats import format_of
+from minimedusa.tree import build_tree
+
+FORMATS = ("float32", "bfloat16", "int8", "int4", "w4a8")
+PATHS = [(fmt, step) for fmt in FORMATS for step in ("eager", "fused", "compiled")
+         if (fmt, step) not in (("float32", "fused"), ("int8", "fused"))]  # never fused
+COMPILE_FLAG = {"eager": False, "fused": None, "compiled": True}
+
+
+@functools.cache
+def path_model(folder, fmt: str, step: str):
+    """The default model in format `fmt`, its step `step` as plug_in makes it, or the reason
+    this machine cannot run that path (a skip's)."""
+    if fmt == "w4a8" and group_kernel.kernel_problem() is not None:
+        return f"w4a8 multiplies in group_kernel.c only: {group_kernel.kernel_problem()}"
+    if step == "compiled" and compiler_problem() is not None:
+        return f"no compiled step here: {compiler_problem()}"
+    model, how = decoding_model(folder, torch.device("cpu"), fmt, COMPILE_FLAG[step])
+    if not how.startswith(step):
+        return f"{fmt}'s step here is {how}, not {step}"
+    return model
+
+
+@pytest.fixture(scope="module")
+def paths(default_model_dir):
+    """path -> model, built once for the module's tests and dropped after them."""
+    yield lambda fmt, step: path_model(default_model_dir, fmt, step)
+    path_model.cache_clear()
+
+
+def model_of(paths, fmt: str, step: str):
+    model = paths(fmt, step)
+    if isinstance(model, str):
+        pytest.skip(model)
+    return model
+
+
+@torch.inference_mode()
+def forced_logits(model, case: dict) -> torch.Tensor:
+    """The model's logits along the reference's greedy chat (the prompt, then one reference
+    token a step, whatever the model would have picked): (48, V), every position checked."""
+    device = model.embed.weight.device
+    cache = new_cache(model, len(case["prompt_ids"]), len(case["output_ids"]))
+    logits, _ = prefill(model, cache, torch.tensor([case["prompt_ids"]], device=device))
+    rows = [logits[0]]
+    for token in case["output_ids"][:-1]:
+        logits, _ = decode_step(model, cache, torch.tensor([[token]], device=device))
+        rows.append(logits[0])
+    return torch.stack(rows).float()  # (48, V)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(smollm2, reference):
+    """The eager float32 model's forced logits on each fixture chat (the reference)."""
+    if smollm2.embed.weight.device.type != "cpu":
+        pytest.skip("the CPU's eager float32 is the reference here")
+    return [forced_logits(smollm2, case) for case in reference["greedy"]["cases"]]
+
+
+def assert_keeps_the_reference(logits: list, reference_logits: list, cases: list, bound: float):
+    """The logits rule at every position, then the margin rule on the tokens it would pick."""
+    for case, got, expected in zip(cases, logits, reference_logits):
+        shift = largest_shift(got, expected)  # (48,)
+        assert shift.max() <= bound, (case["kind"], shift.argmax().item(), shift.max().item())
+        picked = got.argmax(-1).tolist()
+        for i, (token, wanted) in enumerate(zip(picked, case["output_ids"])):
+            if token != wanted:  # a parting only where the reference was nearly tied
+                assert case["top2_margin"][i] < bound, (case["kind"], i)
+
+
+@pytest.mark.parametrize("fmt, step", PATHS)
+def test_each_paths_plain_step_keeps_the_reference_at_every_position(paths, reference,
+                                                                     reference_logits, fmt,
+                                                                     step):
+    model = model_of(paths, fmt, step)
+    cases = reference["greedy"]["cases"]
+    logits = [forced_logits(model, case) for case in cases]
+    assert_keeps_the_reference(logits, reference_logits, cases, FORMAT_ERROR[fmt])
+    if step != "eager":  # and the eager step of its own format, within two formats' error
+        eager = [forced_logits(model_of(paths, fmt, "eager"), case) for case in cases]
+        for got, expected in zip(logits, eager):
+            assert largest_shift(got, expected).max() <= SAME_FORMAT * FORMAT_ERROR[fmt]
+
+
+def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
+    return [t for step in plain_decode(model, prompt, n, Sampling(), set()) for t in step]
+
+
+def shipped_draft(model):
+    """The shipped Hydra heads on their grown 8-node tree, with context candidates (as
+    generate.py decodes, its tree's size fixed so that the run does not hang on timings)."""
+    heads = decoding_heads(str(DEFAULT_HEADS_DIR), model)
+    nodes, _ = grow_tree(read_calibration(DEFAULT_HEADS_DIR), 8)
+    tree = build_tree(nodes, heads.config.medusa_num_heads, ranked_vocab_size(heads, model),
+                      model.embed.weight.device)
+    draft, budget = fixed(heads, tree)
+    return wrapped(draft, heads, True), budget
+
+
+@pytest.mark.parametrize("fmt, step", PATHS)
+def test_each_paths_medusa_and_batch_write_the_reference_text(paths, reference, fmt, step):
+    """Medusa's tree step (the shipped heads) and a batch of the chats' rows, decoding freely:
+    each answer parts from the reference only where its margin is under the format's bound,
+    and equals the same path's plain greedy (lossless: Medusa, and a row in a batch)."""
+    model = model_of(paths, fmt, step)
+    cases = reference["greedy"]["cases"]
+    n = len(cases[0]["output_ids"])
+    draft, budget = shipped_draft(model)
+    batch = dict(batch_decode(model, [c["prompt_ids"] for c in cases], n, Sampling(), set(), 3))
+    accepted = 0
+    for i, case in enumerate(cases):
+        steps = list(medusa_decode(model, draft, budget, greedy_for(torch.device("cpu")),
+                                   case["prompt_ids"], n, set()))
+        medusa = [t for s in steps for t in s]
+        accepted += len(medusa) - len(steps)
+        plain = plain_greedy(model, case["prompt_ids"], n)
+        assert medusa == plain and batch[i] == plain, case["kind"]
+        assert parting(plain, case["output_ids"], case["top2_margin"],
+                       FORMAT_ERROR[fmt]) is None, case["kind"]
+    assert accepted > 0  # the tree step ran with candidates accepted, not plain steps only
+
+
+# --- negative controls: steps broken as steps break (conftest.BROKEN) ---------------------
+
+@pytest.mark.parametrize("kind, fmt", BROKEN)
+def test_a_broken_step_fails_the_logits_rule(default_model_dir, reference, reference_logits,
+                                             kind, fmt):
+    """A float32 model with a broken step, held to the loosest bound it breaks (int8's, for
+    the gross breaks; float32's for activations rounded to bfloat16, which bfloat16 does)."""
+    model, _ = decoding_model(default_model_dir, torch.device("cpu"), "float32", False)
+    fast = broken(model, kind)
+    cases = reference["greedy"]["cases"]
+    with pytest.raises(AssertionError):
+        assert_keeps_the_reference([forced_logits(fast, c) for c in cases], reference_logits,
+                                   cases, FORMAT_ERROR[fmt])
+
+
+@pytest.mark.parametrize("kind", [kind for kind, fmt in BROKEN if fmt == "int8"])
+def test_a_broken_float32_step_fails_the_margin_rule_on_its_own_text(default_model_dir,
+                                                                     reference, kind):
+    """The same steps decoding freely, held to float32's bound: their text parts from the
+    reference where it was sure. Text alone is the weaker check (keys written one slot early
+    still write the coding chat's 48 tokens; activations rounded to bfloat16 all three chats),
+    which is why the logits rule holds every position above."""
+    model, _ = decoding_model(default_model_dir, torch.device("cpu"), "float32", False)
+    fast = broken(model, kind)
+    partings = [parting(plain_greedy(fast, c["prompt_ids"], len(c["output_ids"])),
+                        c["output_ids"], c["top2_margin"], FORMAT_ERROR["float32"])
+                for c in reference["greedy"]["cases"]]
+    assert any(p is not None for p in partings)
+
+
+@pytest.mark.parametrize("kind, fmt", BROKEN)
+def test_a_step_that_fails_the_check_falls_back_to_the_eager_step(default_model_dir, reference,
+                                                                  kind, fmt, capsys):
+    model, _ = decoding_model(default_model_dir, torch.device("cpu"), "float32", False)
+    ids = reference["greedy"]["cases"][0]["prompt_ids"]
+    eager = probe_logits(model, ids)
+    how = checked_step(broken(model, kind), "compiled (warm-up 1.0 s)", ids)
+    assert how.startswith("eager") and type(model.layers) is Blocks
+    assert "failed" in how and capsys.readouterr().err.count("\n") == 1
+    assert torch.equal(probe_logits(model, ids), eager)  # the eager step's, to the bit
+
+
+def test_a_fast_step_that_passes_the_check_is_kept(paths, reference):
+    model = model_of(paths, "int4", "fused")
+    ids = reference["greedy"]["cases"][0]["prompt_ids"]
+    assert checked_step(model, "fused", ids) == "fused" and format_of(model) == "int4"
+
+
+def test_generate_falls_back_to_eager_where_its_step_fails(monkeypatch, capsys):
+    """generate.py with a broken step plugged in: one notice line, and the eager step's
+    answer (the reference's: "The capital of France is Paris.")."""
+    import generate
+    real = generate.plug_in
+
+    def plug_in_broken(model, weight_format, compile_flag):
+        real(model, weight_format, compile_flag)
+        broken(model, LastBlockSkipped)
+        return "compiled (warm-up 0.0 s)"
+    monkeypatch.setattr(generate, "plug_in", plug_in_broken)
+    generate_main(["--prompt", "What is the capital of France?", "--dtype", "float32",
+                   "--no-compile", "--baseline", "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert out.startswith("The capital of France is Paris.")
+    notices = [line for line in err.splitlines() if line.startswith("minimedusa:")]
+    assert len(notices) == 1 and "decoding eagerly" in notices[0]
+    assert "(the fast step failed the reference check) step" in err  # the summary says so
