@@ -8,6 +8,9 @@ should measure is prepared (and tried on a CPU, --device cpu --quick) before it 
 Each step runs as a process of its own under its own time limit, writing its output into DIR
 as it goes, so that a session cut short still brings back what it did. In the order they run
 (the acceptance's numbers first):
+0. reference: the reference check of CUDA's paths (tests/test_reference_paths.py: bfloat16
+   eager and in graphs of the compiled blocks against the CPU's eager float32 on the default
+   model; every bench below also holds each greedy engine to eager bfloat16's text);
 1. tests: the CUDA graphs' tests (tests/test_cuda_graphs.py, run on CUDA where present);
 2. compiled: bench in bfloat16 with compiled blocks inside the CUDA graphs (--compile, the
    default on CUDA): plain decoding and Medusa greedy (the Budget's trees, context candidates);
@@ -41,6 +44,10 @@ def steps(args) -> dict[str, tuple[int, list[str], str]]:
         return [*base, "--per-category", str(per_category), *flags]
     out = args.out
     return {
+        "reference": (300, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                            "cuda or broken or falls_back",
+                            str(REPO / "tests" / "test_reference_paths.py")],
+                      "tests-reference-paths-cuda.txt"),
         "tests": (240, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         str(REPO / "tests" / "test_cuda_graphs.py")], "tests-cuda-graphs.txt"),
         "compiled": (200, bench(1, "--compile", "--no-sampling",
@@ -81,7 +88,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m minimedusa.bench.gpu_session",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="the folder the records go to")
-    p.add_argument("--steps", default="tests,compiled,batch,profile,sampling,eager",
+    p.add_argument("--steps", default="reference,tests,compiled,batch,profile,sampling,eager",
                    help="which steps, in this order (default: %(default)s)")
     p.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the steps")
     p.add_argument("--questions", type=Path, default=None,
