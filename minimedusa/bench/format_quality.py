@@ -5,7 +5,9 @@
 Held-out chats: the last --prompts seed prompts (the shipped heads trained on the first 6,144;
 never MT-Bench, the evaluation) answered greedily by the float32 model. Every format then reads
 the same prompt + answer in one forward, and at every answer position we compare it with float32:
-top-1 agreement (the same next token) and the mean KL(p_float32 || p_format). A format whose
+top-1 agreement (the same next token), the mean KL(p_float32 || p_format) and the most any
+token gained on float32's top one (the largest shift: speed/reference_check.FORMAT_ERROR is 1.5x
+the largest over a format's steps, which --steps scores too: fused, compiled). A format whose
 top-1 agreement is under 98% is never a default (speed/defaults.default_format).
 So does llama.cpp, where llama-cpp-python is installed and the model is the default one: its
 logits of the same tokens, from the GGUF the model came from (Q4_1 weights, and 8-bit
