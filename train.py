@@ -30,7 +30,8 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.files.checkpoint import (CHECKPOINT, checkpoint_on_interrupt, resume,
                                              save_checkpoint)
     from minimedusa.files.outputs import lock_folder, write_atomically
-    from minimedusa.cli.flags import Parser, non_negative, non_negative_int, positive, positive_int
+    from minimedusa.cli.flags import (Parser, non_negative, non_negative_int, positive,
+                                      positive_int, seed_int)
     from minimedusa.training.progress import progress_bar, say
     from minimedusa.files.default_model import ensure_default_model
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
@@ -87,7 +88,7 @@ def add_loop_flags(p) -> None:
     p.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many steps (the schedule still spans --epochs)")
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint.pt")
-    p.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="initialisation and data-order seed")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bfloat16 autocast for the matrix products (default: on for CUDA, off "

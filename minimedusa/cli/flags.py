@@ -41,6 +41,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+MAX_SEED = 2**63 - 1  # torch's generators take 64 bits; the draft's own draws use seed + 1
+
+
+def seed_int(text: str) -> int:
+    """A --seed: an integer in 0..MAX_SEED (a larger one overflowed torch's generator)."""
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..2**63 - 1, got {text[:40]}")
+    return value
+
+
 def format_list(choices: tuple[str, ...]):
     """An argparse type for a list of weight formats, "a,b" -> ["a", "b"], each of `choices`."""
     def parse(text: str) -> list[str]:

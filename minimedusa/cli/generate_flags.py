@@ -6,7 +6,7 @@ from pathlib import Path
 from minimedusa.cli.flags import (Parser, add_batch_argument, add_compile_argument,
                                   add_context_argument, add_device_arguments,
                                   add_draft_vocab_argument, add_quantize_argument,
-                                  non_negative, positive_int, probability)
+                                  non_negative, positive_int, probability, seed_int)
 from minimedusa.tree import NAMED_TREES
 
 
@@ -48,7 +48,7 @@ def add_prompt_arguments(p) -> None:
     p.add_argument("--top-p", type=probability, default=1.0,
                    help="nucleus sampling: keep the smallest token set with this much "
                    "probability (default: %(default)s = off)")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    p.add_argument("--seed", type=seed_int, default=None, help="seed for sampling (default: random)")
     p.add_argument("--model", type=Path, default=None,
                    help="an HF Llama folder with config.json, *.safetensors and tokenizer.json "
                    "(default: weights/SmolLM2-135M-Instruct, fetched and converted on first use)")

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minimedusa.files.outputs import write_atomically
-from minimedusa.errors import UserError, json_kind
+from minimedusa.errors import UserError, json_kind, unreadable
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.heads import MedusaConfig, MedusaHeads
 from minimedusa.hydra import HydraHeads
@@ -86,9 +86,7 @@ def read_heads_state(folder: Path) -> dict[str, torch.Tensor]:
     except HeadsError:
         raise
     except Exception as e:  # truncation/corruption surfaces with varied exception types
-        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HeadsError(f"cannot read the heads in {folder} (truncated or corrupt?): {said}") \
-            from None
+        raise HeadsError(unreadable(path if path.is_file() else pt, e)) from None
     raise HeadsError(f"missing heads file {path}")
 
 
@@ -190,7 +188,7 @@ def read_draft_vocab(folder) -> tuple[torch.Tensor, torch.Tensor] | None:
         with safe_open(path, framework="pt", device="cpu") as st:
             return st.get_tensor("ids"), st.get_tensor("counts")
     except Exception as e:  # truncation/corruption surfaces with varied exception types
-        raise HeadsError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+        raise HeadsError(unreadable(path, e)) from None
 
 
 def read_calibration(heads_dir: Path) -> torch.Tensor | None:

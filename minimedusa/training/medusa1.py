@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from minimedusa.errors import UserError
+from minimedusa.errors import UserError, unreadable
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, with_draft_layer
 from minimedusa.files.heads_files import load_heads
 from minimedusa.files.outputs import check_out_is_not
@@ -95,7 +95,7 @@ def read_answers(folder: Path, tokenizer_fingerprint: str, vocab_size: int,
                 ids, offsets = st.get_tensor("answer_ids"), st.get_tensor("answer_offsets")
                 hidden = st.get_tensor("hidden") if with_hidden else None
         except Exception as e:  # safetensors reports truncation/corruption with varied types
-            raise DataError(f"cannot read {shard} (truncated or corrupt?): {e}") from None
+            raise DataError(unreadable(shard, e)) from None
         if ids.numel() and int(ids.max()) >= vocab_size:
             raise DataError(f"{shard} holds token ids beyond the model's vocabulary")
         for (pa, pb), (a, b) in zip(zip(p_offsets[:-1].tolist(), p_offsets[1:].tolist()),

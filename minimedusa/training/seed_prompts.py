@@ -14,6 +14,7 @@ import json
 import random
 from pathlib import Path
 
+from minimedusa.cli.flags import seed_int
 from minimedusa.files.outputs import write_atomically
 
 TOPICS = {
@@ -223,7 +224,7 @@ def main():
     p = argparse.ArgumentParser(description="Write the self-distillation seed prompts (JSONL).")
     p.prog = "python -m minimedusa.training.seed_prompts"  # as typed (else argparse names the file)
     p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (default: %(default)s)")
     args = p.parse_args()
     prompts = seed_prompts(args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)

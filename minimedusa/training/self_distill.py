@@ -37,7 +37,8 @@ from safetensors.torch import save_file
 from minimedusa.batch_decoding import batch_step
 from minimedusa.decoding import prefill
 from minimedusa.files.outputs import lock_folder, write_atomically
-from minimedusa.cli.flags import Parser, add_device_arguments, non_negative, positive_int
+from minimedusa.cli.flags import (Parser, add_device_arguments, non_negative, positive_int,
+                                  seed_int)
 from minimedusa.cli.load import decoding_model, device_and_dtype
 from minimedusa.training.progress import progress_bar, say
 from minimedusa.files.default_model import ensure_default_model
@@ -264,7 +265,7 @@ def main():
     p.add_argument("--temperature", type=non_negative, default=0.0,
                    help="0 = greedy answers (default), as the heads will be used with greedy "
                    "decoding; > 0 samples")
-    p.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="prompt shuffle and sampling seed")
     add_device_arguments(p)
     args = p.parse_args()
     if args.prompts == "model" and not args.limit:
