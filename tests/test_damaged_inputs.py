@@ -19,7 +19,7 @@ from conftest import REPO, tiny_model
 from generate import main as generate_main
 from minimedusa import tokenizer as tokenizer_module
 from minimedusa.errors import UserError
-from minimedusa.files.heads_files import save_heads
+from minimedusa.files.heads_files import save_draft_vocab, save_heads
 from minimedusa.files.weights import save_model
 from minimedusa.heads import MedusaConfig, MedusaHeads
 from minimedusa.tokenizer import render_chat
@@ -137,7 +137,7 @@ def test_a_pickle_with_code_is_never_run_and_said_so(tiny_folder, tmp_path):
 
 
 @pytest.mark.parametrize("key", ["medusa_num_heads", "medusa_num_layers", "hidden_size",
-                                 "vocab_size", "shared_lm_head", "head_kind"])
+                                 "vocab_size", "shared_lm_head", "head_kind", "draft_vocab_size"])
 def test_a_heads_config_value_of_another_kind_is_one_line_or_an_answer(key, tiny_folder,
                                                                        tmp_path):
     config = json.loads((tiny_folder / "heads" / "config.json").read_text())
@@ -146,6 +146,58 @@ def test_a_heads_config_value_of_another_kind_is_one_line_or_an_answer(key, tiny
         copy = damaged_copy(tiny_folder, tmp_path, "heads/config.json", text.encode())
         answer(copy, "--heads", str(copy / "heads"))
         shutil.rmtree(copy)
+
+
+CALIBRATION_DAMAGES = {**{k: v for k, v in FILE_DAMAGES.items() if v is not None},
+                       "no accuracy": b'{"x": [[0.5]]}', "an empty one": b'{"accuracy": []}',
+                       "ragged": b'{"accuracy": [[0.5, 0.2], [0.4]]}',
+                       "strings": b'{"accuracy": [["0.5", "a"], ["b", "c"]]}',
+                       "NaN": b'{"accuracy": [[NaN, 0.1], [0.2, 0.1]]}',
+                       "above 1": b'{"accuracy": [[1.5, 0.1], [0.2, 0.1]]}',
+                       "negative": b'{"accuracy": [[0.5, -0.1], [0.2, 0.1]]}',
+                       "flat": b'{"accuracy": [0.5, 0.2]}', "deep": b"[" * 5000 + b"]" * 5000}
+
+
+@pytest.fixture(scope="module")
+def shared_heads(tiny_folder):
+    """Shared-head Medusa heads with a calibration and a draft vocabulary, as train.py and the
+    tree search leave them: their own files read when generate.py decodes with them."""
+    folder = tiny_folder / "shared-heads"
+    save_heads(MedusaHeads(MedusaConfig(2, 1, 32, 49152, shared_lm_head=True)), folder,
+               {"draft_vocab_size": 64})
+    (folder / "calibration.json").write_text(json.dumps({"accuracy": [[0.5, 0.2], [0.3, 0.1]]}))
+    save_draft_vocab(folder, torch.arange(100, 300), torch.arange(200, 0, -1))
+    assert answer(tiny_folder, "--heads", str(folder)) == "answered"
+    return folder
+
+
+@pytest.mark.parametrize("damage", CALIBRATION_DAMAGES)
+def test_a_damaged_calibration_is_one_line_naming_it(damage, shared_heads, tmp_path):
+    copy = tmp_path / "heads"
+    shutil.copytree(shared_heads, copy)
+    (copy / "calibration.json").write_bytes(CALIBRATION_DAMAGES[damage])
+    said = answer(shared_heads.parent, "--heads", str(copy))
+    assert said.startswith("error: ") and "calibration.json" in said
+
+
+@pytest.mark.parametrize("ids, counts", [
+    (torch.arange(8).reshape(2, 4), torch.ones(2, 4)),  # 2-D
+    (torch.zeros(0, dtype=torch.long), torch.zeros(0)),  # empty
+    (torch.arange(8).float(), torch.ones(8)),  # floats
+    (torch.tensor([5, 1_000_000_000]), torch.ones(2)),  # past the vocabulary
+    (torch.tensor([5, -1]), torch.ones(2)),  # negative
+    (torch.tensor([5, 5, 6]), torch.ones(3)),  # repeated
+    (torch.tensor([5, 6, 7]), torch.ones(2)),  # counts of another length
+    (torch.tensor([True, False]), torch.ones(2)),  # bools
+], ids=["2-D", "empty", "floats", "past the vocabulary", "negative", "repeated",
+        "counts of another length", "bools"])
+def test_a_draft_vocabulary_of_another_kind_is_one_line_naming_it(ids, counts, shared_heads,
+                                                                  tmp_path):
+    copy = tmp_path / "heads"
+    shutil.copytree(shared_heads, copy)
+    save_draft_vocab(copy, ids, counts)
+    said = answer(shared_heads.parent, "--heads", str(copy))
+    assert said.startswith("error: ") and "draft_vocab.safetensors" in said
 
 
 @pytest.mark.parametrize("template", [

@@ -101,6 +101,9 @@ def assert_one_line_error(done, *needles):
     (["--top-p", "0"], "--top-p"),
     (["--temperature", "-1"], "--temperature"),
     (["--model", "/no/such/folder"], "/no/such/folder"),
+    (["--seed", str(2**64)], "--seed"),  # past torch's 64-bit generator
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(10**40)], "--seed"),
 ])
 def test_bad_flags_give_one_clear_line(tiny_folder, flags, needle, capsys):
     model = [] if "--model" in flags else ["--model", str(tiny_folder)]
@@ -256,6 +259,18 @@ def test_malformed_tree_file_gives_one_clear_line(tiny_folder, tmp_path, capsys)
     assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi", "--heads",
                                "untrained:2", "--tree", str(tree)],
                       "node path [1, 0] has no parent")
+
+
+@pytest.mark.parametrize("text", ["[" * 5000 + "]" * 5000, "[[[0]]]", "[[0], [true]]",
+                                  "[[0], [-1]]", '[[0], ["a"]]', "[[0], [0.5]]", '{"a": 1}', "7"])
+def test_a_tree_file_of_another_shape_gives_one_clear_line(tiny_folder, tmp_path, text,
+                                                           capsys):
+    """Lists nested past a node path's (thousands deep: JSON's reader recursed out), entries
+    that are not integers >= 0, a file that holds no list."""
+    tree = tmp_path / "tree.json"
+    tree.write_text(text)
+    assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi", "--heads",
+                               "untrained:2", "--tree", str(tree)], str(tree))
 
 
 def test_tree_deeper_than_the_heads_gives_one_clear_line(tiny_folder, capsys):

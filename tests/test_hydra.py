@@ -180,7 +180,7 @@ def test_train_frozen_hydra_learns_and_saves_its_draft_vocabulary(tiny_setup, tm
     assert isinstance(heads, HydraHeads)
     learned = load_heads(tmp_path, model)  # float32, unpacked (a packed layer lets its go)
     assert any(h.read.weight.abs().sum() > 0 for h in learned.heads)  # the token part learned
-    ids, counts = read_draft_vocab(tmp_path)
+    ids, counts = read_draft_vocab(tmp_path, model.config.vocab_size)
     rows, _ = read_rows(data, 3, tokenizer_fingerprint(model_dir), VOCAB)
     assert counts.sum() == rows.tokens.shape[0] and (counts[:-1] >= counts[1:]).all()
     if draft_vocab:  # the config makes the trained-with vocabulary the decoding default

@@ -48,7 +48,7 @@ def draft_vocabulary(spec: str, heads, model: Llama, size: int) -> DraftVocabula
     if not heads.config.shared_lm_head:
         raise HeadsError("a draft vocabulary cuts the shared LM head: these heads have their "
                          "own projections (use --draft-vocab 0)")
-    counted = read_draft_vocab(spec) if Path(spec).is_dir() else None
+    counted = read_draft_vocab(spec, model.config.vocab_size) if Path(spec).is_dir() else None
     if counted is None:
         raise HeadsError(f"--draft-vocab: the heads {spec} have no {DRAFT_VOCAB_FILE} (train.py "
                          "writes it); use --draft-vocab 0")

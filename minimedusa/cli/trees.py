@@ -47,8 +47,15 @@ def tree_choices(spec: str) -> list:
         choices = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TreeError(f"tree file {path} is not valid JSON: {e}") from None
-    if isinstance(choices, list):
-        check_tree_size(len(choices), spec)
+    except RecursionError:  # lists nested thousands deep: JSON's reader recurses
+        choices = None
+    if not (isinstance(choices, list) and all(
+            isinstance(node, list) and all(type(i) is int and i >= 0 for i in node)
+            for node in choices)):
+        raise TreeError(f"tree file {path} must hold a JSON list of node paths, each a list of "
+                        "integers >= 0 (the k-th guess of each head on the way): "
+                        "[[0], [1], [0, 0]]")
+    check_tree_size(len(choices), spec)
     return choices
 
 

@@ -122,7 +122,8 @@ def check_heads_values(raw) -> None:
     most MAX_HEADS: each is a module), whose switch is true or false and kind a name."""
     if not isinstance(raw, dict):
         raise HeadsError(f"the heads' config.json holds {json_kind(raw)}, not a JSON object")
-    for key in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"):
+    for key in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size",
+                "draft_vocab_size"):
         value = raw.get(key)
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
                                       and 0 < value and (value <= MAX_HEADS or "size" in key)):
@@ -179,19 +180,44 @@ def save_draft_vocab(folder, ids: torch.Tensor, counts: torch.Tensor) -> None:
                      lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
-def read_draft_vocab(folder) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(token ids most frequent first, their counts), or None when the heads have none."""
+def read_draft_vocab(folder, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(token ids most frequent first, their counts), or None when the heads have none; checked
+    against a model of vocab_size tokens: distinct integer ids below it, a count each."""
     path = Path(folder) / DRAFT_VOCAB_FILE
     if not path.is_file():
         return None
     try:
         with safe_open(path, framework="pt", device="cpu") as st:
-            return st.get_tensor("ids"), st.get_tensor("counts")
+            ids, counts = st.get_tensor("ids"), st.get_tensor("counts")
     except Exception as e:  # truncation/corruption surfaces with varied exception types
         raise HeadsError(unreadable(path, e)) from None
+    fits = (ids.dim() == 1 and len(ids) > 0 and not ids.is_floating_point()
+            and ids.dtype != torch.bool and counts.shape == ids.shape
+            and 0 <= ids.min().item() and ids.max().item() < vocab_size
+            and len(ids.unique()) == len(ids))
+    if not fits:
+        raise HeadsError(f"{path} is not a draft vocabulary for this model: it must hold 'ids', "
+                         f"distinct integer token ids in 0..{vocab_size - 1} most frequent "
+                         "first, and their 'counts' (train.py writes it): delete it to decode "
+                         "without one")
+    return ids.long(), counts
 
 
 def read_calibration(heads_dir: Path) -> torch.Tensor | None:
-    """The heads' a_k^(i) (K, R) from their calibration.json, or None if not calibrated."""
+    """The heads' a_k^(i) (K, R) from their calibration.json, or None if not calibrated: a
+    JSON object whose "accuracy" holds K rows of R probabilities each."""
     path = Path(heads_dir) / CALIBRATION
-    return torch.tensor(json.loads(path.read_text())["accuracy"]) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))["accuracy"]
+        accuracy = torch.tensor(rows, dtype=torch.float64)
+    except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, RecursionError):
+        accuracy = None  # not JSON, not an object, no "accuracy", ragged, strings
+    if (accuracy is None or accuracy.dim() != 2 or accuracy.numel() == 0
+            or not ((0 <= accuracy) & (accuracy <= 1)).all()):  # NaN fails this too
+        raise HeadsError(f"{path} is not a calibration: a JSON object whose \"accuracy\" is a "
+                         "list of rows (one a head), each of probabilities in [0, 1] of equal "
+                         "length; delete it, or measure again: python -m "
+                         "minimedusa.training.tree_search")
+    return accuracy.float()
