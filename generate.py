@@ -100,7 +100,13 @@ def check_flags(args, model, tokenizer) -> None:
     that contradict each other, heads made for another model, a malformed tree or one deeper
     than the heads, a prompt past its context) before its speed is plugged in: the compiled
     step's warm-up takes seconds to minutes, a mistake should not wait for it. The heads read
-    here are dropped; decoder() reads them again, in the model's final format."""
+    here are dropped; decoder() reads them again, in the model's final format. And a
+    tokenizer whose ids pass the model's embedding: another model's files."""
+    ids = max(tokenizer.tk.get_vocab(with_added_tokens=True).values()) + 1
+    if ids > model.config.vocab_size:
+        raise UserError(f"the tokenizer's ids run to {ids - 1}, but the model's embedding has "
+                        f"{model.config.vocab_size} rows (config.json's vocab_size): "
+                        "tokenizer.json and the weights are not one model's")
     spec = heads_spec(args)
     if spec is not None:
         acceptance_kind(args)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import REPO, tiny_model
 from generate import main as generate_main
@@ -82,6 +83,65 @@ def test_a_damaged_model_file_is_one_line(name, damage, tiny_folder, tmp_path):
     data = whole[:len(whole) // 2] if damage == "cut short" else FILE_DAMAGES[damage]
     said = answer(damaged_copy(tiny_folder, tmp_path, name, data), "--baseline")
     assert said != "answered" or (name == "tokenizer_config.json" and damage == "missing")
+
+
+def rewritten_weights(folder, tmp_path, change):
+    """A copy of the model folder whose every tensor went through change(name, tensor)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    state = load_file(copy / "model.safetensors")
+    save_file({k: change(k, t) for k, t in state.items()}, copy / "model.safetensors")
+    return copy
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda k, t: t > 0, "stored as bool"),
+    (lambda k, t: (t * 100).to(torch.int32), "stored as int32"),
+    (lambda k, t: t.masked_fill(t.abs() > 0.1, math.nan) if "layers.1.mlp" in k else t, "NaN"),
+    (lambda k, t: t.masked_fill(t.abs() > 0.3, math.inf) if "norm" in k else t, "NaN or inf"),
+    (lambda k, t: t.half().masked_fill(t.abs() > 0.3, -math.inf).float()
+     if "embed" in k else t, "inf"),
+], ids=["bools", "integers", "NaN in a block", "inf in a norm", "-inf in the embedding"])
+def test_weights_that_load_but_cannot_decode_are_one_line_naming_the_tensor(change, needle,
+                                                                            tiny_folder,
+                                                                            tmp_path):
+    said = answer(rewritten_weights(tiny_folder, tmp_path, change), "--baseline")
+    assert said.startswith("error: tensor ") and needle in said
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_heads_holding_nan_or_inf_are_one_line(value, shared_heads, tmp_path):
+    copy = tmp_path / "heads"
+    shutil.copytree(shared_heads, copy)
+    state = load_file(copy / "medusa_lm_head.safetensors")
+    state["1.0.linear.weight"][3, 5] = value
+    save_file(state, copy / "medusa_lm_head.safetensors")
+    said = answer(shared_heads.parent, "--heads", str(copy))
+    assert said.startswith("error: tensor 1.0.linear.weight") and "not finite" in said
+
+
+def test_a_tokenizer_whose_ids_pass_the_embedding_is_one_line(tiny_folder, tmp_path):
+    """The tokenizer's 49,152 ids against a model of 49,000 rows: another model's files."""
+    copy = rewritten_weights(tiny_folder, tmp_path, lambda k, t: t[:49000] if "embed" in k
+                             or "lm_head" in k else t)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "vocab_size": 49000}))
+    said = answer(copy, "--baseline")
+    assert said.startswith("error: the tokenizer's ids run to 49151") and "49000 rows" in said
+
+
+@pytest.mark.parametrize("sizes, needle", [({"hidden_size": 30}, "not a multiple"),
+                                           ({"head_dim": 7}, "must be even"),
+                                           ({"hidden_size": 36}, "must be even")])
+def test_a_head_of_odd_dims_is_one_line(sizes, needle, tiny_folder, tmp_path):
+    """head_dim given odd, or left out and hidden_size / num_attention_heads (4) odd or not
+    whole."""
+    config = json.loads((tiny_folder / "config.json").read_text())
+    config.pop("head_dim")
+    copy = damaged_copy(tiny_folder, tmp_path, "config.json",
+                        json.dumps({**config, **sizes}).encode())
+    said = answer(copy, "--baseline")
+    assert said.startswith("error: ") and needle in said
 
 
 @pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "intermediate_size",

@@ -162,6 +162,9 @@ def load_heads(folder, model) -> MedusaHeads:
         if t.shape != expected[name].shape:
             raise HeadsError(f"tensor {name} has shape {tuple(t.shape)}, "
                              f"the config needs {tuple(expected[name].shape)}")
+        if not (t.is_floating_point() and torch.isfinite(t).all()):
+            raise HeadsError(f"tensor {name} of the heads in {folder} is not finite floating "
+                             "point (NaN, inf, or integers): a diverged training run?")
     heads.heads.load_state_dict({k: t for k, t in state.items()
                                  if not k.startswith("draft_layer.")})
     if isinstance(heads, HydraPlusPlusHeads):

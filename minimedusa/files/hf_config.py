@@ -182,10 +182,25 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     if hf["num_attention_heads"] % hf["num_key_value_heads"]:
         raise ConfigError(f"num_attention_heads={hf['num_attention_heads']} is not a multiple "
                           f"of num_key_value_heads={hf['num_key_value_heads']}")
+    check_head_dim(hf)
     known = {f.name for f in fields(LlamaConfig)} - {"rope_theta", "rope_scaling", "qkv_bias"}
     plain = {k: v for k, v in hf.items() if k in known and v is not None}
     return LlamaConfig(**plain | {"max_position_embeddings": context_length(hf, model_type)},
                        qkv_bias=model_type == "qwen2", **rope_settings(hf))
+
+
+def check_head_dim(hf: dict) -> None:
+    """A head's dims, D: head_dim where given, else hidden_size / num_attention_heads, which
+    must then divide; even either way (RoPE turns the dims in pairs)."""
+    D, C, H = hf.get("head_dim"), hf["hidden_size"], hf["num_attention_heads"]
+    if D is None and C % H:
+        raise ConfigError(f"hidden_size={C} is not a multiple of num_attention_heads={H}, and "
+                          "config.json gives no head_dim")
+    D = D if D is not None else C // H
+    if D % 2:
+        raise ConfigError(f"a head has {D} dims (head_dim, or hidden_size / "
+                          "num_attention_heads): rotary embeddings turn them in pairs, so it "
+                          "must be even")
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:

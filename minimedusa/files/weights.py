@@ -164,12 +164,25 @@ def read_parameter(parts: list[tuple[str, int | None]], where: dict[str, Path],
         if t.shape != needed:
             raise WeightsError(f"tensor {hf} has shape {tuple(t.shape)}, the config needs "
                                f"{tuple(needed)}")
+        check_values(t, hf, where[hf])
         # copy=True: a tensor as get_tensor gives it lies in a mapping of its whole file, which
         # it keeps mapped as long as it lives (the default model's 272 tensors in float32
         # reserved 65 GB of address space, 272 maps of its 0.54 GB file: refused under a
         # memory limit, ulimit -v); a copy lets the file's map go with the read
         pieces.append(t.to(device=device, dtype=dtype or t.dtype, copy=True))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def check_values(t: torch.Tensor, name: str, path: Path) -> None:
+    """A weight is floating point and finite: a file of bools or ints, or one holding NaN or
+    inf (a training run that diverged, a bad conversion), is named here, as it streams in (one
+    pass over each tensor), not met later as a traceback or a text of garbage."""
+    if not t.is_floating_point():
+        raise WeightsError(f"tensor {name} in {path} is stored as {str(t.dtype)[6:]}: a model's "
+                           "weights are floating point")
+    if not torch.isfinite(t).all():
+        raise WeightsError(f"tensor {name} in {path} holds NaN or inf: these weights cannot "
+                           "decode (a diverged training run, or a broken conversion?)")
 
 
 def load_model(folder, device="cpu", dtype=torch.float32, convert_block=None,
