@@ -136,9 +136,11 @@ class KeptBlocks:
 
     def fill(self, i: int, block: nn.Module) -> None:
         try:
+            # clone: a tensor as get_tensor gives it keeps a map of the whole file while it
+            # lives, and every block's did (7.2 GB of address space for a 1.1B model in int4)
             with safe_open(self.path, framework="pt", device="cpu") as kept:
-                tensors = {n.removeprefix(f"{i}."): kept.get_tensor(n) for n in kept.keys()
-                           if n.startswith(f"{i}.")}
+                tensors = {n.removeprefix(f"{i}."): kept.get_tensor(n).clone()
+                           for n in kept.keys() if n.startswith(f"{i}.")}
         except Exception as e:  # safetensors' errors have varied types
             raise KeptBlocksError(f"{self.path}: {e}") from None
         paths = [path.split(".", 1)[1] for path in self.layers if path.startswith(f"{i}.")]
