@@ -76,7 +76,7 @@ def unreadable(path, e: BaseException) -> str:
     if out_of_memory(e):
         return f"cannot read {path}: out of memory ({said}); the file is not at fault: " \
                f"{memory_advice()}"
-    return f"cannot read {path} (truncated or corrupt?): {said}"
+    return f"cannot read {path} (truncated or corrupt?): {said}: write or fetch it again"
 
 
 def one_line(text: str) -> str:
