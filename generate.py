@@ -26,6 +26,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
     from minimedusa.cli.chat import chat
     from minimedusa.cli.draft_heads import decoding_heads
+    from minimedusa.cli.draft_model import check_draft, speculative_decoder
     from minimedusa.cli.drafts import decoding_draft
     from minimedusa.cli.generate_flags import parse_args
     from minimedusa.cli.acceptance_rule import (acceptance_kind, decoding_acceptance,
@@ -45,7 +46,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.speed.plug_in import plug_in
     from minimedusa.speed.reference_check import checked_step
     from minimedusa.speed.weight_formats import describe_weights, format_of
-    from minimedusa.tokenizer import StreamDecoder, Tokenizer
+    from minimedusa.files.tokenizer import StreamDecoder, Tokenizer
 
 
 PROBE = "What is the capital of France?"  # the reference check's prompt, without --prompt
@@ -76,6 +77,8 @@ def load(args):
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist")
     device, weight_format = device_and_format(args, folder)  # the machine's: speed/defaults.py
+    if args.draft is not None and args.dtype == "auto":
+        weight_format = "float32"  # the model's own text: its float32 weights verify the drafts
     tokenizer = Tokenizer.from_folder(folder)
     model = formatted_model(folder, device, weight_format)  # block by block, in its format
     check_flags(args, model, tokenizer)  # in seconds, before the speed's warm-up
@@ -107,6 +110,8 @@ def check_flags(args, model, tokenizer) -> None:
         raise UserError(f"the tokenizer's ids run to {ids - 1}, but the model's embedding has "
                         f"{model.config.vocab_size} rows (config.json's vocab_size): "
                         "tokenizer.json and the weights are not one model's")
+    if args.draft is not None:
+        check_draft(args.draft, args.model or ensure_default_model())
     spec = heads_spec(args)
     if spec is not None:
         acceptance_kind(args)
@@ -123,7 +128,7 @@ def check_flags(args, model, tokenizer) -> None:
 def heads_spec(args) -> str | None:
     """The heads to decode with: --heads, else the default model's trained heads; None for
     plain decoding (--baseline, or a model without heads)."""
-    if args.baseline:
+    if args.baseline or args.draft is not None:  # --draft: a draft model, not heads
         return None
     if args.heads is None and args.model is None and DEFAULT_HEADS_DIR.is_dir():
         return str(DEFAULT_HEADS_DIR)  # the default model comes with trained heads
@@ -136,6 +141,10 @@ def decoder(args, model) -> Decoder:
     the budget used). The one-time work, the heads and the tree budget (its step latencies timed
     here at first use), is done here, the flags checked first."""
     stops, n, spec = model.config.stop_ids, args.max_new_tokens, heads_spec(args)
+    if args.draft is not None:
+        if args.chat:  # its two caches are a run's, not a conversation's
+            raise UserError("--draft decodes a prompt or a file of them, not a chat")
+        return speculative_decoder(args, model, args.model or ensure_default_model())
     if spec is None:
         sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p,
                                 args.seed)

@@ -18,12 +18,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO, tiny_model
 from generate import main as generate_main
-from minimedusa import tokenizer as tokenizer_module
+from minimedusa.files import tokenizer as tokenizer_module
 from minimedusa.errors import UserError
 from minimedusa.files.heads_files import save_draft_vocab, save_heads
 from minimedusa.files.weights import save_model
 from minimedusa.heads import MedusaConfig, MedusaHeads
-from minimedusa.tokenizer import render_chat
+from minimedusa.files.tokenizer import render_chat
 
 FILE_DAMAGES = {"missing": None, "empty": b"", "binary": bytes(range(256)) * 4,
                 "a list": b"[]", "null": b"null", "a string": b'"x"', "a number": b"5"}

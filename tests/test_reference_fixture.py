@@ -6,7 +6,7 @@ import torch
 from minimedusa.model import causal_mask
 from minimedusa.decoding import plain_decode
 from minimedusa.sampling import Sampling
-from minimedusa.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

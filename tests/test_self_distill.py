@@ -10,7 +10,7 @@ from minimedusa.decoding import plain_decode
 from minimedusa.sampling import Sampling
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.training.self_distill import answer_batch, model_written_prompts, same_settings
-from minimedusa.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer
 
 
 @settings(max_examples=20, deadline=None)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from minimedusa.errors import UserError
-from minimedusa.tokenizer import StreamDecoder, Tokenizer, render_chat
+from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, render_chat
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 GOLDEN = json.loads((TEMPLATES / "renderings.json").read_text())["renderings"]

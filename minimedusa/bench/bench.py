@@ -49,7 +49,7 @@ from minimedusa.errors import UserError, entry_point
 from minimedusa.speed.memory_bandwidth import implied_bandwidth, streaming_bandwidth
 from minimedusa.bench.step_profile import (draft_times, forward_times, product_times,
                                            profile_steps, step_times)
-from minimedusa.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer
 from minimedusa.speed.weight_formats import activation_dtype
 
 

@@ -33,7 +33,7 @@ from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.training.self_distill import answer_batch
-from minimedusa.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer
 from minimedusa.speed.reference_check import largest_shift
 from minimedusa.speed.weight_formats import FORMATS, apply_format
 from minimedusa.files.weights import load_model

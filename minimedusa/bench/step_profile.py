@@ -11,14 +11,14 @@ import time
 import torch
 
 from minimedusa.budget import fixed, grow_tree, nested_trees
-from minimedusa.speed.step_latency import cached_prefix, round_robin_medians, step_latency
+from minimedusa.speed.step_latency import (cached_prefix, round_robin_medians, step_latency,
+                                          time_forward)
 from minimedusa.heads import ranked_vocab_size
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import TreeDraft
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.heads import as_features
 from minimedusa.kv_cache import KVCache
-from minimedusa.model import causal_mask
 from minimedusa.speed.group_kernel import switch_tiles, switch_vnni, uses_tiles, uses_vnni
 from minimedusa.speed.memory_bandwidth import weight_bytes
 from minimedusa.speed.defaults import largest_grown_tree
@@ -179,18 +179,6 @@ def forward_times(model, rows=None, cached: int = 256, rounds: int = 5) -> str:
                                    for M in rows}, rounds)
     return (f"a forward of M rows after {cached} cached tokens, ms: " +
             ", ".join(f"M = {M} {1000 * t:.1f}" for M, t in seconds.items()))
-
-
-def time_forward(model, cache: KVCache, cached: int, M: int) -> float:
-    """Seconds of one forward of M rows written after `cached` tokens (the same slots each time)."""
-    device = model.embed.weight.device
-    tokens = torch.zeros(1, M, dtype=torch.long, device=device)  # (1, M)
-    positions = torch.arange(cached, cached + M, device=device)[None]  # (1, M)
-    start = time.perf_counter()
-    model(tokens, positions, causal_mask(cached, M, device), cache, cache.slots(cached, M))
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # the forward is queued, not done, until then
-    return time.perf_counter() - start
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 from minimedusa.decoding import StepStats
 from minimedusa.kv_cache import KVCache
-from minimedusa.tokenizer import StreamDecoder
+from minimedusa.files.tokenizer import StreamDecoder
 
 
 @dataclass

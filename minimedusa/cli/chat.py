@@ -25,7 +25,7 @@ from minimedusa.files.outputs import write_atomically
 from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
 from minimedusa.cli.prompts import ROLES, is_conversation
 from minimedusa.kv_cache import KVCache
-from minimedusa.tokenizer import StreamDecoder, Tokenizer
+from minimedusa.files.tokenizer import StreamDecoder, Tokenizer
 
 COMMANDS = {
     "/help": "list these commands",

@@ -83,6 +83,12 @@ def add_medusa_arguments(p) -> None:
     p.add_argument("--delta", type=non_negative, default=0.3,
                    help="typical acceptance: entropy-scaled threshold delta "
                    "(default: %(default)s)")
+    p.add_argument("--draft", default=None, metavar="FORMAT_OR_DIR",
+                   help="speculative decoding with a draft model instead of heads: the model "
+                   "rounded (int4, w4a8, int8: on a CPU) drafts, the model in --dtype (default "
+                   "float32 with --draft) verifies its drafts in one forward a round and writes "
+                   "its own text, exactly (greedy) or in law (sampling); or another model "
+                   "folder with the same tokenizer drafts (speculative_decoding.py)")
     p.add_argument("--baseline", action="store_true",
                    help="plain decoding, one token per forward, even if heads are given")
 
@@ -105,6 +111,10 @@ def parse_args(argv=None):
         p.error("--out writes the answers of --prompts FILE")
     if args.batch is not None and args.prompts is None:
         p.error("--batch answers the prompts of --prompts FILE several at a time")
+    if args.draft is not None:
+        if args.quantize != "none":
+            p.error(f"--draft verifies with the model in --dtype (default float32) and drafts "
+                    f"with it rounded; --quantize {args.quantize} would round the verifier too")
     if args.json and (args.prompts is not None or args.chat):
         p.error("--json prints one prompt's answer (--prompts writes JSON lines already)")
     return args

@@ -25,7 +25,7 @@ from minimedusa.sampling import Sampling
 from minimedusa.speed.defaults import default_batch
 from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
 from minimedusa.cli.load import device_and_format
-from minimedusa.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
 
@@ -139,10 +139,12 @@ def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoder: De
 def batch_size(args, n_prompts: int) -> int:
     """How many prompts at a time (args.batch set): --batch N, or by default the machine's size
     (speed/defaults.py) where the file holds more than one prompt and no flag asks for Medusa's
-    trees (--heads, --tree, --acceptance), which decode one prompt at a time."""
+    trees (--heads, --tree, --acceptance) or a draft model (--draft), which decode one prompt at
+    a time."""
     medusa = [flag for flag, given in (("--heads", args.heads is not None),
                                        ("--tree", args.tree is not None),
-                                       ("--acceptance", args.acceptance != "auto")) if given]
+                                       ("--acceptance", args.acceptance != "auto"),
+                                       ("--draft", args.draft is not None)) if given]
     if args.batch is None:
         device, _ = device_and_format(args, args.model or ensure_default_model())
         args.batch = default_batch(device) if n_prompts > 1 and not medusa else 1

@@ -12,6 +12,8 @@ import time
 import torch
 
 from minimedusa.decoding import decode_step, medusa_step, new_cache, prefill
+from minimedusa.kv_cache import KVCache
+from minimedusa.model import causal_mask
 from minimedusa.draft import TreeDraft
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.speed.host_greedy import greedy_for, sampling_for
@@ -85,3 +87,32 @@ def time_one_step(model, draft, n: int, cache, features) -> float:
         _, _, kept = medusa_step(model, tree, cache, tokens, greedy_for(cache.device), None)
     draft.read(kept)
     return time.perf_counter() - start
+
+
+def time_forward(model, cache: KVCache, cached: int, M: int) -> float:
+    """Seconds of one forward of M rows written after `cached` tokens (the same slots each time)."""
+    device = model.embed.weight.device
+    tokens = torch.zeros(1, M, dtype=torch.long, device=device)  # (1, M)
+    positions = torch.arange(cached, cached + M, device=device)[None]  # (1, M)
+    start = time.perf_counter()
+    model(tokens, positions, causal_mask(cached, M, device), cache, cache.slots(cached, M))
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the forward is queued, not done, until then
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def round_latency(target, draft, sizes, cached: int = 128) -> dict[int, float]:
+    """Speculative decoding with a draft model (speculative_decoding.py): prior seconds of a
+    round drafting k tokens, for each k of sizes: k steps of the draft and the target's
+    forward of k + 1 rows (linear between 1 and the largest's rows), after `cached`
+    tokens; medians of a few of each, taking turns."""
+    rows = max(sizes) + 1
+    target_cache = KVCache.for_model(target, cached + rows)
+    draft_cache = KVCache.for_model(draft, cached + 1)
+    seconds = round_robin_medians({
+        "one": lambda: time_forward(target, target_cache, cached, 1),
+        "rows": lambda: time_forward(target, target_cache, cached, rows),
+        "draft": lambda: time_forward(draft, draft_cache, cached, 1)}, 3)
+    per_row = (seconds["rows"] - seconds["one"]) / (rows - 1)
+    return {k: k * seconds["draft"] + seconds["one"] + k * per_row for k in sizes}

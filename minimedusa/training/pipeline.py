@@ -31,7 +31,7 @@ from minimedusa.errors import UserError
 from minimedusa.training.self_distill import (Settings, answering_model, batch_seconds, distill,
                                               open_folder, pending_batches)
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer
 from minimedusa.training.loop import batch_rows, total_steps
 from minimedusa.speed.defaults import default_format
 from minimedusa.training.tree_search import (MAX_NODES, calibrate_on, held_out_rows, search_seconds,

@@ -46,7 +46,7 @@ from minimedusa.errors import UserError, entry_point
 from minimedusa.kv_cache import KVCache
 from minimedusa.sampling import Sampling, make_generator
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer
 
 
 @torch.inference_mode()
