@@ -26,7 +26,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
     from minimedusa.cli.chat import chat
     from minimedusa.cli.draft_heads import decoding_heads
-    from minimedusa.cli.draft_model import check_draft, speculative_decoder
+    from minimedusa.cli.draft_model import draft_model, speculative_decoder
     from minimedusa.cli.drafts import decoding_draft
     from minimedusa.cli.generate_flags import parse_args
     from minimedusa.cli.acceptance_rule import (acceptance_kind, decoding_acceptance,
@@ -70,15 +70,23 @@ def input_mode(args) -> str:
 
 
 def load(args):
-    """(model, how its step runs, its weights in words, tokenizer), as gpt-fast's _load_model:
-    the model read in its weight format, the flags that must fit it checked, its speed plugged
-    in. The heads, the draft and the acceptance follow in decoder()."""
+    """(model, how its step runs, its weights in words, tokenizer, --draft's model and how its
+    step runs, or None), as gpt-fast's _load_model: the model read in its weight format, the
+    flags that must fit it checked, its speed plugged in. The heads and the acceptance follow
+    in decoder()."""
     folder = args.model if args.model is not None else ensure_default_model()
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist")
     device, weight_format = device_and_format(args, folder)  # the machine's: speed/defaults.py
-    if args.draft is not None and args.dtype == "auto":
-        weight_format = "float32"  # the model's own text: its float32 weights verify the drafts
+    draft = None
+    if args.draft is not None:
+        if args.chat:  # its two caches are a run's, not a conversation's
+            raise UserError("--draft decodes a prompt or a file of them, not a chat")
+        if args.dtype == "auto":
+            weight_format = "float32"  # the model's own text: its float32 weights verify
+        # first: what its loading holds for a while comes before the target's weights are in
+        # (the default model's peak resident memory 1.41 GB the other way round, 1.24 so)
+        draft = draft_model(args.draft, folder, device)
     tokenizer = Tokenizer.from_folder(folder)
     model = formatted_model(folder, device, weight_format)  # block by block, in its format
     check_flags(args, model, tokenizer)  # in seconds, before the speed's warm-up
@@ -88,7 +96,8 @@ def load(args):
     step = checked_step(model, step, probe_ids(args, tokenizer))
     rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
                                           and not four_bit_checkpoint(folder))
-    return model, step, describe_weights(model.config, weight_format, rounded, device), tokenizer
+    return (model, step, describe_weights(model.config, weight_format, rounded, device),
+            tokenizer, draft)
 
 
 def probe_ids(args, tokenizer) -> list[int]:
@@ -110,8 +119,6 @@ def check_flags(args, model, tokenizer) -> None:
         raise UserError(f"the tokenizer's ids run to {ids - 1}, but the model's embedding has "
                         f"{model.config.vocab_size} rows (config.json's vocab_size): "
                         "tokenizer.json and the weights are not one model's")
-    if args.draft is not None:
-        check_draft(args.draft, args.model or ensure_default_model())
     spec = heads_spec(args)
     if spec is not None:
         acceptance_kind(args)
@@ -135,16 +142,14 @@ def heads_spec(args) -> str | None:
     return args.heads
 
 
-def decoder(args, model) -> Decoder:
+def decoder(args, model, draft=None) -> Decoder:
     """What the flags ask to decode with (answer.Decoder): decode(prompt ids, cache) iterates
     over the tokens each step yields, describe() names the mode (after the run: which tree sizes
     the budget used). The one-time work, the heads and the tree budget (its step latencies timed
-    here at first use), is done here, the flags checked first."""
+    here at first use), is done here, the flags checked first. draft: load()'s (--draft)."""
     stops, n, spec = model.config.stop_ids, args.max_new_tokens, heads_spec(args)
-    if args.draft is not None:
-        if args.chat:  # its two caches are a run's, not a conversation's
-            raise UserError("--draft decodes a prompt or a file of them, not a chat")
-        return speculative_decoder(args, model, args.model or ensure_default_model())
+    if draft is not None:
+        return speculative_decoder(args, model, *draft)
     if spec is None:
         sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p,
                                 args.seed)
@@ -169,8 +174,8 @@ def decoder(args, model) -> Decoder:
 def run(args) -> dict:
     """One prompt (--prompt or standard input), streamed unless --json: the result's numbers."""
     start = time.perf_counter()
-    model, step, weights, tokenizer = load(args)
-    decode = decoder(args, model)
+    model, step, weights, tokenizer, draft = load(args)
+    decode = decoder(args, model, draft)
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system)  # timed from here
     answer = decode_answer(decode, ids, Answer(), None if args.json else StreamDecoder(tokenizer),
@@ -191,8 +196,8 @@ def load_once(args):
     """(model, tokenizer, decoder, where and how it runs in words): for a chat or a file of
     prompts, the model, heads and tree budget loaded once for all their answers."""
     start = time.perf_counter()
-    model, step, weights, tokenizer = load(args)
-    decode = decoder(args, model)
+    model, step, weights, tokenizer, draft = load(args)
+    decode = decoder(args, model, draft)
     return model, tokenizer, decode, (f"{model.embed.weight.device}, {weights}, {step} step; "
                                       f"loaded once in {time.perf_counter() - start:.1f} s")
 
@@ -221,7 +226,7 @@ def run_prompts(args) -> None:
 def run_batched(args, prompts: list, out) -> None:
     """--prompts, args.batch at a time: the model loaded, no heads (plain decoding)."""
     start = time.perf_counter()
-    model, step, weights, tokenizer = load(args)
+    model, step, weights, tokenizer, _ = load(args)  # no draft: --batch decodes plainly
     where = (f"{model.embed.weight.device}, {weights}, {step} step; loaded in "
              f"{time.perf_counter() - start:.1f} s")
     sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p, args.seed)

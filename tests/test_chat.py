@@ -143,8 +143,8 @@ def runs(monkeypatch):
     already in the cache, "prefilled": tokens decoding.prefill ran}; "loads": loadings."""
     runs, real_decoder, real_prefill, real_load = [], generate.decoder, prefill, generate.load
 
-    def decoder(args, model):
-        chosen = real_decoder(args, model)
+    def decoder(args, model, draft=None):
+        chosen = real_decoder(args, model, draft)
         real_decode = chosen.decode
 
         def decode(ids, cache=None):

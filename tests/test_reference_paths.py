@@ -47,7 +47,7 @@ PATHS = ([("cpu", fmt, step) for fmt in FORMATS for step in ("eager", "fused", "
          + [("cuda", "bfloat16", step) for step in ("eager", "graphed")])
 COMPILE_FLAG = {"eager": False, "fused": None, "compiled": True, "graphed": None}
 HOW = {"eager": "eager", "fused": "fused", "compiled": "compiled", "graphed": "CUDA graphs"}
-N = 32  # each chat's first 32 answer tokens (of the fixture's 48): 96 positions a path
+N = 24  # each chat's first 24 answer tokens (of the fixture's 48): 72 positions a path
 
 
 def path_model(folder, device: str, fmt: str, step: str):
@@ -147,7 +147,15 @@ def shipped_draft(model):
     return wrapped(draft, heads, True), budget
 
 
-@pytest.mark.parametrize("device, fmt, step", PATHS)
+# every fast step's, the reading path's (float32 eager) and CUDA's eager one: the other CPU
+# formats' eager steps differ from the reading path only in their products, whose rows of
+# several tokens the plain steps' prefill checks above (and their Medusa, on toys:
+# test_lossless_matrix.py)
+TREE_PATHS = [path for path in PATHS
+              if path[2] != "eager" or path[1] == "float32" or path[0] == "cuda"]
+
+
+@pytest.mark.parametrize("device, fmt, step", TREE_PATHS)
 def test_each_paths_medusa_and_batch_write_the_reference_text(paths, device, fmt, step):
     """Medusa's tree step (the shipped heads) and a batch of the chats' rows (plain steps of 3
     rows), decoding freely: each batch row parts from the reference only where its margin is

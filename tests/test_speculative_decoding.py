@@ -262,3 +262,18 @@ def test_a_draft_folder_with_another_tokenizer_is_one_line(tiny_folder, tmp_path
         generate_main(["--model", str(tiny_folder), "--prompt", "Hi", "--no-compile",
                        "--draft", str(other)])
     assert "is not the target's" in str(end.value.code)
+
+
+def test_a_draft_folder_with_the_targets_tokenizer_drafts(tiny_folder, tmp_path, capsys):
+    """--draft DIR: another model folder of the same tokenizer (here the model itself, copied:
+    every draft kept) drafts for the target."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_folder, copy)
+    flags = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "24",
+             "--no-compile", "--json"]
+    generate_main(flags + ["--draft", str(copy)])
+    drafted = json.loads(capsys.readouterr()[0])
+    generate_main(flags + ["--baseline", "--dtype", "float32"])
+    assert drafted["output_ids"] == json.loads(capsys.readouterr()[0])["output_ids"]
+    kept, proposed = drafted["mode"].split("drafts kept: ")[1].split(")")[0].split("/")
+    assert kept == proposed != "0"

@@ -32,6 +32,7 @@ import torch
 
 from minimedusa.bench.batches import report_batches
 from minimedusa.bench.bench_flags import parse_args
+from minimedusa.bench.draft_engines import draft_engines
 from minimedusa.bench.engines import Engines, engines_to_time, plain_of
 from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.processes import report_generate_processes
@@ -191,6 +192,8 @@ def main(argv=None):
             print(draft_times(model, heads, accuracy))
         return
     engines = engines_to_time(args, model, folder, device, dtype, tokenizer)
+    if args.draft is not None:
+        draft_engines(args, folder, device, engines)
     if args.reference not in engines.run:
         raise UserError(f"--reference {args.reference!r} is not one of the engines: "
                         f"{', '.join(engines.run)}")

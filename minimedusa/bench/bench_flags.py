@@ -81,6 +81,12 @@ def add_engine_variants(p) -> None:
                    help="the engine that overhead and speedup are relative to (default: "
                    "%(default)s; e.g. '[float32] plain (eager)' with --formats float32 "
                    "--eager-too)")
+    p.add_argument("--draft", default=None, metavar="FORMAT_OR_DIR",
+                   help="also time speculative decoding with a draft model (generate.py "
+                   "--draft): the model in float32 verifying the drafts of the model rounded "
+                   "to FORMAT (int4, w4a8, int8) or of the model in DIR, beside float32 plain "
+                   "decoding: '[float32] plain', '[float32] drafted by int4' (and at "
+                   "--temperature, sampled)")
     p.add_argument("--formats", type=format_list(FORMATS), default=[],
                    help="also time plain decoding and Medusa greedy with the model in these "
                    f"weight formats ({', '.join(FORMATS)}), e.g. float32,int8: engines named "

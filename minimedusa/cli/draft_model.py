@@ -65,10 +65,9 @@ def draft_budget(target: Llama, draft: Llama) -> Budget:
     return budget
 
 
-def speculative_decoder(args, target: Llama, folder: Path):
-    """generate.py's Decoder for --draft: the draft loaded, its budget timed, the summary's
-    words (the rounds' k, the drafts kept)."""
-    draft, step = draft_model(args.draft, folder, target.embed.weight.device)
+def speculative_decoder(args, target: Llama, draft: Llama, step: str):
+    """generate.py's Decoder for --draft (draft_model's draft, and how its step runs): its
+    budget timed, the summary's words (the rounds' k, the drafts kept)."""
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     proposer, budget = ModelDraft(draft, sampling), draft_budget(target, draft)
     n, stops = args.max_new_tokens, target.config.stop_ids
