@@ -84,8 +84,8 @@ def load(args):
             raise UserError("--draft decodes a prompt or a file of them, not a chat")
         if args.dtype == "auto":
             weight_format = "float32"  # the model's own text: its float32 weights verify
-        # first: what its loading holds for a while comes before the target's weights are in
-        # (the default model's peak resident memory 1.41 GB the other way round, 1.24 so)
+        # first: what its loading holds for a while comes before the target's weights are in,
+        # not on top of them (the peak resident memory: weights/HISTORY.md, session 29)
         draft = draft_model(args.draft, folder, device)
     tokenizer = Tokenizer.from_folder(folder)
     model = formatted_model(folder, device, weight_format)  # block by block, in its format

@@ -170,7 +170,7 @@ def main(argv=None):
     if not (args.batch or args.profile or args.no_reference):  # before the run's model loads
         prompts = [question_ids(tokenizer, q) for q in questions]
         references = reference_answers(folder, device, prompts, args.max_new_tokens)
-        check = same_as_reference_of(references, weight_format, str(dtype))
+        check = same_as_reference_of(references, weight_format, str(dtype)[6:], device)
     model, step = decoding_model(folder, device, weight_format, args.compile)
     print(f"decoding step: {step}", file=sys.stderr)
     if args.batch:

@@ -13,8 +13,8 @@ top two are far apart, a path must pick the reference's token. Two rules say it:
 - the logits rule (`largest_shift`): at no position does any token gain more than the bound on
   the reference's top token (what would make it win). A path whose logits keep the rule keeps
   the margin rule too.
-A broken step (a wrong cache slot or layer, a mask that hides a token's own key) moves
-logits by whole units and parts from the reference where its margin is wide
+A broken step (keys written at a wrong slot, a mask that hides a token's own key, a block
+skipped) moves logits by whole units and parts from the reference where its margin is wide
 (tests/test_reference_paths.py, its negative controls).
 
 generate.py asks `checked_step` once of a fast step, on the first tokens of its prompt, and
