@@ -27,7 +27,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.chat import chat
     from minimedusa.cli.draft_heads import decoding_heads
     from minimedusa.cli.draft_model import draft_model, speculative_decoder
-    from minimedusa.cli.drafts import decoding_draft
+    from minimedusa.cli.drafts import decoding_draft, tree_draft
     from minimedusa.cli.generate_flags import parse_args
     from minimedusa.cli.acceptance_rule import (acceptance_kind, decoding_acceptance,
                                                 drawn_temperature)
@@ -35,17 +35,18 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.prompts import (answer_prompts, answer_prompts_batched, batch_size,
                                         batched_summary, open_out, prompt_from_stdin,
                                         prompt_ids, prompts_summary, read_prompts)
-    from minimedusa.cli.trees import decoding_tree, ranked_size
+    from minimedusa.cli.trees import decoding_budget, decoding_tree, ranked_size
     from minimedusa.decoding import check_context, medusa_decode, plain_decode
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
     from minimedusa.heads import ranked_vocab_size
-    from minimedusa.speed.host_greedy import sampling_for
+    from minimedusa.speculative_decoding import MedusaDraft
+    from minimedusa.speed.host_greedy import greedy_for, sampling_for
     from minimedusa.speed.defaults import four_bit_checkpoint
     from minimedusa.speed.kept_weights import formatted_model
     from minimedusa.speed.plug_in import plug_in
     from minimedusa.speed.reference_check import checked_step
-    from minimedusa.speed.weight_formats import describe_weights, format_of
+    from minimedusa.speed.weight_formats import QUANTIZED, describe_weights, format_of
     from minimedusa.files.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -149,7 +150,7 @@ def decoder(args, model, draft=None) -> Decoder:
     here at first use), is done here, the flags checked first. draft: load()'s (--draft)."""
     stops, n, spec = model.config.stop_ids, args.max_new_tokens, heads_spec(args)
     if draft is not None:
-        return speculative_decoder(args, model, *draft)
+        return speculative_decoder(args, model, *draft, drafting_heads(args, draft[0]))
     if spec is None:
         sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p,
                                 args.seed)
@@ -169,6 +170,20 @@ def decoder(args, model, draft=None) -> Decoder:
                                                          stops, cache),
                    lambda: f"{kind}, {tree()}, {accept.name}",
                    max(budget.sizes) + 1)  # a step's tree tokens, written before compaction
+
+
+def drafting_heads(args, draft) -> MedusaDraft | None:
+    """--draft's proposer where it decodes with heads (Medusa inside the draft: several drafts a
+    forward of it): --heads, else the default model's trained heads where the model drafts for
+    itself rounded; greedy only (sampling needs each draft's law), and not with --baseline."""
+    own = args.model is None and args.draft in QUANTIZED and DEFAULT_HEADS_DIR.is_dir()
+    spec = args.heads if args.heads is not None else str(DEFAULT_HEADS_DIR) if own else None
+    if spec is None or args.baseline or args.temperature > 0:
+        return None
+    heads = decoding_heads(spec, draft, args.draft_vocab)
+    trees, budget, _ = decoding_budget(heads, draft, spec)  # its own trees' sizes
+    return MedusaDraft(draft, tree_draft(heads, trees, draft, None, None), budget,
+                       greedy_for(draft.embed.weight.device))
 
 
 def run(args) -> dict:

@@ -18,8 +18,9 @@ k: each round's, chosen by a budget (budget.py's Budget, as it chooses tree size
 size's measured round time and tokens; the chain of k drafts is the tree (0,), (0, 0), ... of k
 nodes, and k = 0 a plain step of the target).
 The draft (ModelDraft): any model sharing the target's tokenizer; the same model rounded to 4
-bits is an almost perfect one (cli/draft_model.py makes it). Left out: several drafts a
-position (a tree of the draft's guesses), and batches of prompts.
+bits is an almost perfect one (cli/draft_model.py makes it), and it may decode with its own
+Medusa heads (MedusaDraft: Medusa inside the draft). Left out: several drafts a position (a
+tree of the draft's guesses), and batches of prompts.
 
 Shapes: k drafted tokens, T = k + 1 rows, V vocab.
 """
@@ -27,7 +28,8 @@ from typing import Iterator
 
 import torch
 
-from minimedusa.decoding import cut_at_stop, new_cache, prefill
+from minimedusa.acceptance import Acceptance
+from minimedusa.decoding import cut_at_stop, medusa_decode, new_cache, prefill
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, at_least_float32, causal_mask
 from minimedusa.sampling import Sampling, draw, greedy_tokens, make_generator, probabilities
@@ -80,6 +82,28 @@ class ModelDraft:
         of its cache (rejected drafts) is forgotten. kept: the drafts the target kept."""
         self.cache.rewind(length)
         self.kept += kept
+
+
+class MedusaDraft(ModelDraft):
+    """A draft model decoding with its own heads: each round's k drafts come from
+    decoding.medusa_decode on the draft's cache (several tokens a forward where its heads guess
+    right; its trees' sizes chosen by its own budget, round after round). Greedy only: the
+    target's speculative sampling needs the law each draft was drawn from."""
+
+    def __init__(self, model: Llama, heads_draft, budget, acceptance: Acceptance):
+        super().__init__(model, Sampling())
+        self.heads_draft, self.budget, self.acceptance = heads_draft, budget, acceptance
+
+    def start(self, capacity: int) -> None:
+        super().start(capacity + max(self.budget.sizes) + 1)  # room for a step's tree
+
+    def propose(self, text: list[int], k: int) -> tuple[list[int], None]:
+        """k tokens after text: medusa_decode prefills what of text the cache lacks, and leaves
+        it holding text and the drafts but the last, as ModelDraft.propose does."""
+        steps = medusa_decode(self.model, self.heads_draft, self.budget, self.acceptance, text,
+                              k, set(), self.cache)
+        self.proposed += k
+        return [token for step in steps for token in step], None
 
 
 @torch.inference_mode()

@@ -47,7 +47,7 @@ PATHS = ([("cpu", fmt, step) for fmt in FORMATS for step in ("eager", "fused", "
          + [("cuda", "bfloat16", step) for step in ("eager", "graphed")])
 COMPILE_FLAG = {"eager": False, "fused": None, "compiled": True, "graphed": None}
 HOW = {"eager": "eager", "fused": "fused", "compiled": "compiled", "graphed": "CUDA graphs"}
-N = 24  # each chat's first 24 answer tokens (of the fixture's 48): 72 positions a path
+N = 16  # each chat's first 16 answer tokens (of the fixture's 48): 48 positions a path
 
 
 def path_model(folder, device: str, fmt: str, step: str):

@@ -16,12 +16,13 @@ from minimedusa.cli.load import decoding_model
 from minimedusa.errors import UserError
 from minimedusa.model import Llama
 from minimedusa.sampling import Sampling
-from minimedusa.speculative_decoding import ModelDraft, chain_rank, speculative_decode
+from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, chain_rank,
+                                             speculative_decode)
 from minimedusa.speed.defaults import default_format
 from minimedusa.speed.step_latency import round_latency
 from minimedusa.speed.weight_formats import QUANTIZED
 
-DRAFT_SIZES = (0, 1, 2, 3, 4, 6, 8, 12)  # k, the drafts a round; 0: a plain step of the target
+DRAFT_SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # k, the drafts a round; 0: a target's plain step
 KEPT_PRIOR = 0.9  # a draft token's chance to be kept, until the run has measured it
 
 
@@ -65,18 +66,23 @@ def draft_budget(target: Llama, draft: Llama) -> Budget:
     return budget
 
 
-def speculative_decoder(args, target: Llama, draft: Llama, step: str):
-    """generate.py's Decoder for --draft (draft_model's draft, and how its step runs): its
-    budget timed, the summary's words (the rounds' k, the drafts kept)."""
+def speculative_decoder(args, target: Llama, draft: Llama, step: str,
+                        proposer: ModelDraft | None = None):
+    """generate.py's Decoder for --draft (draft_model's draft, how its step runs, and where it
+    decodes with heads its MedusaDraft; else it drafts plainly): the rounds' budget timed, the
+    summary's words (the rounds' k, the drafts kept)."""
     sampling = Sampling(args.temperature, args.top_p, args.seed)
-    proposer, budget = ModelDraft(draft, sampling), draft_budget(target, draft)
+    proposer = proposer or ModelDraft(draft, sampling)
+    budget = draft_budget(target, draft)
     n, stops = args.max_new_tokens, target.config.stop_ids
 
     def describe() -> str:
         rounds = " ".join(f"{k}:{c}" for k, c in sorted(budget.used.items()) if c)
         kept = f"{proposer.kept}/{proposer.proposed}" if proposer.proposed else "none"
-        return (f"speculative decoding, drafts by the {args.draft} model ({step} step; rounds by "
-                f"drafts: {rounds}; drafts kept: {kept}), "
+        heads = (f" with its heads ({proposer.budget.summary()})"
+                 if isinstance(proposer, MedusaDraft) else "")
+        return (f"speculative decoding, drafts by the {args.draft} model{heads} ({step} step; "
+                f"rounds by drafts: {rounds}; drafts kept: {kept}), "
                 f"{'greedy' if sampling.greedy else 'sampled'}")
     return Decoder(lambda ids, cache=None: speculative_decode(target, proposer, budget,
                                                               sampling, ids, n, stops),

@@ -84,13 +84,16 @@ def add_medusa_arguments(p) -> None:
                    help="typical acceptance: entropy-scaled threshold delta "
                    "(default: %(default)s)")
     p.add_argument("--draft", default=None, metavar="FORMAT_OR_DIR",
-                   help="speculative decoding with a draft model instead of heads: the model "
-                   "rounded (int4, w4a8, int8: on a CPU) drafts, the model in --dtype (default "
-                   "float32 with --draft) verifies its drafts in one forward a round and writes "
-                   "its own text, exactly (greedy) or in law (sampling); or another model "
-                   "folder with the same tokenizer drafts (speculative_decoding.py)")
+                   help="speculative decoding with a draft model: the model rounded (int4, "
+                   "w4a8, int8: on a CPU) drafts, the model in --dtype (default float32 with "
+                   "--draft) verifies its drafts in one forward a round and writes its own "
+                   "text, exactly (greedy) or in law (sampling); or another model folder with "
+                   "the same tokenizer drafts. Greedy, the draft decodes with heads (--heads, "
+                   "else the default model's own): Medusa inside the draft "
+                   "(speculative_decoding.py)")
     p.add_argument("--baseline", action="store_true",
-                   help="plain decoding, one token per forward, even if heads are given")
+                   help="plain decoding, one token per forward, even if heads are given (with "
+                   "--draft: the draft drafts a token a forward)")
 
 
 def parse_args(argv=None):
