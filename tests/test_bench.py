@@ -95,6 +95,19 @@ def test_a_broken_step_fails_the_reference_column_though_it_equals_plain(tmp_pat
     assert capsys.readouterr().out.startswith("REFERENCE CHECK FAILED: plain (")
 
 
+def test_draft_engines_write_float32_plains_text(tmp_path, tiny_folder):
+    """--draft int8: float32 plain, float32 verifying its int8 rounding's drafts, drafted
+    plainly and with the heads: the same answers as float32 plain, and the reference's."""
+    bench.main(QUICK_GREEDY + ["--model", str(tiny_folder), "--draft", "int8",
+                               "--out", str(tmp_path / "b.json")])
+    totals = json.loads((tmp_path / "b.json").read_text())["totals"]
+    drafted = ["[float32] drafted by int8", "[float32] drafted by int8 with heads"]
+    assert {"[float32] plain", *drafted} <= set(totals)
+    for name in drafted:
+        assert totals[name]["identical"] == totals[name]["same_as_reference"] == 8
+        assert totals[name]["acceleration_rate"] > 1.0  # drafts were kept
+
+
 def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, capsys):
     bench.main(["--profile", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
                 "--tree", "chain3", "--threads", "1"])

@@ -86,7 +86,8 @@ def add_engine_variants(p) -> None:
                    "--draft): the model in float32 verifying the drafts of the model rounded "
                    "to FORMAT (int4, w4a8, int8) or of the model in DIR, beside float32 plain "
                    "decoding: '[float32] plain', '[float32] drafted by int4' (and at "
-                   "--temperature, sampled)")
+                   "--temperature, sampled), and the rounded draft decoding with the first "
+                   "--heads: '[float32] drafted by int4 with heads'")
     p.add_argument("--formats", type=format_list(FORMATS), default=[],
                    help="also time plain decoding and Medusa greedy with the model in these "
                    f"weight formats ({', '.join(FORMATS)}), e.g. float32,int8: engines named "
