@@ -71,8 +71,8 @@ def input_mode(args) -> str:
 
 
 def load(args):
-    """(model, how its step runs, its weights in words, tokenizer, --draft's model and how its
-    step runs, or None), as gpt-fast's _load_model: the model read in its weight format, the
+    """(model, how its step runs, its weights in words, tokenizer, --draft's model, how its
+    step runs and its heads' MedusaDraft or None; or None), as gpt-fast's _load_model: the model read in its weight format, the
     flags that must fit it checked, its speed plugged in. The heads and the acceptance follow
     in decoder()."""
     folder = args.model if args.model is not None else ensure_default_model()
@@ -87,7 +87,8 @@ def load(args):
             weight_format = "float32"  # the model's own text: its float32 weights verify
         # first: what its loading holds for a while comes before the target's weights are in,
         # not on top of them (the peak resident memory: weights/HISTORY.md, session 29)
-        draft = draft_model(args.draft, folder, device)
+        draft_llama, draft_step = draft_model(args.draft, folder, device)
+        draft = draft_llama, draft_step, drafting_heads(args, draft_llama)  # its heads too
     tokenizer = Tokenizer.from_folder(folder)
     model = formatted_model(folder, device, weight_format)  # block by block, in its format
     check_flags(args, model, tokenizer)  # in seconds, before the speed's warm-up
@@ -150,7 +151,7 @@ def decoder(args, model, draft=None) -> Decoder:
     here at first use), is done here, the flags checked first. draft: load()'s (--draft)."""
     stops, n, spec = model.config.stop_ids, args.max_new_tokens, heads_spec(args)
     if draft is not None:
-        return speculative_decoder(args, model, *draft, drafting_heads(args, draft[0]))
+        return speculative_decoder(args, model, *draft)
     if spec is None:
         sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p,
                                 args.seed)
