@@ -87,7 +87,7 @@ def load(args):
             weight_format = "float32"  # the model's own text: its float32 weights verify
         # first: what its loading holds for a while comes before the target's weights are in,
         # not on top of them (the peak resident memory: weights/HISTORY.md, session 29)
-        draft_llama, draft_step = draft_model(args.draft, folder, device)
+        draft_llama, draft_step = draft_model(args.draft, folder, device, args.compile)
         draft = draft_llama, draft_step, drafting_heads(args, draft_llama)  # its heads too
     tokenizer = Tokenizer.from_folder(folder)
     model = formatted_model(folder, device, weight_format)  # block by block, in its format

@@ -235,6 +235,16 @@ def built_kernels() -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fresh_compiler():
+    """Each test file ends with torch's compiler emptied, so that the next starts as a process
+    does: the graphs of every model the suite compiles in its one process would otherwise pile
+    up on Block.forward's code, past recompile_limit (compiled_step.py), where a fullgraph
+    compile fails."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(autouse=True)
 def torch_threads():
     """A command's main run in the test's process with --threads N (bench, generate) sets

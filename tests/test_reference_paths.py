@@ -179,13 +179,22 @@ def test_each_paths_medusa_and_batch_write_the_reference_text(paths, device, fmt
 
 # --- negative controls: steps broken as steps break (conftest.BROKEN) ---------------------
 
+@pytest.fixture
+def float32_model(paths):
+    """The float32 model, eager (the file's one, loaded once); its blocks put back after a
+    test that breaks them."""
+    model = paths.model(("cpu", "float32", "eager"))
+    blocks = model.layers
+    yield model
+    model.layers = blocks
+
+
 @pytest.mark.parametrize("kind, fmt", BROKEN)
-def test_a_broken_step_fails_the_logits_rule(default_model_dir, reference, reference_logits,
+def test_a_broken_step_fails_the_logits_rule(float32_model, reference, reference_logits,
                                              kind, fmt):
     """A float32 model with a broken step, held to the loosest bound it breaks (int8's, for
     the gross breaks; float32's for activations rounded to bfloat16, which bfloat16 does)."""
-    model, _ = decoding_model(default_model_dir, torch.device("cpu"), "float32", False)
-    fast = broken(model, kind)
+    fast = broken(float32_model, kind)
     cases = reference["greedy"]["cases"]
     with pytest.raises(AssertionError):  # within the chats' first 12 positions
         assert_keeps_the_reference([forced_logits(fast, c, 12) for c in cases],
@@ -193,14 +202,13 @@ def test_a_broken_step_fails_the_logits_rule(default_model_dir, reference, refer
 
 
 @pytest.mark.parametrize("kind", [kind for kind, fmt in BROKEN if fmt == "int8"])
-def test_a_broken_float32_step_fails_the_margin_rule_on_its_own_text(default_model_dir,
+def test_a_broken_float32_step_fails_the_margin_rule_on_its_own_text(float32_model,
                                                                      reference, kind):
     """The same steps decoding freely, held to float32's bound: their text parts from the
     reference where it was sure. Text alone is the weaker check (keys written one slot early
     still write the coding chat's 48 tokens; activations rounded to bfloat16 all three chats),
     which is why the logits rule holds every position above."""
-    model, _ = decoding_model(default_model_dir, torch.device("cpu"), "float32", False)
-    fast = broken(model, kind)
+    fast = broken(float32_model, kind)
     partings = [parting(plain_greedy(fast, c["prompt_ids"], 8), c["output_ids"],
                         c["top2_margin"], FORMAT_ERROR["float32"])
                 for c in reference["greedy"]["cases"]]  # within 8 tokens
@@ -208,9 +216,9 @@ def test_a_broken_float32_step_fails_the_margin_rule_on_its_own_text(default_mod
 
 
 @pytest.mark.parametrize("kind, fmt", BROKEN)
-def test_a_step_that_fails_the_check_falls_back_to_the_eager_step(default_model_dir, reference,
+def test_a_step_that_fails_the_check_falls_back_to_the_eager_step(float32_model, reference,
                                                                   kind, fmt, capsys):
-    model, _ = decoding_model(default_model_dir, torch.device("cpu"), "float32", False)
+    model = float32_model
     ids = reference["greedy"]["cases"][0]["prompt_ids"]
     eager = probe_logits(model, ids)
     how = checked_step(broken(model, kind), "compiled (warm-up 1.0 s)", ids)

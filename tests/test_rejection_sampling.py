@@ -74,9 +74,8 @@ def plain_samples(temperature, top_p) -> Counter:
                    for s in range(RUNS, 2 * RUNS))
 
 
-@pytest.mark.parametrize("kind, temperature, top_p", [
-    ("medusa", 1.0, 1.0), ("medusa", 0.7, 1.0), ("medusa", 1.0, 0.8), ("hydra", 1.0, 1.0),
-    ("hydra++", 1.0, 1.0)])
+@pytest.mark.parametrize("kind, temperature, top_p", [  # each kind, each setting, once
+    ("medusa", 1.0, 0.8), ("hydra", 0.7, 1.0), ("hydra++", 1.0, 1.0)])
 def test_rejection_sampling_matches_plain_sampling(kind, temperature, top_p):
     p = chi_square_p_value(medusa_samples(rejection(temperature, top_p), kind),
                            plain_samples(temperature, top_p))
@@ -102,7 +101,7 @@ def test_chi_square_test_rejects_a_wrong_sampler():
 
 
 DEFAULT_NODES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (2,)]
-DEFAULT_RUNS, TEMPERATURE, TOP_P = 3000, 1.0, 0.8
+DEFAULT_RUNS, TEMPERATURE, TOP_P = 1500, 1.0, 0.8  # the biased draw below: p ~ 2e-15 here
 
 
 @functools.cache
@@ -122,9 +121,9 @@ def default_path():
 
 def default_path_samples(accept: Acceptance | None, runs: int,
                          seed: int) -> tuple[Counter, float]:
-    """The first 2 tokens of `runs` answers, each decoded with context candidates and the Budget
-    between nested trees and plain steps (a counting clock: every step one second); and the
-    tokens a step over all the runs. accept None: the default above temperature 0, speculative
+    """The first 2 tokens of `runs` answers of 4, each decoded with context candidates and the
+    Budget between nested trees and plain steps (a counting clock: every step one second); and
+    the tokens a step over all the runs. accept None: the default above temperature 0, speculative
     sampling of candidates drawn from the heads (fused where it fuses)."""
     model, heads = default_path()
     trees, rank = nested_trees(DEFAULT_NODES, [3, 8], 4, model.config.vocab_size, "cpu")
@@ -137,7 +136,7 @@ def default_path_samples(accept: Acceptance | None, runs: int,
         rule = accept if accept is not None else speculative(inner, TEMPERATURE, TOP_P)
         answer = list(medusa_decode(model, ContextDraft(inner), budget,
                                     dataclasses.replace(rule, seed=s),
-                                    PROMPT, 6, set()))
+                                    PROMPT, 4, set()))
         flat = [t for step in answer for t in step]
         counts[tuple(flat[:2])] += 1
         tokens, steps = tokens + len(flat), steps + len(answer)

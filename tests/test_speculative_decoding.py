@@ -224,7 +224,7 @@ def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default
     tokens exactly, and most drafts kept (the system prompt's chat, of near-ties, fewest: a
     draft cache rewound wrong keeps few, its drafts following text the target never wrote)."""
     target, _ = decoding_model(default_model_dir, torch.device("cpu"), "float32", False)
-    draft, _ = draft_model("int4", default_model_dir, torch.device("cpu"))
+    draft, _ = draft_model("int4", default_model_dir, torch.device("cpu"), None)  # fused
     heads = decoding_heads(str(DEFAULT_HEADS_DIR), draft)
     trees, heads_budget, _ = decoding_budget(heads, draft, str(DEFAULT_HEADS_DIR))
     proposers = [ModelDraft(draft, Sampling()),

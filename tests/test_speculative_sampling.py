@@ -76,8 +76,11 @@ def chain_and_guesses():
     return table, table + 1.5 * torch.randn(V, V, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("shape", [*TREES, "a point mass among drawn siblings"])
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+# each shape, and each setting of temperature and top-p, once: the shapes and the settings
+# reach different code (the tree's layout; the law's scaling and nucleus), not their pairs
+@pytest.mark.parametrize("shape, temperature, top_p", [
+    ("drawn siblings", 1.0, 0.8), ("rank 1 drawn, not a node", 0.7, 1.0),
+    ("a point mass among drawn siblings", 1.0, 1.0)])
 def test_drawn_drafts_emit_the_plain_law_exactly(shape, temperature, top_p):
     tree = build_tree(TREES.get(shape, POINT_MASS), num_heads=3)
     table, guesses = chain_and_guesses()
@@ -87,8 +90,8 @@ def test_drawn_drafts_emit_the_plain_law_exactly(shape, temperature, top_p):
     assert per_step > 1.3  # candidates are accepted: not a test of plain sampling
 
 
-@pytest.mark.parametrize("shape", ["drawn siblings", "a point mass among drawn siblings"])
-@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.8)])
+@pytest.mark.parametrize("shape, temperature, top_p", [
+    ("drawn siblings", 0.7, 1.0), ("a point mass among drawn siblings", 1.0, 0.8)])
 def test_drafts_over_a_draft_vocabulary_emit_the_plain_law_exactly(shape, temperature, top_p):
     """q over 3 of the 4 tokens (a draft vocabulary: token 1 is never drawn), so a rejection
     changes the residual on q's columns only and token 1 keeps its mass: the law is still

@@ -46,7 +46,7 @@ def add_engine_flags(p) -> None:
 
 
 def add_engine_variants(p) -> None:
-    """Which engines besides plain and Medusa greedy: sampling, baselines, formats, eager."""
+    """Which engines besides plain and Medusa greedy: sampling, baselines, eager."""
     p.add_argument("--temperature", type=non_negative, default=0.7,
                    help="temperature of the sampling engines: plain sampling, and Medusa's "
                    "typical acceptance, rejection sampling and speculative sampling of drawn "
@@ -71,6 +71,11 @@ def add_engine_variants(p) -> None:
     p.add_argument("--eager-too", action="store_true",
                    help="also time every plain and greedy Medusa engine with its decoding step "
                    "eager, as 'NAME (eager)', beside the compiled one (see --compile)")
+
+
+def add_checks_and_models(p) -> None:
+    """The reference every greedy engine is checked against, and the other models timed: a
+    draft model, weight formats."""
     p.add_argument("--no-reference", action="store_true",
                    help="skip the reference's text (the model as read, eager: float32 on a "
                    "CPU, bfloat16 on CUDA, decoded once before the run), and with it the "
@@ -102,6 +107,7 @@ def parse_args(argv=None):
     p.prog = "python -m minimedusa.bench"  # as typed (else argparse names the file)
     add_engine_flags(p)
     add_engine_variants(p)
+    add_checks_and_models(p)
     add_device_arguments(p, threads_default=2)  # 2: this project's CI machine
     add_quantize_argument(p)
     add_compile_argument(p)

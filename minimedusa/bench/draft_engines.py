@@ -25,7 +25,7 @@ from minimedusa.speed.weight_formats import QUANTIZED
 def draft_engines(args, folder: Path, device, engines: Engines) -> None:
     """The float32 target, its plain engines and its engines drafted by --draft, into engines."""
     target, step = decoding_model(folder, device, "float32", args.compile)
-    draft, draft_step = draft_model(args.draft, folder, device)
+    draft, draft_step = draft_model(args.draft, folder, device, args.compile)
     print(f"[float32] decoding step: {step}; its {args.draft} draft's: {draft_step}",
           file=sys.stderr)
     budget = draft_budget(target, draft)

@@ -26,13 +26,15 @@ DRAFT_SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # k, the drafts a round; 0: a targe
 KEPT_PRIOR = 0.9  # a draft token's chance to be kept, until the run has measured it
 
 
-def draft_model(spec: str, folder: Path, device: torch.device) -> tuple[Llama, str]:
+def draft_model(spec: str, folder: Path, device: torch.device,
+                compile_flag: bool | None) -> tuple[Llama, str]:
     """(the draft, how its step runs in words): the target's folder in the quantized format
-    `spec`, or the model folder `spec` in its machine default format."""
+    `spec`, or the model folder `spec` in its machine default format; its step compiled as
+    --compile asks (None: where that is faster), as the target's."""
     check_draft(spec, folder)
     if spec in QUANTIZED:
-        return decoding_model(folder, torch.device("cpu"), spec, None)
-    return decoding_model(Path(spec), device, default_format(device, Path(spec)), None)
+        return decoding_model(folder, torch.device("cpu"), spec, compile_flag)
+    return decoding_model(Path(spec), device, default_format(device, Path(spec)), compile_flag)
 
 
 def check_draft(spec: str, folder: Path) -> None:
