@@ -235,14 +235,14 @@ def built_kernels() -> Path:
     return folder
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fresh_compiler():
-    """Each test file ends with torch's compiler emptied, so that the next starts as a process
-    does: the graphs of every model the suite compiles in its one process would otherwise pile
-    up on Block.forward's code, past recompile_limit (compiled_step.py), where a fullgraph
-    compile fails."""
-    yield
-    torch._dynamo.reset()
+@pytest.fixture(autouse=True, scope="session")
+def room_for_the_suites_graphs():
+    """The suite compiles more models in its one process than any run does (tiny ones of
+    several shapes, the real one in every format), and their graphs all sit on Block.forward's
+    code: past recompile_limit (compile_blocks': 64) a fullgraph compile fails. Emptying the
+    compiler between files instead would compile the same graphs again (~20 s a suite)."""
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Lossless greedy on the real default model, in float32 as generate.py runs it (its products
 prepacked on a CPU): Medusa's output equals plain greedy decoding for the fixture's chat
-prompts, 48 new tokens each (24 with the paper's big tree), with untrained heads (the paper's
+prompts, 32 new tokens each (16 with the paper's big tree), with untrained heads (the paper's
 initialisation: they guess repeats, so some candidates are accepted and some rejected) and with
 the heads shipped in weights/; and generate.py as a user runs it (its default format, step,
 heads, trees and context candidates) against its --baseline. Exactly: a float32 row has the same
@@ -23,7 +23,7 @@ from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR
 from minimedusa.tree import build_tree
 
-NEW = 48
+NEW = 32
 
 
 @functools.cache

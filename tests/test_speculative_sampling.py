@@ -24,6 +24,9 @@ from test_rejection_exact import ALPHA, M, N_SAMPLES, V, chain, exact_law, goodn
 from test_rejection_sampling import chi_square_p_value, plain_samples, setup, RUNS
 
 DRAWS = 3  # draws a node, without replacement
+# half test_rejection_exact's sequences: a total variation of 0.05 (not 0.035) gives a
+# noncentrality >= 100 there, still caught with probability > 0.99 (its power note)
+SAMPLES = N_SAMPLES // 2
 TREES = {  # every node's token drawn at its parent
     "drawn siblings": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
     "rank 1 drawn, not a node": [[0], [2], [0, 0], [0, 2], [2, 0], [0, 0, 0]]}
@@ -84,7 +87,7 @@ def chain_and_guesses():
 def test_drawn_drafts_emit_the_plain_law_exactly(shape, temperature, top_p):
     tree = build_tree(TREES.get(shape, POINT_MASS), num_heads=3)
     table, guesses = chain_and_guesses()
-    counts, per_step = sequences(tree, table, guesses, temperature, top_p, N_SAMPLES, seed=1)
+    counts, per_step = sequences(tree, table, guesses, temperature, top_p, SAMPLES, seed=1)
     p = goodness_of_fit(counts, exact_law(table, 0, temperature, top_p))
     assert p > ALPHA, f"Medusa's sequences do not follow plain sampling's law (p = {p:.2g})"
     assert per_step > 1.3  # candidates are accepted: not a test of plain sampling
@@ -98,7 +101,7 @@ def test_drafts_over_a_draft_vocabulary_emit_the_plain_law_exactly(shape, temper
     plain sampling's."""
     tree = build_tree(TREES.get(shape, POINT_MASS), num_heads=3)
     table, guesses = chain_and_guesses()
-    counts, per_step = sequences(tree, table, guesses, temperature, top_p, N_SAMPLES, seed=2,
+    counts, per_step = sequences(tree, table, guesses, temperature, top_p, SAMPLES, seed=2,
                                  ids=torch.tensor([2, 0, 3]))
     p = goodness_of_fit(counts, exact_law(table, 0, temperature, top_p))
     assert p > ALPHA, f"Medusa's sequences do not follow plain sampling's law (p = {p:.2g})"
@@ -118,7 +121,7 @@ def test_a_sibling_law_that_forgets_the_earlier_draws_fails(monkeypatch):
     monkeypatch.setattr(speculative_sampling, "law_of", law_without_the_earlier_draws_removed)
     table, guesses = chain_and_guesses()
     tree = build_tree(TREES["drawn siblings"], num_heads=3)
-    counts, _ = sequences(tree, table, guesses, 1.0, 1.0, N_SAMPLES // 2, seed=1)
+    counts, _ = sequences(tree, table, guesses, 1.0, 1.0, SAMPLES, seed=1)
     p = goodness_of_fit(counts, exact_law(table, 0, 1.0, 1.0))
     assert p < ALPHA, f"the broken rule went unnoticed (p = {p:.2g})"
 
@@ -126,7 +129,7 @@ def test_a_sibling_law_that_forgets_the_earlier_draws_fails(monkeypatch):
 def test_drafts_drawn_from_another_q_than_verified_against_fail():
     table, guesses = chain_and_guesses()
     tree = build_tree(TREES["drawn siblings"], num_heads=3)
-    counts, _ = sequences(tree, table, guesses, 1.0, 1.0, N_SAMPLES // 2, seed=1,
+    counts, _ = sequences(tree, table, guesses, 1.0, 1.0, SAMPLES, seed=1,
                           draft_temperature=0.3)
     p = goodness_of_fit(counts, exact_law(table, 0, 1.0, 1.0))
     assert p < ALPHA, f"the broken draft went unnoticed (p = {p:.2g})"

@@ -73,7 +73,7 @@ def compile_blocks(model: Llama) -> None:
     weight format in one process, and an int8 block is not a bfloat16 one)."""
     # every model compiled in a process adds its own few graphs (bench compiles one per
     # weight format); past torch's default limit of 8 it would fall back to eager, silently
-    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     use_kernel(model)
     model.layers = Blocks([CompiledBlock(block) for block in model.layers])
 

@@ -266,7 +266,7 @@ def graph_step(model: Llama, compiled: bool) -> str:
     Budget's tree sizes' (warm_up); returns how the step runs, in words."""
     if compiled:
         # one compiled graph serves all blocks; each tree size and cache size is a shape
-        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # subtle: inside a fused kernel inductor keeps a bfloat16 result in float32 (no
         # rounding between the steps it fuses), so a row's bits would depend on what it chose
         # to fuse in each shape's graph; rounding where eager rounds makes them independent of
