@@ -215,7 +215,8 @@ def test_a_broken_float32_step_fails_the_margin_rule_on_its_own_text(float32_mod
     assert any(p is not None for p in partings)
 
 
-@pytest.mark.parametrize("kind, fmt", BROKEN)
+# a gross break and a subtle one: the fallback is the same whatever broke the step
+@pytest.mark.parametrize("kind, fmt", [BROKEN[2], BROKEN[3]])
 def test_a_step_that_fails_the_check_falls_back_to_the_eager_step(float32_model, reference,
                                                                   kind, fmt, capsys):
     model = float32_model
