@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import copycat_model, tiny_model
 from minimedusa.acceptance import greedy
-from minimedusa.budget import FixedSize
+from minimedusa.budget import FixedSize, grow_tree
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import MedusaHeads
 from minimedusa.ranked_tree import RankedDraft, most_probable_paths, ranked_draft
@@ -35,6 +35,22 @@ def test_most_probable_paths_are_the_best_n_of_every_path(depths, n):
     got = sorted((path_probability(probs, p) for p in paths), reverse=True)
     assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(got, best))
     assert all(p[:-1] in paths for p in paths if len(p) > 1)  # a tree: every parent is in it
+
+
+@settings(max_examples=50, deadline=None)
+@given(K=st.integers(1, 4), R=st.integers(1, 4), n=st.integers(1, 20), data=st.data())
+def test_grow_tree_and_the_ranked_search_find_equally_probable_trees(K, R, n, data):
+    """One search written twice: budget.grow_tree (the calibration's tree, children pushed all
+    at once) and most_probable_paths (each step's, a node's first child and next sibling):
+    where every depth's guesses are ranked, their best n paths hold the same probabilities."""
+    rows = [sorted(data.draw(st.lists(st.floats(0.001, 1.0), min_size=R, max_size=R)),
+                   reverse=True) for _ in range(K)]
+    nodes, probs = grow_tree(torch.tensor(rows, dtype=torch.float64), n)
+    paths = most_probable_paths(rows, n)
+    assert len(nodes) == len(paths) == min(n, sum(R ** k for k in range(1, K + 1)))
+    ranked = sorted((path_probability(rows, p) for p in paths), reverse=True)
+    assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(sorted(probs, reverse=True),
+                                                                 ranked))
 
 
 def test_medusa_ranked_tree_holds_the_heads_guesses():
