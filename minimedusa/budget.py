@@ -134,7 +134,7 @@ class Budget:
         self.expected, self.latency, self.rank = expected, latency, rank
         self.chain = chain
         # rows: the records a step makes: a batch's rows each record their share of its time
-        # and their own accepted path (batch_decoding.py); the counts below are per step
+        # and their own accepted path (experiments/batch_medusa.py); the counts below are per step
         self.prior_steps = prior_steps * rows  # how many steps' worth of evidence the prior
         # counts for
         self.trusted = trusted * rows  # steps of a size before its own timing replaces the

@@ -10,8 +10,8 @@ depth, hydra.py); all N tree tokens run through the model in ONE forward after t
 with the tree mask; acceptance verifies the candidates along the root-to-leaf paths; the
 accepted tokens' keys/values are copied into place (KV compaction); the heads read the hidden
 state at the last accepted node, which gives the next step's candidates with no extra forward.
-Elsewhere: many prompts at once, plain and Medusa (batch_decoding.py), and the step replayed
-from CUDA graphs on a GPU (speed/cuda_graphs.py). Left out: beam search.
+Elsewhere: many prompts at once (batch_decoding.py; Medusa in a batch: experiments/), the step
+replayed from CUDA graphs on a GPU (speed/cuda_graphs.py). Left out: beam search.
 
 Shapes: T tokens, V vocab, C model dim, K heads, N tree nodes, D max depth, n cached tokens.
 """

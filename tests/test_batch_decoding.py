@@ -1,10 +1,11 @@
-"""Batched decoding (batch_decoding.py): many prompts at once, each row its own sequence in one
-KV cache. Proven on random tiny models for random prompts, batch sizes and stop ids: every
-row's answer is its batch-1 answer, greedy and sampled (each row its own generator), whatever
-the rows beside it and whenever they finish; with Medusa's trees in the batch (random trees,
-each row its own acceptance and compaction), greedy rows are batch-1 plain greedy and rejection
-sampled rows batch-1 Medusa's; the cache's per-row writes and views; the fused step's batches
-(a row's bits whatever the rows beside it); generate.py --prompts --batch."""
+"""Batched decoding (batch_decoding.py; Medusa in a batch: experiments/batch_medusa.py): many
+prompts at once, each row its own sequence in one KV cache. Proven on random tiny models for
+random prompts, batch sizes and stop ids: every row's answer is its batch-1 answer, greedy and
+sampled (each row its own generator), whatever the rows beside it and whenever they finish;
+with Medusa's trees in the batch (random trees, each row its own acceptance and compaction),
+greedy rows are batch-1 plain greedy and rejection sampled rows batch-1 Medusa's; the cache's
+per-row writes and views; the fused step's batches (a row's bits whatever the rows beside it);
+generate.py --prompts --batch."""
 import itertools
 import json
 
@@ -15,9 +16,10 @@ from hypothesis import given, settings, strategies as st
 import generate
 from conftest import DEVICES, copycat_model, cycling_heads, cycling_model, tiny_model
 from minimedusa.acceptance import greedy, rejection
-from minimedusa.batch_decoding import (BatchMedusa, batch_decode, batch_medusa_decode,
-                                       batch_step, batch_tree_mask, batch_tree_step,
-                                       compact_row, max_tree_size)
+from minimedusa.batch_decoding import batch_decode, batch_step
+from minimedusa.experiments.batch_medusa import (BatchMedusa, batch_medusa_decode,
+                                                 batch_tree_mask, batch_tree_step, compact_row,
+                                                 max_tree_size)
 from minimedusa.budget import Budget, fixed, nested_trees
 from minimedusa.decoding import (decode_step, medusa_decode, plain_decode, prefill, tree_forward,
                                  tree_mask)

@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, cycling_heads, cycling_model
 from minimedusa.acceptance import greedy
-from minimedusa.batch_decoding import BatchMedusa, batch_decode, batch_medusa_decode
+from minimedusa.batch_decoding import batch_decode
+from minimedusa.experiments.batch_medusa import BatchMedusa, batch_medusa_decode
 from minimedusa.budget import fixed
 from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_decode, prefill,
                                  tree_forward)

@@ -7,9 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from minimedusa.batch_decoding import max_tree_size
-from minimedusa.budget import (SIZES, Budget, batch_latency, expected_length, grow_tree,
-                               nested_trees)
+from minimedusa.budget import SIZES, Budget, expected_length, grow_tree, nested_trees
 from minimedusa.context_candidates import CHAIN
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.heads import ranked_vocab_size
@@ -124,21 +122,3 @@ def decoding_budget(heads, model: Llama, heads_spec: str, context: bool = False)
     latency, source = machine_latency(model, heads, trees)
     return (trees, Budget([0, *sizes], expected, latency, rank, chain=CHAIN if context else 0),
             f"{why}, latencies {source}")
-
-
-def batch_budget(heads, model: Llama, heads_spec: str, batch_size: int):
-    """(trees by size, for_rows(r): a fresh Budget for a step of r rows, why) for Medusa in a
-    batch (batch_decoding.batch_medusa_decode: for_rows(batch_size) its budget, for_rows its
-    fewer): decoding_budget's, its sizes cut to the batch's largest tree (max_tree_size),
-    without context candidates (a chain is one sequence's). A Budget for r rows takes batch-1's
-    latency priors read by rows (budget.batch_latency: a step of n nodes is r (n + 1) rows),
-    rescales them by its plain steps, timed first, and times each tree size it tries; its rows
-    record a step each."""
-    trees, budget, why = decoding_budget(heads, model, heads_spec)
-    sizes = [n for n in budget.sizes if n <= max_tree_size(batch_size)]
-
-    def for_rows(rows: int) -> Budget:
-        latency = batch_latency(budget.latency, rows)
-        return Budget(sizes, {n: budget.expected[n] for n in sizes if n in budget.expected},
-                      {n: latency[n] for n in sizes}, budget.rank, rows=rows)
-    return {n: trees[n] for n in sizes if n}, for_rows, why

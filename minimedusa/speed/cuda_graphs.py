@@ -208,8 +208,8 @@ class GraphedBlocks(Blocks):
 
     def forward(self, x, cos, sin, mask, cache=None, slots=None):  # (B, T, C) -> (B, T, C)
         B, T, _ = x.shape
-        # one sequence's step or tree; a batch's step, or its trees (batch_decoding.py: within
-        # the exact attention's rows)
+        # one sequence's step or tree; a batch's step, or its trees (experiments/batch_medusa.py:
+        # within the exact attention's rows)
         fits = T <= MAX_ROWS and B <= MAX_BATCH and (B == 1 or B * T <= EXACT_ATTENTION_TOKENS)
         if cache is None or not torch.is_inference_mode_enabled():  # training, a whole text
             return super().forward(x, cos, sin, mask, cache, slots)
