@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from minimedusa.acceptance import Acceptance
+from minimedusa.draft import Draft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32, causal_mask
@@ -176,8 +177,8 @@ def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, g
     return [acceptance.first(logits[0], generator).item()], [0], hidden
 
 
-def medusa_decode(model: Llama, draft, budget, acceptance: Acceptance, prompt_ids: list[int],
-                  max_new_tokens: int, stop_ids: set[int],
+def medusa_decode(model: Llama, draft: Draft, budget, acceptance: Acceptance,
+                  prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                   cache: KVCache | None = None) -> Iterator[list[int]]:
     """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
     first the prefill's token, then each step's accepted candidates + the next token.

@@ -14,11 +14,29 @@ sizes the Budget chooses among (budget.nested_trees). Others: the confidence-ran
 
 Shapes: C model dim, K heads, V vocab (V' the heads' draft vocabulary), N tree nodes.
 """
+from typing import Protocol
+
 import torch
 
 from minimedusa.heads import DraftVocabulary, MedusaHeads, as_features, drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.tree import MedusaTree
+
+
+class Draft(Protocol):
+    """The five verbs decoding.medusa_decode asks of a draft (the module's docstring says when);
+    TreeDraft below is the paper's."""
+
+    def start(self, prompt_ids: list[int], cache) -> None: ...
+
+    def read(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def match(self, root: int) -> int: ...
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor,
+             rank: dict) -> tuple[MedusaTree, torch.Tensor, dict]: ...
+
+    def extend(self, tokens: list[int]) -> None: ...
 
 
 def best_guesses(logits: torch.Tensor, k: int) -> torch.Tensor:

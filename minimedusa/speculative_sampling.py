@@ -51,12 +51,23 @@ def gumbel_noise(shape, generator, device) -> torch.Tensor:
     return -torch.log(-torch.log(uniform.clamp(min=1e-20)))
 
 
-def draw_without_replacement(logits: torch.Tensor, k: int, temperature: float, generator):
+def draw_without_replacement(logits: torch.Tensor, k: int, temperature: float,
+                             noise: torch.Tensor):
     """k draws without replacement from q = softmax(logits / T), in the order drawn, by the
-    Gumbel-top-k trick: (columns (..., k), q (..., V')); logits (..., V')."""
+    Gumbel-top-k trick, the k largest of logits / T + noise (standard Gumbel noise of logits'
+    shape): (columns (..., k), q (..., V')); logits (..., V')."""
     scaled = logits.float() / temperature
-    keys = scaled + gumbel_noise(scaled.shape, generator, scaled.device)  # (..., V')
+    keys = scaled + noise  # (..., V')
     return keys.topk(k, dim=-1).indices, torch.softmax(scaled, dim=-1)
+
+
+def step_noise(heads, tree: MedusaTree, width: int, generator, device) -> torch.Tensor:
+    """A step's Gumbel noise, drawn at once, in the one layout every drawn draft reads (this
+    file's and the fused one, speed/fused_draft.py, so that one seed draws the same candidates
+    on both): Hydra heads draw at each parent node, a row a node (N, V'), the row at the node's
+    index; Medusa heads draw once a head, a row a head (K, V')."""
+    rows = tree.size if isinstance(heads, HydraHeads) else tree.num_heads
+    return gumbel_noise((rows, width), generator, device)
 
 
 @dataclass
@@ -90,10 +101,16 @@ class DrawnDraft(TreeDraft):
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         tree = self.trees[n]
         calls = []  # (q (M, V'), the columns drawn (M, k)) of each call of the heads, in order
+        noise = []  # the step's (step_noise), drawn at the first call, once its width is known
 
         def pick(logits, k):
-            columns, q = draw_without_replacement(logits, k, self.temperature,
-                                                  self.generator_on(features.device))
+            if not noise:
+                noise.append(step_noise(self.heads, tree, logits.shape[-1],
+                                        self.generator_on(features.device), features.device))
+            # Hydra's call at depth d: its parents' rows (tree.drafting's order); Medusa's: all
+            rows = (tree.drafting[len(calls)][0] if isinstance(self.heads, HydraHeads)
+                    else slice(None))
+            columns, q = draw_without_replacement(logits, k, self.temperature, noise[0][rows])
             calls.append((q, columns))
             return columns
 

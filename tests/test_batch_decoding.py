@@ -23,9 +23,13 @@ from minimedusa.experiments.batch_medusa import (BatchMedusa, batch_medusa_decod
 from minimedusa.budget import Budget, fixed, nested_trees
 from minimedusa.decoding import (decode_step, medusa_decode, plain_decode, prefill, tree_forward,
                                  tree_mask)
+from minimedusa.context_candidates import ContextDraft
 from minimedusa.draft import TreeDraft
+from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
+from minimedusa.ranked_tree import RankedDraft
 from minimedusa.sampling import Sampling
+from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
 from minimedusa.speed.fused_draft import fast_draft
@@ -288,6 +292,20 @@ def test_batches_trees_stay_within_the_exact_attentions_rows():
     medusa = BatchMedusa(*fixed(cycling_heads(model, "medusa", 0), tree), greedy())
     with pytest.raises(ValueError, match="at most 15"):
         list(batch_medusa_decode(model, [[5, 6]] * 16, 4, medusa, set(), 16))
+
+
+@pytest.mark.parametrize("wrap, needle", [
+    (ContextDraft, "ContextDraft keeps a sequence's state"),
+    (lambda draft: RankedDraft(draft.heads), "RankedDraft keeps a sequence's state"),
+    (lambda draft: DrawnDraft(draft.heads, draft.trees, 0.7), "drawn candidates")])
+def test_a_draft_the_batch_cannot_run_is_one_line(wrap, needle):
+    """Drafts whose state is a sequence's, whose tree is each row's, or whose draws the
+    acceptance must be told: refused before a step, not decoded wrong."""
+    model = cycling_model(0)
+    draft, budget = fixed(cycling_heads(model, "medusa", 0), build_tree([[0], [1]], 4))
+    with pytest.raises(UserError, match=needle):
+        list(batch_medusa_decode(model, [[5, 6]] * 2, 4, BatchMedusa(wrap(draft), budget,
+                                                                     greedy()), set(), 2))
 
 
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,

@@ -12,14 +12,14 @@ from conftest import perturbed
 from minimedusa.acceptance import greedy
 from minimedusa.budget import fixed
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ids
+from minimedusa.heads import DraftVocabulary, MedusaHeads
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
 from minimedusa.draft import TreeDraft
 from minimedusa.speed.fused_draft import (FusedDrawnDraft, FusedHydraDraft, fast_draft,
                                           fusable_draft)
-from minimedusa.speculative_sampling import DrawnDraft, gumbel_noise
+from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.speed.plug_in import plug_in_heads
 from minimedusa.speed.weight_formats import apply_format
 from minimedusa.tree import build_tree
@@ -118,42 +118,30 @@ def test_heads_the_fused_draft_does_not_serve_say_why():
 @settings(max_examples=30, deadline=None)
 @given(choices=trees(max_nodes=12, max_depth=4), seed=st.integers(0, 10_000),
        vocabulary=st.sampled_from([0, 32]), temperature=st.sampled_from([300.0, 1000.0, 3000.0]))
-def test_the_fused_draw_draws_the_reference_tokens_from_the_same_noise(choices, seed,
-                                                                       vocabulary, temperature):
-    """hydra_draw against hydra_candidates picking by the same keys (logits / T + the same
-    Gumbel noise, a row a parent): the same tokens, the same draws, the same q. The test
-    model's head logits spread ~1,500 (std): temperatures of that order let the noise decide,
-    so a key without T, or without the noise, draws other tokens."""
+def test_the_fused_draw_draws_drawn_drafts_candidates_from_the_same_seed(choices, seed,
+                                                                        vocabulary, temperature):
+    """hydra_draw against DrawnDraft (the reference: hydra_candidates drawing by logits / T +
+    Gumbel noise) with the same seed, over two steps: the same tokens, the same draws, the
+    same q (one noise layout, speculative_sampling.step_noise). The test model's head logits
+    spread ~1,500 (std): temperatures of that order let the noise decide, so a key without T,
+    or noise in another layout, draws other tokens."""
     model, heads = setup(seed % 4, torch.float32, vocabulary)
     tree = build_tree(choices, num_heads=4)
     g = torch.Generator().manual_seed(seed)
-    hidden = 4 * torch.randn(model.config.hidden_size, generator=g)
-    root = int(torch.randint(0, model.config.vocab_size, (), generator=g))
+    reference = DrawnDraft(heads, {tree.size - 1: tree}, temperature, seed)
     fused = FusedDrawnDraft(DrawnDraft(heads, {tree.size - 1: tree}, temperature, seed), model)
-    _, tokens, _ = fused.tree(model, tree.size - 1, root, hidden, {})
-    noise = gumbel_noise((tree.size, fused.fused.lm[1].shape[0] * 16),
-                         torch.Generator().manual_seed(seed), "cpu")  # the draft's first noise
-    depth = iter(tree.drafting)
-    q_of = {}
-
-    def pick(logits, k):  # the reference's keys at one depth's parents
-        parents = next(depth)[0]
-        columns = (logits.float() / temperature + noise[parents]).topk(k, dim=-1).indices
-        for row, parent in enumerate(parents.tolist()):
-            q_of[tree.nodes[parent]] = torch.softmax(logits[row].float() / temperature, -1)
-            columns_of[tree.nodes[parent]] = columns[row].tolist()
-        return columns
-
-    columns_of = {}
-    reference = hydra_candidates(heads, model, hidden, torch.tensor(root), tree, pick)
-    assert torch.equal(tokens, reference)
-    proposal = fused.take_proposal()
-    assert set(proposal.q) == set(q_of)
-    for path, q in q_of.items():
-        torch.testing.assert_close(proposal.q[path], q, rtol=1e-4, atol=1e-6)
-        assert proposal.columns[path] == columns_of[path]  # the columns of q the verifier reads
-        assert proposal.draws[path] == token_ids(heads.vocabulary,
-                                                 torch.tensor(columns_of[path])).tolist()
+    for _ in range(2):  # the second step draws from where the first left the generator
+        hidden = 4 * torch.randn(model.config.hidden_size, generator=g)
+        root = int(torch.randint(0, model.config.vocab_size, (), generator=g))
+        _, tokens, _ = fused.tree(model, tree.size - 1, root, hidden, {})
+        _, wanted, _ = reference.tree(model, tree.size - 1, root, hidden, {})
+        assert torch.equal(tokens, wanted)
+        got, expected = fused.take_proposal(), reference.take_proposal()
+        assert set(got.q) == set(expected.q)
+        for path, q in expected.q.items():
+            torch.testing.assert_close(got.q[path], q, rtol=1e-4, atol=1e-6)
+            assert got.columns[path] == expected.columns[path]  # the columns the verifier reads
+            assert got.draws[path] == expected.draws[path]
 
 
 def test_speculative_sampling_swaps_in_the_fused_draw_where_it_fuses():

@@ -18,7 +18,7 @@ from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import medusa_decode
 from minimedusa.sampling import probabilities
 from minimedusa.speculative_sampling import (DrawnDraft, Proposal, draw_without_replacement,
-                                             speculative, verify_drawn)
+                                             gumbel_noise, speculative, verify_drawn)
 from minimedusa.tree import build_tree
 from test_rejection_exact import ALPHA, M, N_SAMPLES, V, chain, exact_law, goodness_of_fit
 from test_rejection_sampling import chi_square_p_value, plain_samples, setup, RUNS
@@ -46,7 +46,8 @@ def drawn_step(tree, table, guesses, root: int, temperature: float, g, draft_tem
             a = tokens[parent]
             scores = guesses[a] if ids is None else guesses[a][ids]  # (V',)
             columns, q = draw_without_replacement(scores[None], DRAWS,
-                                                  draft_temperature or temperature, g)
+                                                  draft_temperature or temperature,
+                                                  gumbel_noise((1, len(scores)), g, "cpu"))
             proposal.columns[parent] = columns[0].tolist()
             proposal.draws[parent] = (columns[0] if ids is None else ids[columns[0]]).tolist()
             proposal.q[parent] = torch.softmax(scores.float() / temperature, dim=-1)
@@ -143,7 +144,8 @@ def test_one_candidate_is_accepted_with_probability_one_minus_tv(seed):
     p, q = torch.softmax(p_logits, -1), torch.softmax(q_logits, -1)
     tree, n, accepted = build_tree([[0]], num_heads=1), 20_000, 0
     for _ in range(n):
-        columns, _ = draw_without_replacement(q_logits[None], 1, 1.0, g)
+        columns, _ = draw_without_replacement(q_logits[None], 1, 1.0,
+                                              gumbel_noise((1, len(q_logits)), g, "cpu"))
         x = columns[0, 0].item()
         proposal = Proposal(q={(): q}, columns={(): [x]}, draws={(): [x]})
         nodes, _ = verify_drawn(lambda node: p, tree, torch.tensor([0, x]), proposal, g)

@@ -25,11 +25,13 @@ from pathlib import Path
 import torch
 
 from minimedusa.batch_decoding import batch_decode
-from minimedusa.experiments.batch_medusa import BatchMedusa, batch_budget, batch_medusa_decode
+from minimedusa.budget import Budget, batch_latency
+from minimedusa.experiments.batch_medusa import BatchMedusa, batch_medusa_decode, max_tree_size
 from minimedusa.bench.engines import rule_engines
 from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.llama_cpp_tools import batched_rates, find_tools, runs_the_model
 from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.trees import decoding_budget
 from minimedusa.decoding import plain_decode
 from minimedusa.draft import TreeDraft
 from minimedusa.files.default_model import ensure_default_gguf
@@ -169,3 +171,21 @@ def kv_cache_mb(model, rows: int, capacity: int) -> float:
     cfg, dtype = model.config, model.embed.weight.dtype
     size = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * capacity * cfg.head_dim
     return round(size * torch.finfo(dtype).bits / 8 / 1e6, 1)
+
+
+def batch_budget(heads, model, heads_spec: str, batch_size: int):
+    """(trees by size, for_rows(r): a fresh Budget for a step of r rows, why) for Medusa in a
+    batch (batch_medusa.batch_medusa_decode: for_rows(batch_size) its budget, for_rows its
+    fewer): decoding_budget's, its sizes cut to the batch's largest tree (max_tree_size),
+    without context candidates (a chain is one sequence's). A Budget for r rows takes batch-1's
+    latency priors read by rows (budget.batch_latency: a step of n nodes is r (n + 1) rows),
+    rescales them by its plain steps, timed first, and times each tree size it tries; its rows
+    record a step each."""
+    trees, budget, why = decoding_budget(heads, model, heads_spec)
+    sizes = [n for n in budget.sizes if n <= max_tree_size(batch_size)]
+
+    def for_rows(rows: int) -> Budget:
+        latency = batch_latency(budget.latency, rows)
+        return Budget(sizes, {n: budget.expected[n] for n in sizes if n in budget.expected},
+                      {n: latency[n] for n in sizes}, budget.rank, rows=rows)
+    return {n: trees[n] for n in sizes if n}, for_rows, why

@@ -25,12 +25,13 @@ import torch
 
 from minimedusa.acceptance import Acceptance
 from minimedusa.batch_decoding import Row, batch_cache, batch_step, refill
-from minimedusa.budget import Budget, batch_latency
-from minimedusa.cli.trees import decoding_budget
 from minimedusa.decoding import cut_at_stop, prefill
+from minimedusa.draft import TreeDraft
+from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32
 from minimedusa.sampling import make_generator
+from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.tree import MedusaTree
 
 
@@ -97,6 +98,9 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
     own acceptance), each row refilled with the next prompt when its answer ends. Every row
     draws from a generator of its own, seeded as batch-1 Medusa seeds its one."""
     budget = medusa.budget
+    problem = unbatchable(medusa.draft)
+    if problem is not None:
+        raise UserError(f"Medusa in a batch cannot run this draft: {problem}")
     if max(budget.sizes) > max_tree_size(batch_size):
         raise ValueError(f"trees of {max(budget.sizes)} nodes in a batch of {batch_size} rows: at "
                          f"most {max_tree_size(batch_size)} (max_tree_size) keep rows lossless")
@@ -131,6 +135,20 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
             # a row's share of the step (a Budget made with rows=B counts B records a step):
             # it weighs the sizes by their tokens a second over all rows
             step_budget.record(n, seconds / len(rows), accepted)
+
+
+def unbatchable(draft) -> str | None:
+    """Why a batch cannot run `draft`, or None. The batch drafts each row's tree in turn from
+    the row's hidden state alone and verifies every row's on one tree: a TreeDraft (fused or
+    graphed) of fixed trees. Not a draft that keeps a sequence between steps (context
+    candidates, Hydra++'s draft layer), nor one whose tree is each row's own (ranked trees), nor
+    one whose draws the acceptance must be told (drawn candidates)."""
+    if isinstance(draft, DrawnDraft):
+        return "drawn candidates need their proposal verified a row at a time"
+    if not isinstance(draft, TreeDraft):
+        return (f"a {type(draft).__name__} keeps a sequence's state or draws a tree of its own "
+                "a step; a batch runs the heads' fixed trees (TreeDraft)")
+    return None
 
 
 def row_count_budgets(medusa: BatchMedusa, batch_size: int) -> Callable[[int], object]:
@@ -187,21 +205,3 @@ def batch_medusa_step(model: Llama, cache: KVCache, medusa: BatchMedusa, n: int,
         compact_row(cache, b, lengths[b], nodes)
         steps.append((nodes, new, [tree.nodes[i] for i in nodes[1:]]))
     return steps, hidden
-
-
-def batch_budget(heads, model: Llama, heads_spec: str, batch_size: int):
-    """(trees by size, for_rows(r): a fresh Budget for a step of r rows, why) for Medusa in a
-    batch (batch_medusa_decode: for_rows(batch_size) its budget, for_rows its
-    fewer): decoding_budget's, its sizes cut to the batch's largest tree (max_tree_size),
-    without context candidates (a chain is one sequence's). A Budget for r rows takes batch-1's
-    latency priors read by rows (budget.batch_latency: a step of n nodes is r (n + 1) rows),
-    rescales them by its plain steps, timed first, and times each tree size it tries; its rows
-    record a step each."""
-    trees, budget, why = decoding_budget(heads, model, heads_spec)
-    sizes = [n for n in budget.sizes if n <= max_tree_size(batch_size)]
-
-    def for_rows(rows: int) -> Budget:
-        latency = batch_latency(budget.latency, rows)
-        return Budget(sizes, {n: budget.expected[n] for n in sizes if n in budget.expected},
-                      {n: latency[n] for n in sizes}, budget.rank, rows=rows)
-    return {n: trees[n] for n in sizes if n}, for_rows, why

@@ -29,7 +29,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.speed.graphed_draft import GraphedDraft
 from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import Int8GroupLinear
-from minimedusa.speculative_sampling import DrawnDraft, gumbel_noise, proposal_from
+from minimedusa.speculative_sampling import DrawnDraft, proposal_from, step_noise
 from minimedusa.tree import MedusaTree
 
 # hidden (C,), root, the tree's ancestors (N, D + 1) and drafting order (4 tensors a depth), the
@@ -111,8 +111,9 @@ class FusedHydraDraft(TreeDraft):
 
 
 class FusedDrawnDraft(DrawnDraft):
-    """DrawnDraft of Hydra heads, its draws in one hydra_draw call: the same noise and keys as
-    draw_without_replacement's (logits / T + Gumbel noise), each parent's logits back for q."""
+    """DrawnDraft of Hydra heads, its draws in one hydra_draw call: the same noise (step_noise,
+    from the same generator) and keys (logits / T + noise) as DrawnDraft's, so the same seed
+    draws the same candidates; each parent's logits back for q."""
 
     def __init__(self, draft: DrawnDraft, model):
         super().__init__(draft.heads, draft.trees, draft.temperature, draft.seed)
@@ -126,8 +127,8 @@ class FusedDrawnDraft(DrawnDraft):
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         tree = self.trees[n]
         columns = self.fused.lm[1].shape[0] * 16  # V': the LM head's outputs, 16 a block
-        noise = gumbel_noise((tree.size, columns), self.generator_on(features.device),
-                             features.device)  # (N, V'): a row for each node's children
+        noise = step_noise(self.heads, tree, columns, self.generator_on(features.device),
+                           features.device)  # (N, V'): a row for each node's children
         with torch.inference_mode():
             tokens, logits, draws = torch.ops.minimedusa.hydra_draw(
                 *self.fused.arguments(tree, root, features), noise, self.temperature)
