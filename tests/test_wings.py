@@ -1,8 +1,9 @@
 """The house's plan, read off its source with ast: the paper's core (minimedusa/*.py) imports no
 wing (speed/, training/, files/, bench/, cli/, experiments/) and reads no attribute a wing gives
 its objects; no module imports itself back through others, nor more than a reader can hold in
-mind; medusa_decode takes the paper's loop's parts, no switch; every file and function stays
-small enough to read in one sitting, with room under each limit (ROOM)."""
+mind; the README reads the core in an order of its imports; medusa_decode takes the paper's
+loop's parts, no switch; every file and function stays small enough to read in one sitting,
+with room under each limit (ROOM)."""
 import ast
 import inspect
 from pathlib import Path
@@ -126,6 +127,22 @@ def test_the_core_reads_no_attribute_a_wing_gives_its_objects():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
                 assert node.attr not in added, f"{path.name}:{node.lineno} reads .{node.attr}"
+
+
+def test_the_readmes_reading_order_follows_the_imports():
+    """The README's table of the core, read top to bottom, meets each file after every core
+    file it imports (errors.py, imported everywhere, is named below the table), and names
+    every core file."""
+    table = [line.split("`")[1] for line in (ROOT / "README.md").read_text().splitlines()
+             if line.startswith("| `") and line.split("`")[1].endswith(".py")]
+    order = [f"minimedusa.{name[:-3]}" for name in table]
+    core = {module_name(p) for p in CORE} - {"minimedusa.__init__", "minimedusa.errors"}
+    assert set(order) == core
+    modules = package_modules()
+    for i, name in enumerate(order):
+        imported = {n if n in modules else n.rsplit(".", 1)[0] for n in imports(modules[name])}
+        later = (imported & core) - set(order[:i]) - {name}
+        assert not later, f"{name} imports {sorted(later)}, read after it"
 
 
 def test_medusa_decode_takes_the_loops_parts_and_no_switch():
