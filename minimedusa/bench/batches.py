@@ -4,9 +4,9 @@ The questions answered as a set, each engine in turn, round after round, alterna
 first: plain decoding one prompt after another (batch 1), the default Medusa one prompt after
 another (the heads, the adapted trees, context candidates: generate.py --batch 1), and plain
 batched decoding and Medusa in a batch at each --batch size (batch_decoding.py,
-experiments/batch_medusa.py; Medusa's trees
-no larger than the batch allows, the Budget choosing each step's size for the batch, plain steps
-among them, as it measures them, without context candidates). Reported per engine: tokens/s over
+experiments/batch_medusa.py; Medusa's trees no larger than the batch allows, the Budget
+choosing each step's size for the batch, plain steps among them, as it measures them, without
+context candidates). Reported per engine: tokens/s over
 all the answers (the best round), tokens/s a row (what batching does to one answer's speed), how
 many answers equal batch-1 plain's, and the process's peak resident memory after its first
 round (which runs the sizes in increasing order, each after its warm-up: the peak is that
@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 
 from minimedusa.batch_decoding import batch_decode
-from minimedusa.budget import Budget, batch_latency
-from minimedusa.experiments.batch_medusa import BatchMedusa, batch_medusa_decode, max_tree_size
 from minimedusa.bench.engines import rule_engines
 from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.llama_cpp_tools import batched_rates, find_tools, runs_the_model
 from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.cli.trees import decoding_budget
+from minimedusa.budget import Budget, batch_latency
 from minimedusa.decoding import plain_decode
 from minimedusa.draft import TreeDraft
+from minimedusa.experiments.batch_medusa import BatchMedusa, batch_medusa_decode, max_tree_size
 from minimedusa.files.default_model import ensure_default_gguf
 from minimedusa.files.outputs import write_json
 from minimedusa.speed.fused_draft import fast_draft
