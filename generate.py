@@ -166,7 +166,7 @@ def decoder(args, model, draft=None) -> Decoder:
     context = args.context and args.tree in (None, "ranked")  # with the adapted trees only
     draws = drawn_temperature(args)  # speculative sampling: candidates drawn at T, else None
     draft, budget, tree = decoding_draft(args.tree, heads, model, spec, context, draws, args.seed)
-    accept = decoding_acceptance(args, model.embed.weight.device, draft)
+    accept = decoding_acceptance(args, model.embed.weight.device)
     return Decoder(lambda ids, cache=None: medusa_decode(model, draft, budget, accept, ids, n,
                                                          stops, cache),
                    lambda: f"{kind}, {tree()}, {accept.name}",

@@ -79,9 +79,10 @@ def typical_acceptance(logits, tree: MedusaTree, tokens, generator, temperature,
 
 @dataclass
 class Acceptance:
-    """A step's rule: accept(logits (N, V), tree, tokens (N,), generator) -> (the accepted
-    nodes' indices, root first; the new tokens: the accepted candidates, then the next token),
-    Python lists, the step's one host sync; first(logits (V,), generator) -> the very first
+    """A step's rule: accept(logits (N, V), candidates (draft.Candidates: the tree, its tokens
+    (N,), what drawn ones were drawn from), generator) -> (the accepted nodes' indices, root
+    first; the new tokens: the accepted candidates, then the next token), Python lists, the
+    step's one host sync; first(logits (V,), generator) -> the very first
     token (), drawn from the distribution the rule draws its next tokens from; seed: the seed
     of the run's random draws (None: from the system), as Sampling's for plain decoding."""
     name: str
@@ -93,7 +94,8 @@ class Acceptance:
 def on_device(verify: Callable) -> Callable:
     """accept for a rule verified on the device, verify(logits, tree, tokens, generator) ->
     (path, length, next) 0-d tensors: nothing waits until accepted_on_host's one sync."""
-    def accept(logits, tree: MedusaTree, tokens, generator):
+    def accept(logits, candidates, generator):
+        tree, tokens = candidates.tree, candidates.tokens
         return accepted_on_host(tree, tokens, *verify(logits, tree, tokens, generator))
     return accept
 

@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from minimedusa.draft import Candidates
 from minimedusa.tree import MedusaTree, build_tree
 
 
@@ -156,11 +157,13 @@ class ContextDraft:
         return group
 
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
-        if len(self.chain) >= n:
-            return chain_alone(root, self.chain[:n], features.device)
-        tree, tokens, rank = self.draft.tree(model, n, root, features, rank)
-        return with_chain(tree, tokens, rank, n, self.chain) if self.chain else (tree, tokens,
-                                                                                 rank)
+        if len(self.chain) >= n:  # no draft: nothing drawn, the chain's tokens point masses
+            return Candidates(*chain_alone(root, self.chain[:n], features.device))
+        drafted = self.draft.tree(model, n, root, features, rank)
+        if not self.chain:
+            return drafted
+        merged = with_chain(drafted.tree, drafted.tokens, drafted.rank, n, self.chain)
+        return Candidates(*merged, drafted.proposal)  # what the heads' nodes were drawn from
 
     def extend(self, tokens: list[int]) -> None:
         self.index.extend(tokens)

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from minimedusa.acceptance import Acceptance
-from minimedusa.draft import Draft
+from minimedusa.draft import Candidates, Draft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32, causal_mask
@@ -154,17 +154,18 @@ def tree_forward(model: Llama, cache: KVCache, tree: MedusaTree, tokens: torch.T
     return at_least_float32(logits[0]), hidden[0]
 
 
-def medusa_step(model: Llama, tree: MedusaTree, cache: KVCache, tokens: torch.Tensor,
-                acceptance: Acceptance, generator):
-    """One step: verify the tree's candidate tokens (N,) (the root first: the last token
-    emitted, not yet in the cache) in one forward.
+def medusa_step(model: Llama, candidates: Candidates, cache: KVCache, acceptance: Acceptance,
+                generator):
+    """One step: verify the draft's candidates (its tree's tokens (N,), the root first: the last
+    token emitted, not yet in the cache) in one forward, the acceptance given them whole.
 
     Returns (the new tokens: the accepted candidates, then the next token drawn at the last
     accepted node; the accepted nodes' indices, root first; the hidden states (a, C) at the
     accepted nodes, the last of which the heads guess the next step's candidates from).
     """
-    logits, hidden = tree_forward(model, cache, tree, tokens)  # (N, V), (N, C)
-    nodes, new_tokens = acceptance.accept(logits, tree, tokens, generator)  # the one host sync
+    tree = candidates.tree
+    logits, hidden = tree_forward(model, cache, tree, candidates.tokens)  # (N, V), (N, C)
+    nodes, new_tokens = acceptance.accept(logits, candidates, generator)  # the one host sync
     cache.compact(nodes)  # the accepted nodes' keys/values into place; rejected ones dropped
     return new_tokens, nodes, hidden[nodes]
 
@@ -213,9 +214,9 @@ def medusa_decode(model: Llama, draft: Draft, budget, acceptance: Acceptance,
             new, nodes, hidden = root_step(model, cache, root, acceptance, generator)
             accepted, rank = [], None
         else:
-            tree, tokens, rank = draft.tree(model, n, root, features, budget.rank)
-            new, nodes, hidden = medusa_step(model, tree, cache, tokens, acceptance, generator)
-            accepted = [tree.nodes[i] for i in nodes[1:]]
+            candidates = draft.tree(model, n, root, features, budget.rank)
+            new, nodes, hidden = medusa_step(model, candidates, cache, acceptance, generator)
+            accepted, rank = [candidates.tree.nodes[i] for i in nodes[1:]], candidates.rank
         # note: a step's time includes what the draft reads of its kept positions (a draft
         # layer reads them all): every step pays it, plain ones too
         features = draft.read(hidden)

@@ -5,8 +5,9 @@ The decoding loop (decoding.medusa_decode) asks a draft five things, in the orde
 them: start(prompt ids, cache) before the prefill; read(hidden (a, C)) after every forward, what
 the heads will read (here the last position's hidden state); match(root), the Budget's group
 for the step (how long a suffix a context chain matched: 0 here, context_candidates.py);
-tree(model, n, root, features, rank), the step's tree of n nodes, its tokens (n + 1,) and each
-node path's rank; extend(tokens), the step's accepted candidates.
+tree(model, n, root, features, rank), the step's Candidates: its tree of n nodes, its tokens
+(n + 1,), each node path's rank, and what drawn candidates were drawn from, which the loop
+hands the acceptance with them; extend(tokens), the step's accepted candidates.
 
 TreeDraft is the paper's: a fixed tree every step (budget.fixed), or one of nested trees of the
 sizes the Budget chooses among (budget.nested_trees). Others: the confidence-ranked tree
@@ -14,6 +15,7 @@ sizes the Budget chooses among (budget.nested_trees). Others: the confidence-ran
 
 Shapes: C model dim, K heads, V vocab (V' the heads' draft vocabulary), N tree nodes.
 """
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -21,6 +23,18 @@ import torch
 from minimedusa.heads import DraftVocabulary, MedusaHeads, as_features, drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads, hydra_candidates
 from minimedusa.tree import MedusaTree
+
+
+@dataclass
+class Candidates:
+    """A step's draft, handed whole from the draft to the acceptance: the tree, its tokens (N,)
+    root first, each node path's rank (what the Budget records a step by), and for candidates
+    drawn from the heads what they were drawn from (speculative_sampling.Proposal; None: every
+    candidate is a point mass, as the heads' top-k are)."""
+    tree: MedusaTree
+    tokens: torch.Tensor
+    rank: dict
+    proposal: object = None
 
 
 class Draft(Protocol):
@@ -34,7 +48,7 @@ class Draft(Protocol):
     def match(self, root: int) -> int: ...
 
     def tree(self, model, n: int, root: int, features: torch.Tensor,
-             rank: dict) -> tuple[MedusaTree, torch.Tensor, dict]: ...
+             rank: dict) -> Candidates: ...
 
     def extend(self, tokens: list[int]) -> None: ...
 
@@ -94,9 +108,10 @@ class TreeDraft:
     def match(self, root: int) -> int:
         return 0  # no context chain: every step in the budget's one group
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
-        """(trees[n], its tokens (n + 1,), root first, each node path's rank)."""
-        return self.trees[n], tree_tokens(self.heads, model, self.trees[n], root, features), rank
+    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict) -> Candidates:
+        """trees[n], its tokens (n + 1,), root first, each node path's rank."""
+        tree = self.trees[n]
+        return Candidates(tree, tree_tokens(self.heads, model, tree, root, features), rank)
 
     def extend(self, tokens: list[int]) -> None:
         pass  # the accepted tokens change nothing the heads keep

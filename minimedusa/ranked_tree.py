@@ -21,6 +21,7 @@ import heapq
 
 import torch
 
+from minimedusa.draft import Candidates
 from minimedusa.heads import as_features, drafting_lm_head, token_ids
 from minimedusa.hydra import HydraHeads
 from minimedusa.tree import MedusaTree, build_tree
@@ -117,7 +118,7 @@ class RankedDraft:
 
     def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
         tree, tokens, order = ranked_draft(self.heads, model, root, features, n)
-        return tree, tokens, {path: i + 1 for i, path in enumerate(order)}
+        return Candidates(tree, tokens, {path: i + 1 for i, path in enumerate(order)})
 
     def extend(self, tokens: list[int]) -> None:
         pass

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minimedusa.acceptance import Acceptance
-from minimedusa.draft import TreeDraft, tree_tokens
+from minimedusa.draft import Candidates, TreeDraft, tree_tokens
 from minimedusa.heads import token_ids
 from minimedusa.hydra import HydraHeads
 from minimedusa.sampling import draw, make_generator, probabilities
@@ -83,14 +83,14 @@ class Proposal:
 
 class DrawnDraft(TreeDraft):
     """TreeDraft whose candidates are drawn from the heads' q at `temperature`, without
-    replacement, instead of their top-k; each step's Proposal is kept for the acceptance
-    (take_proposal), which must know what every candidate was drawn from."""
+    replacement, instead of their top-k; each step's Candidates carry their Proposal to the
+    acceptance, which must know what every candidate was drawn from."""
 
     def __init__(self, heads, trees: dict[int, MedusaTree], temperature: float,
                  seed: int | None = None):
         super().__init__(heads, trees)
         self.temperature, self.seed = temperature, seed
-        self.generator, self.proposal = None, None
+        self.generator = None
 
     def generator_on(self, device) -> torch.Generator:
         """The draws' generator, made once, on the heads' device."""
@@ -115,14 +115,7 @@ class DrawnDraft(TreeDraft):
             return columns
 
         tokens = tree_tokens(self.heads, model, tree, root, features, pick)
-        self.proposal = proposal_of(tree, calls, self.heads)
-        return tree, tokens, rank
-
-    def take_proposal(self) -> Proposal | None:
-        """The last drafted step's proposal, once: a step that did not draft (a context chain
-        alone) finds None, and verifies its candidates as point masses."""
-        proposal, self.proposal = self.proposal, None
-        return proposal
+        return Candidates(tree, tokens, rank, proposal_of(tree, calls, self.heads))
 
 
 def proposal_of(tree: MedusaTree, calls: list, heads) -> Proposal:
@@ -221,14 +214,15 @@ def verify_drawn(p, tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal |
         node, weights, total = accepted, p(accepted), 1.0
 
 
-def speculative(draft: DrawnDraft, temperature: float, top_p: float = 1.0,
-                seed: int | None = None) -> Acceptance:
-    """Speculative sampling of `draft`'s drawn candidates (DrawnDraft, maybe inside a context
-    draft), lossless at (temperature, top_p): the Acceptance the decoding loop runs."""
-    def accept(logits, tree, tokens, generator):
+def speculative(temperature: float, top_p: float = 1.0, seed: int | None = None) -> Acceptance:
+    """Speculative sampling of drawn candidates (a DrawnDraft's, maybe inside a context draft:
+    their Candidates carry what they were drawn from; a step with none, a context chain alone,
+    verifies point masses), lossless at (temperature, top_p): the Acceptance the loop runs."""
+    def accept(logits, candidates, generator):
         def p(node):  # (V,) p at a node, computed only where the walk goes
             return probabilities(logits[node], temperature, top_p)
-        return verify_drawn(p, tree, tokens, draft.take_proposal(), generator)
+        return verify_drawn(p, candidates.tree, candidates.tokens, candidates.proposal,
+                            generator)
 
     def first(logits, generator):
         return draw(probabilities(logits, temperature, top_p), generator)

@@ -217,7 +217,7 @@ def test_the_graphed_draft_gives_the_drafts_tokens(pair, kind):
         with torch.inference_mode():
             ours, theirs = draft.tree(graphed, n, root, hidden, {}), reference.tree(
                 graphed, n, root, hidden, {})
-        assert torch.equal(ours[1], theirs[1])
+        assert torch.equal(ours.tokens, theirs.tokens)
 
 
 def test_batches_and_long_prompts_run_the_blocks_the_graphs_hold_uncaptured(pair):

@@ -19,7 +19,7 @@ from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import (medusa_decode, medusa_step, new_cache, plain_decode, prefill,
                                  root_step)
-from minimedusa.draft import TreeDraft, tree_tokens
+from minimedusa.draft import Candidates, TreeDraft, tree_tokens
 from minimedusa.experiments.draft_layer import (HydraPlusPlusHeads, PlusPlusDraft, new_draft_cache,
                                                 read_accepted, with_draft_layer)
 from minimedusa.training.draft_layer_rows import ANSWERS_PER_BATCH, answer_rows, layer_features
@@ -81,8 +81,9 @@ def test_the_draft_cache_equals_a_fresh_prefill_of_the_accepted_sequence(choices
         if plain:
             new, _, kept = root_step(model, cache, sequence[-1], greedy(), None)
         else:
-            tokens = tree_tokens(heads, model, tree, sequence[-1], features)
-            new, _, kept = medusa_step(model, tree, cache, tokens, greedy(), None)
+            candidates = Candidates(tree, tree_tokens(heads, model, tree, sequence[-1], features),
+                                    {})
+            new, _, kept = medusa_step(model, candidates, cache, greedy(), None)
         features = read_accepted(heads, draft_cache, kept)
         sequence += new
     n = len(sequence) - 1  # both caches hold all but the newest token

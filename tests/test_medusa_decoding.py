@@ -18,7 +18,7 @@ from minimedusa.kv_cache import KVCache
 from minimedusa.speed.host_greedy import greedy_on_host
 from minimedusa.decoding import (StepStats, medusa_decode, medusa_step, new_cache, plain_decode,
                                  prefill, tree_forward)
-from minimedusa.draft import tree_tokens
+from minimedusa.draft import Candidates, tree_tokens
 from minimedusa.model import causal_mask
 from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
@@ -114,9 +114,8 @@ def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(devi
     logits, hidden = prefill(model, cache, torch.tensor([prompt], device=device))
     sequence, hidden = prompt + [logits[0].argmax().item()], hidden[-1]
     for _ in range(n_steps):
-        new, _, kept = medusa_step(model, tree, cache,
-                                   tree_tokens(heads, model, tree, sequence[-1], hidden), greedy(),
-                                   None)
+        candidates = Candidates(tree, tree_tokens(heads, model, tree, sequence[-1], hidden), {})
+        new, _, kept = medusa_step(model, candidates, cache, greedy(), None)
         hidden = kept[-1]
         sequence += new
         n = len(sequence) - 1  # the cache holds all but the newest token (the next root)
@@ -160,7 +159,7 @@ def test_typical_with_vanishing_thresholds_accepts_every_path_fully(choices, see
     logits = 3 * torch.randn(tree.size, VOCAB, generator=g)  # (N, V)
     tokens = torch.randint(0, VOCAB, (tree.size,), generator=g)
     accept = typical(temperature, eps=1e-30, delta=1e-30)
-    nodes, _ = accept.accept(logits, tree, tokens, None)
+    nodes, _ = accept.accept(logits, Candidates(tree, tokens, {}), None)
     assert len(nodes) - 1 == tree.num_heads  # the deepest path, accepted to its leaf
 
 

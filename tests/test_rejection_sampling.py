@@ -133,7 +133,7 @@ def default_path_samples(accept: Acceptance | None, runs: int,
                         clock=itertools.count().__next__)
         inner = fast_draft(TreeDraft(heads, trees) if accept is not None else
                            DrawnDraft(heads, trees, TEMPERATURE, s + 10**6), model)
-        rule = accept if accept is not None else speculative(inner, TEMPERATURE, TOP_P)
+        rule = accept if accept is not None else speculative(TEMPERATURE, TOP_P)
         answer = list(medusa_decode(model, ContextDraft(inner), budget,
                                     dataclasses.replace(rule, seed=s),
                                     PROMPT, 4, set()))

@@ -159,7 +159,7 @@ def drawn_samples(kind: str, temperature: float, top_p: float, context: bool) ->
     model, heads, tree = setup(kind)
     inner, budget = fixed(heads, tree)
     draft = DrawnDraft(heads, inner.trees, temperature)
-    rule = speculative(draft, temperature, top_p)
+    rule = speculative(temperature, top_p)
     outer = ContextDraft(draft) if context else draft
     counts = Counter()
     for s in range(RUNS):

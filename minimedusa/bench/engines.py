@@ -157,7 +157,7 @@ def drawn_engine(model, heads, tree, temperature: float):
     """Speculative sampling of candidates drawn from the heads, on one tree every step."""
     draft, budget = fixed(heads, tree)
     drawn = fast_draft(DrawnDraft(heads, draft.trees, temperature), model)
-    return fixed_engine(model, drawn, budget, speculative(drawn, temperature))
+    return fixed_engine(model, drawn, budget, speculative(temperature))
 
 
 def adaptive_engine(model, draft, budget, acceptance, usage: Counter):
@@ -228,7 +228,7 @@ def rule_engines(label, spec, model, heads, tree, temperature: float, usage: dic
     if temperature > 0:
         name = f"speculative T={temperature}"
         drafts[name] = fast_draft(DrawnDraft(heads, trees, temperature), model)
-        rules[name] = speculative(drafts[name], temperature)
+        rules[name] = speculative(temperature)
         usage[label + name] = Counter()
     run = {label + r: adaptive_engine(model, wrapped(drafts[r], heads, context != "off" and not
                                                      r.endswith(NO_CONTEXT)), budget, a,

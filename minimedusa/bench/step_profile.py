@@ -200,5 +200,5 @@ def draft_times(model, heads, accuracy, rounds: int = 9) -> str:
 def time_draft(model, draft, n: int, features) -> float:
     """Seconds of one draft of the n-node tree's tokens from the features at one position."""
     start = time.perf_counter()
-    draft.tree(model, n, 0, features, {})[1].tolist()  # on the host: the draft is done
+    draft.tree(model, n, 0, features, {}).tokens.tolist()  # on the host: the draft is done
     return time.perf_counter() - start

@@ -6,7 +6,7 @@ import torch
 
 from minimedusa import acceptance
 from minimedusa.errors import UserError
-from minimedusa.speculative_sampling import DrawnDraft, speculative
+from minimedusa.speculative_sampling import speculative
 from minimedusa.speed.host_greedy import greedy_for
 
 
@@ -32,9 +32,9 @@ def drawn_temperature(args) -> float | None:
     return args.temperature if acceptance_kind(args) == "speculative" else None
 
 
-def decoding_acceptance(args, device: torch.device, draft=None) -> acceptance.Acceptance:
+def decoding_acceptance(args, device: torch.device) -> acceptance.Acceptance:
     """--acceptance (acceptance_kind), with --temperature, --top-p, --eps, --delta, --seed.
-    Speculative sampling verifies what `draft` drew (its DrawnDraft, inside any wrapper).
+    Speculative sampling verifies what the draft drew (each step's Candidates carry it).
     Greedy on a CPU is walked on the host (speed/host_greedy.py: the same tokens, fewer
     operators)."""
     kind, temperature = acceptance_kind(args), args.temperature
@@ -43,7 +43,5 @@ def decoding_acceptance(args, device: torch.device, draft=None) -> acceptance.Ac
     if kind == "rejection":
         return acceptance.rejection(temperature, args.top_p, args.seed)
     if kind == "speculative":
-        while not isinstance(draft, DrawnDraft):  # unwrapped: context candidates, Hydra++
-            draft = draft.draft
-        return speculative(draft, temperature, args.top_p, args.seed)
+        return speculative(temperature, args.top_p, args.seed)
     return greedy_for(device)

@@ -26,7 +26,7 @@ import torch
 from minimedusa.acceptance import Acceptance
 from minimedusa.batch_decoding import Row, batch_cache, batch_step, refill
 from minimedusa.decoding import cut_at_stop, prefill
-from minimedusa.draft import TreeDraft
+from minimedusa.draft import Candidates, TreeDraft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32
@@ -192,16 +192,17 @@ def batch_medusa_step(model: Llama, cache: KVCache, medusa: BatchMedusa, n: int,
         steps = [([0], [acceptance.first(logits[b], row.generator).item()], [])
                  for b, row in enumerate(rows)]
         return steps, hidden.unsqueeze(1)  # (B, 1, C): the root's, a row's one node
-    candidates = []
+    drafted = []
     for root, row in zip(roots, rows):  # what the heads read: read for tree steps only
-        tree, tokens, _ = draft.tree(model, n, root, draft.read(row.hidden), medusa.budget.rank)
+        step = draft.tree(model, n, root, draft.read(row.hidden), medusa.budget.rank)
         # a graphed draft's tokens live in its graph's buffer: the next row's overwrites them
-        candidates.append(tokens.clone())
-    candidates = torch.stack(candidates)  # (B, N): one size, one tree, every row's
-    logits, hidden = batch_tree_step(model, cache, tree, candidates, lengths)
+        drafted.append(Candidates(step.tree, step.tokens.clone(), step.rank))
+    tree = drafted[0].tree  # one size, one tree, every row's
+    tokens = torch.stack([c.tokens for c in drafted])  # (B, N)
+    logits, hidden = batch_tree_step(model, cache, tree, tokens, lengths)
     steps = []
     for b, row in enumerate(rows):
-        nodes, new = acceptance.accept(logits[b], tree, candidates[b], row.generator)
+        nodes, new = acceptance.accept(logits[b], drafted[b], row.generator)
         compact_row(cache, b, lengths[b], nodes)
         steps.append((nodes, new, [tree.nodes[i] for i in nodes[1:]]))
     return steps, hidden

@@ -22,7 +22,7 @@ Shapes: C model dim, N tree nodes, D depth, V' the heads' vocabulary.
 """
 import torch
 
-from minimedusa.draft import TreeDraft
+from minimedusa.draft import Candidates, TreeDraft
 from minimedusa.heads import drafting_lm_head
 from minimedusa.hydra import HydraHeads
 from minimedusa.speed import group_kernel
@@ -102,7 +102,7 @@ class FusedHydraDraft(TreeDraft):
         tree = self.trees[n]
         with torch.inference_mode():
             tokens = torch.ops.minimedusa.hydra_draft(*self.arguments(tree, root, features))
-        return tree, tokens, rank
+        return Candidates(tree, tokens, rank)
 
     def arguments(self, tree: MedusaTree, root: int, features: torch.Tensor) -> tuple:
         drafting = [t for depth in tree.drafting for t in depth]
@@ -134,9 +134,9 @@ class FusedDrawnDraft(DrawnDraft):
                 *self.fused.arguments(tree, root, features), noise, self.temperature)
         parents = sorted({p for parents, *_ in tree.drafting for p in parents.tolist()})
         q = torch.softmax(logits[parents].float() / self.temperature, dim=-1)  # (M, V')
-        self.proposal = proposal_from([(tree.nodes[p], q[i], self.column_of[draws[p]])
-                                       for i, p in enumerate(parents)], self.heads)
-        return tree, tokens, rank
+        proposal = proposal_from([(tree.nodes[p], q[i], self.column_of[draws[p]])
+                                  for i, p in enumerate(parents)], self.heads)
+        return Candidates(tree, tokens, rank, proposal)
 
 
 def fast_draft(draft, model):

@@ -7,7 +7,7 @@ Shapes: C model dim, N tree nodes.
 """
 import torch
 
-from minimedusa.draft import TreeDraft, tree_tokens
+from minimedusa.draft import Candidates, TreeDraft, tree_tokens
 from minimedusa.speed.cuda_graphs import capture, is_graphed, new_pool
 
 
@@ -44,4 +44,4 @@ class GraphedDraft(TreeDraft):
         graph.hidden.copy_(features)
         graph.root.fill_(root)
         graph.replay()
-        return self.trees[n], graph.tokens, rank
+        return Candidates(self.trees[n], graph.tokens, rank)

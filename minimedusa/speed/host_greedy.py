@@ -41,8 +41,8 @@ def greedy_on_host(logits, tree: MedusaTree, tokens) -> tuple[list[int], list[in
 
 
 def greedy_walked_on_host() -> Acceptance:
-    return Acceptance("greedy", lambda logits, tree, tokens, g: greedy_on_host(logits, tree,
-                                                                               tokens),
+    return Acceptance("greedy", lambda logits, candidates, g: greedy_on_host(
+                          logits, candidates.tree, candidates.tokens),
                       lambda logits, g: host_argmax(logits))
 
 

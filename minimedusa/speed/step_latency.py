@@ -83,8 +83,8 @@ def time_one_step(model, draft, n: int, cache, features) -> float:
                                                              device=cache.device))
         sampling_for(cache.device).pick(logits, None).item()  # as a plain step picks and syncs
     else:
-        tree, tokens, _ = draft.tree(model, n, 0, features, {})
-        _, _, kept = medusa_step(model, tree, cache, tokens, greedy_for(cache.device), None)
+        candidates = draft.tree(model, n, 0, features, {})
+        _, _, kept = medusa_step(model, candidates, cache, greedy_for(cache.device), None)
     draft.read(kept)
     return time.perf_counter() - start
 
