@@ -47,7 +47,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.speed.plug_in import plug_in
     from minimedusa.speed.reference_check import checked_step
     from minimedusa.speed.weight_formats import QUANTIZED, describe_weights, format_of
-    from minimedusa.files.tokenizer import StreamDecoder, Tokenizer
+    from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, largest_id
 
 
 PROBE = "What is the capital of France?"  # the reference check's prompt, without --prompt
@@ -116,7 +116,7 @@ def check_flags(args, model, tokenizer) -> None:
     step's warm-up takes seconds to minutes, a mistake should not wait for it. The heads read
     here are dropped; decoder() reads them again, in the model's final format. And a
     tokenizer whose ids pass the model's embedding: another model's files."""
-    ids = max(tokenizer.tk.get_vocab(with_added_tokens=True).values()) + 1
+    ids = largest_id(tokenizer.tk) + 1
     if ids > model.config.vocab_size:
         raise UserError(f"the tokenizer's ids run to {ids - 1}, but the model's embedding has "
                         f"{model.config.vocab_size} rows (config.json's vocab_size): "

@@ -18,7 +18,7 @@ sampling of drawn candidates (its draws would need a generator per row).
 Shapes: B rows, N tree nodes (the root first), S attended slots, V vocab, C model dim.
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -26,7 +26,7 @@ import torch
 from minimedusa.acceptance import Acceptance
 from minimedusa.batch_decoding import Row, batch_cache, batch_step, refill
 from minimedusa.decoding import cut_at_stop, prefill
-from minimedusa.draft import Candidates, TreeDraft
+from minimedusa.draft import TreeDraft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32
@@ -144,7 +144,7 @@ def unbatchable(draft) -> str | None:
     candidates, Hydra++'s draft layer), nor one whose tree is each row's own (ranked trees), nor
     one whose draws the acceptance must be told (drawn candidates)."""
     if isinstance(draft, DrawnDraft):
-        return "drawn candidates need their proposal verified a row at a time"
+        return "drawn candidates would need a generator a row (their draws are the draft's)"
     if not isinstance(draft, TreeDraft):
         return (f"a {type(draft).__name__} keeps a sequence's state or draws a tree of its own "
                 "a step; a batch runs the heads' fixed trees (TreeDraft)")
@@ -196,7 +196,7 @@ def batch_medusa_step(model: Llama, cache: KVCache, medusa: BatchMedusa, n: int,
     for root, row in zip(roots, rows):  # what the heads read: read for tree steps only
         step = draft.tree(model, n, root, draft.read(row.hidden), medusa.budget.rank)
         # a graphed draft's tokens live in its graph's buffer: the next row's overwrites them
-        drafted.append(Candidates(step.tree, step.tokens.clone(), step.rank))
+        drafted.append(replace(step, tokens=step.tokens.clone()))
     tree = drafted[0].tree  # one size, one tree, every row's
     tokens = torch.stack([c.tokens for c in drafted])  # (B, N)
     logits, hidden = batch_tree_step(model, cache, tree, tokens, lengths)
