@@ -71,10 +71,10 @@ def input_mode(args) -> str:
 
 
 def load(args):
-    """(model, how its step runs, its weights in words, tokenizer, --draft's model, how its
-    step runs and its heads' MedusaDraft or None; or None), as gpt-fast's _load_model: the model read in its weight format, the
-    flags that must fit it checked, its speed plugged in. The heads and the acceptance follow
-    in decoder()."""
+    """(model, how its step runs, its weights in words, tokenizer, draft), as gpt-fast's
+    _load_model: the model read in its weight format, the flags that must fit it checked, its
+    speed plugged in; draft: --draft's (its model, how its step runs, its heads' MedusaDraft or
+    None), loaded first, or None. The heads and the acceptance follow in decoder()."""
     folder = args.model if args.model is not None else ensure_default_model()
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist")
