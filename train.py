@@ -37,9 +37,8 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.training.draft_layer_rows import (ANSWERS_PER_BATCH, AnswerRows, answer_rows,
                                                       featured_rows)
-    from minimedusa.heads import DraftVocabulary, MedusaHeads, token_ranking
+    from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads, token_ranking
     from minimedusa.files.heads_files import save_draft_vocab, save_heads
-    from minimedusa.hydra import HydraHeads
     from minimedusa.model import Llama
     from minimedusa.training.self_distill import tokenizer_fingerprint
     from minimedusa.training.medusa1 import (Rows, add_flags as add_medusa1_flags, cosine_lr,

@@ -31,7 +31,7 @@ import torch
 from minimedusa.decoding import check_context, prefill
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, at_least_float32
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 
 
 @dataclass

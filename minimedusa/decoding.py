@@ -6,7 +6,7 @@ what every speedup is measured against (acceleration rate 1.0, paper section 7) 
 Medusa's greedy output must equal token for token.
 Medusa (paper sections 2-3), one step: the heads' top-k at the last accepted position give the
 candidates (the draft, draft.py: Medusa heads guess every depth at once, Hydra heads depth by
-depth, hydra.py); all N tree tokens run through the model in ONE forward after the cached prefix,
+depth, heads.py); all N tree tokens run through the model in ONE forward after the cached prefix,
 with the tree mask; acceptance verifies the candidates along the root-to-leaf paths; the
 accepted tokens' keys/values are copied into place (KV compaction); the heads read the hidden
 state at the last accepted node, which gives the next step's candidates with no extra forward.
@@ -21,12 +21,11 @@ from typing import Iterator
 
 import torch
 
-from minimedusa.acceptance import Acceptance
+from minimedusa.acceptance import Acceptance, Sampling, make_generator
 from minimedusa.draft import Candidates, Draft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32, causal_mask
-from minimedusa.sampling import Sampling, make_generator
 from minimedusa.tree import MedusaTree
 
 

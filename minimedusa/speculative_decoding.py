@@ -28,11 +28,11 @@ from typing import Iterator
 
 import torch
 
-from minimedusa.acceptance import Acceptance
+from minimedusa.acceptance import (Acceptance, Sampling, draw, greedy_tokens, make_generator,
+                                   probabilities)
 from minimedusa.decoding import cut_at_stop, medusa_decode, new_cache, prefill
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, at_least_float32, causal_mask
-from minimedusa.sampling import Sampling, draw, greedy_tokens, make_generator, probabilities
 
 
 class ModelDraft:

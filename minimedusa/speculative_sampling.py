@@ -37,11 +37,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minimedusa.acceptance import Acceptance
+from minimedusa.acceptance import Acceptance, draw, make_generator, probabilities
 from minimedusa.draft import Candidates, TreeDraft, tree_tokens
-from minimedusa.heads import token_ids
-from minimedusa.hydra import HydraHeads
-from minimedusa.sampling import draw, make_generator, probabilities
+from minimedusa.heads import HydraHeads, token_ids
 from minimedusa.tree import MedusaTree
 
 

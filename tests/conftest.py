@@ -13,7 +13,7 @@ from hypothesis import settings
 
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.model import Blocks, Llama, LlamaConfig
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
 from minimedusa.cli.load import decoding_model
@@ -86,8 +86,7 @@ def cycling_heads(model: Llama, kind: str, seed: int, heads: int = 4):
     (measured: 1.5-3 tokens a step): Medusa's head k projects with the LM head permuted k + 1
     more times (it guesses the token k + 2 ahead); Hydra's reads its path's last token (the
     shared LM head then gives the next one)."""
-    from minimedusa.heads import MedusaHeads  # the tests' own imports stay at their tops
-    from minimedusa.hydra import HydraHeads
+    from minimedusa.heads import HydraHeads, MedusaHeads
     C = model.config.hidden_size
     with torch.no_grad():
         if kind == "hydra":

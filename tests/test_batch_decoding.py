@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import generate
 from conftest import DEVICES, copycat_model, cycling_heads, cycling_model, tiny_model
-from minimedusa.acceptance import greedy, rejection
+from minimedusa.acceptance import Sampling, greedy, rejection
 from minimedusa.batch_decoding import batch_decode, batch_step
 from minimedusa.experiments.batch_medusa import (BatchMedusa, batch_medusa_decode,
                                                  batch_tree_mask, batch_tree_step, compact_row,
@@ -24,11 +24,9 @@ from minimedusa.budget import Budget, fixed, nested_trees
 from minimedusa.decoding import (decode_step, medusa_decode, plain_decode, prefill, tree_forward,
                                  tree_mask)
 from minimedusa.context_candidates import ContextDraft
-from minimedusa.draft import TreeDraft
+from minimedusa.draft import RankedDraft, TreeDraft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
-from minimedusa.ranked_tree import RankedDraft
-from minimedusa.sampling import Sampling
 from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem

@@ -13,16 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import copycat_model, tiny_model
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import Budget, batch_latency, grow_tree, nested_trees
 from minimedusa.speed import latency_cache
 from minimedusa.speed.latency_cache import machine_latency
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.draft import TreeDraft
-from minimedusa.ranked_tree import RankedDraft
+from minimedusa.draft import RankedDraft, TreeDraft
 from minimedusa.speed.machine import machine_key
 from minimedusa.heads import MedusaHeads
-from minimedusa.sampling import Sampling
 
 SIZES = [0, 1, 2, 4, 8, 16]
 # a simulated machine and heads: the accepted chain of a step is the first d nodes of a spine

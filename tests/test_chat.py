@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 import generate
 from conftest import cached_keys_values, copycat_model, tiny_model
 from minimedusa import decoding
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import fixed
 from minimedusa.cli.drafts import wrapped
 from minimedusa.decoding import decode_step, medusa_decode, plain_decode, prefill
@@ -24,9 +24,8 @@ from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.errors import UserError
 from minimedusa.files.weights import save_model
 from minimedusa.cli.chat import COMMANDS
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import HydraHeads
 from minimedusa.kv_cache import KVCache
-from minimedusa.sampling import Sampling
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR
 from minimedusa.speed.weight_formats import apply_format
 from minimedusa.tree import build_tree

@@ -9,12 +9,11 @@ from hypothesis import given, settings, strategies as st
 from conftest import copycat_model, perturbed, tiny_model
 from test_medusa_decoding import trees
 from minimedusa.budget import fixed
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem, is_compiled, warm_up
 from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_decode, prefill,
                                  tree_forward)
 from minimedusa.heads import MedusaHeads
-from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
 from minimedusa.speed.weight_formats import apply_format
 

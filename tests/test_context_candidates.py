@@ -9,13 +9,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import Budget, nested_trees
 from minimedusa.context_candidates import ContextDraft, ContextIndex, chain_alone, with_chain
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import TreeDraft
 from minimedusa.heads import MedusaHeads
-from minimedusa.sampling import Sampling
 
 NODES = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0), (0, 0, 0, 0), (3,), (0, 2), (1, 1),
          (0, 0, 1), (2, 0), (0, 1, 0), (4,), (0, 0, 0, 1)]

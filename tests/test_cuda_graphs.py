@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, cycling_heads, cycling_model
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.batch_decoding import batch_decode
 from minimedusa.experiments.batch_medusa import BatchMedusa, batch_medusa_decode
 from minimedusa.budget import fixed
@@ -19,7 +19,6 @@ from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_de
 from minimedusa.draft import TreeDraft
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, LlamaConfig
-from minimedusa.sampling import Sampling
 from minimedusa.speed.cuda_graphs import MAX_ROWS, GraphedBlocks, graph_step, is_graphed
 from minimedusa.speed.graphed_draft import GraphedDraft
 from minimedusa.speed.plug_in import eager_step

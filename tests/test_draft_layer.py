@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import train
 from conftest import copycat_model, perturbed, tiny_model
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import Budget, fixed, nested_trees
 from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.context_candidates import ContextDraft
@@ -24,9 +24,8 @@ from minimedusa.experiments.draft_layer import (HydraPlusPlusHeads, PlusPlusDraf
                                                 read_accepted, with_draft_layer)
 from minimedusa.training.draft_layer_rows import ANSWERS_PER_BATCH, answer_rows, layer_features
 from minimedusa.files.heads_files import load_heads, save_heads
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import HydraHeads
 from minimedusa.model import causal_mask
-from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import tokenizer_fingerprint
 from minimedusa.training.medusa1 import read_answers
 from minimedusa.tree import build_tree

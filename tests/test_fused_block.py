@@ -7,14 +7,12 @@ import pytest
 import torch
 
 from conftest import copycat_model, perturbed
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import fixed
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.heads import MedusaHeads
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import HydraHeads, MedusaHeads
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
-from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
 from minimedusa.speed.fused_block import fusable, fuse_blocks, is_fused
 from minimedusa.speed.plug_in import how_it_runs, plug_in

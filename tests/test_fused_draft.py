@@ -1,4 +1,4 @@
-"""The Hydra draft in one C++ call (speed/fused_draft.py): hydra.hydra_candidates is its
+"""The Hydra draft in one C++ call (speed/fused_draft.py): heads.hydra_candidates is its
 reference. The same tokens over random trees, with and without a draft vocabulary (float32
 rows; in bfloat16, where logits tie more often, the same ranked logits); greedy Medusa with it
 equals plain greedy; plug_in_heads plugs it in where it runs and heads it does not serve say
@@ -9,12 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import perturbed
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import fixed
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.heads import DraftVocabulary, MedusaHeads
-from minimedusa.hydra import HydraHeads, hydra_candidates
-from minimedusa.sampling import Sampling
+from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads, hydra_candidates
 from minimedusa.speed import group_kernel
 from minimedusa.draft import TreeDraft
 from minimedusa.speed.fused_draft import (FusedDrawnDraft, FusedHydraDraft, fast_draft,

@@ -1,4 +1,4 @@
-"""Hydra heads (hydra.py): a fresh Hydra head is a fresh Medusa head; training feeds head k the
+"""Hydra heads (heads.HydraHeads): a fresh Hydra head is a fresh Medusa head; training feeds head k the
 answer up to the token before its target, which is what drafting feeds it; decoding with them is
 lossless over random trees (greedy == plain greedy, also with a draft vocabulary); their files
 name their kind; they learn."""
@@ -13,13 +13,11 @@ from hypothesis import strategies as st
 import train
 from conftest import DEVICES, copycat_model, perturbed, tiny_model
 from minimedusa.budget import fixed
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import tree_tokens
-from minimedusa.heads import DraftVocabulary, MedusaHeads
+from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads, hydra_candidates
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
-from minimedusa.hydra import HydraHeads, hydra_candidates
-from minimedusa.sampling import Sampling
 from minimedusa.training.self_distill import tokenizer_fingerprint
 from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.speed.defaults import CPU_DRAFT_VOCAB, cpu_draft_vocab

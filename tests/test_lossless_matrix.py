@@ -19,8 +19,7 @@ from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.budget import Budget, FixedSize, fixed, nested_trees
 from minimedusa.decoding import medusa_decode
-from minimedusa.draft import TreeDraft
-from minimedusa.ranked_tree import RankedDraft
+from minimedusa.draft import RankedDraft, TreeDraft
 from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.speed.fused_block import is_fused

@@ -11,16 +11,14 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICES, cached_keys_values, copycat_model, perturbed, tiny_model
 from minimedusa.budget import fixed
-from minimedusa.acceptance import accepted_on_host, greedy, greedy_acceptance, typical
-from minimedusa.heads import MedusaHeads
-from minimedusa.hydra import HydraHeads
+from minimedusa.acceptance import Sampling, accepted_on_host, greedy, greedy_acceptance, typical
+from minimedusa.heads import HydraHeads, MedusaHeads
 from minimedusa.kv_cache import KVCache
 from minimedusa.speed.host_greedy import greedy_on_host
 from minimedusa.decoding import (StepStats, medusa_decode, medusa_step, new_cache, plain_decode,
                                  prefill, tree_forward)
 from minimedusa.draft import Candidates, tree_tokens
 from minimedusa.model import causal_mask
-from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
 from test_tree import trees
 

@@ -17,12 +17,11 @@ from safetensors.torch import load_file
 
 from conftest import DEVICES
 from minimedusa.budget import fixed
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.decoding import (PromptTooLongError, decode_step, medusa_decode, new_cache,
                                  plain_decode, prefill, tree_forward)
 from minimedusa.model import causal_mask
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR, pack_linear_layers
-from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
 from minimedusa.files.hf_config import ConfigError
 from minimedusa.files.weights import load_model, save_model

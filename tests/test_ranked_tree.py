@@ -1,4 +1,4 @@
-"""The confidence-ranked tree (ranked_tree.py): its nodes are the most probable paths, every
+"""The confidence-ranked tree (draft.RankedDraft): its nodes are the most probable paths, every
 step's tree is a valid tree whose tokens are the heads' guesses, and decoding with it is
 lossless for both kinds of heads."""
 import itertools
@@ -9,12 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import copycat_model, tiny_model
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import FixedSize, grow_tree
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import MedusaHeads
-from minimedusa.ranked_tree import RankedDraft, most_probable_paths, ranked_draft
-from minimedusa.sampling import Sampling
+from minimedusa.draft import RankedDraft, most_probable_paths, ranked_draft
 from test_hydra import flat, perturbed_hydra
 
 

@@ -5,7 +5,7 @@ import torch
 
 from minimedusa.model import causal_mask
 from minimedusa.decoding import plain_decode
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.files.tokenizer import Tokenizer
 
 

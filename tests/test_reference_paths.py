@@ -29,7 +29,7 @@ from minimedusa.files.heads_files import read_calibration
 from minimedusa.files.weights import load_model
 from minimedusa.heads import ranked_vocab_size
 from minimedusa.model import Blocks
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.speed.host_greedy import greedy_for

@@ -18,8 +18,7 @@ from itertools import product
 import pytest
 import torch
 
-from minimedusa.acceptance import pick_by_draws, rejection_acceptance
-from minimedusa.sampling import probabilities
+from minimedusa.acceptance import pick_by_draws, probabilities, rejection_acceptance
 from minimedusa.tree import build_tree
 
 V, M = 4, 3  # the vocabulary, the tokens of a sampled sequence

@@ -12,18 +12,17 @@ import torch
 
 from conftest import tiny_model
 from minimedusa.budget import Budget, fixed, nested_trees
-from minimedusa.acceptance import Acceptance, on_device, pick_by_draws, rejection
+from minimedusa.acceptance import (Acceptance, Sampling, on_device, pick_by_draws, probabilities,
+                                   rejection)
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.draft import TreeDraft
-from minimedusa.heads import DraftVocabulary, MedusaHeads
+from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads
 from minimedusa.model import causal_mask
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
 from test_rejection_exact import ALPHA, argmax_a_quarter_of_the_time, goodness_of_fit
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.speed.fused_draft import fast_draft
-from minimedusa.hydra import HydraHeads
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.sampling import Sampling, probabilities
 from minimedusa.speculative_sampling import DrawnDraft, speculative
 from minimedusa.tree import build_tree
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_model
 from minimedusa.decoding import PromptTooLongError, plain_decode
 from minimedusa.errors import UserError
-from minimedusa.sampling import Sampling, draw, probabilities
+from minimedusa.acceptance import Sampling, draw, probabilities
 from minimedusa.speed.host_greedy import HostSampling, host_argmax
 
 

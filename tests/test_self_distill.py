@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_model
 from minimedusa.model import causal_mask
 from minimedusa.decoding import plain_decode
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.training.self_distill import answer_batch, model_written_prompts, same_settings
 from minimedusa.files.tokenizer import Tokenizer

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import perturbed, tiny_model
 from generate import main as generate_main
 from minimedusa import speculative_decoding
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy, probabilities
 from minimedusa.budget import Budget, FixedSize
 from minimedusa.cli.draft_heads import decoding_heads
 from minimedusa.cli.draft_model import draft_budget, draft_model
@@ -27,7 +27,6 @@ from minimedusa.files.default_model import DEFAULT_HEADS_DIR
 from minimedusa.cli.load import decoding_model
 from minimedusa.decoding import plain_decode
 from minimedusa.files.weights import save_model
-from minimedusa.sampling import Sampling, probabilities
 from minimedusa.draft import TreeDraft
 from minimedusa.heads import MedusaHeads
 from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, chain_rank, sampled_kept,

@@ -16,7 +16,7 @@ from minimedusa import speculative_sampling
 from minimedusa.budget import fixed
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import medusa_decode
-from minimedusa.sampling import probabilities
+from minimedusa.acceptance import probabilities
 from minimedusa.speculative_sampling import (DrawnDraft, Proposal, draw_without_replacement,
                                              gumbel_noise, speculative, verify_drawn)
 from minimedusa.tree import build_tree

@@ -10,14 +10,12 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model, perturbed
-from minimedusa.acceptance import greedy
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.bench.step_profile import product_times
 from minimedusa.budget import fixed
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.heads import MedusaHeads
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import HydraHeads, MedusaHeads
 from minimedusa.model import causal_mask
-from minimedusa.sampling import Sampling
 from minimedusa.speed import group_kernel
 from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8_groups,
                                     quantize_int4, quantize_int8_groups)

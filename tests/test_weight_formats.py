@@ -8,16 +8,13 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model, perturbed, tiny_model
 from minimedusa.budget import fixed
-from minimedusa.speed import group_kernel
-from minimedusa.acceptance import greedy
+from minimedusa.speed import defaults, group_kernel
+from minimedusa.acceptance import Sampling, greedy
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.heads import DraftVocabulary, MedusaHeads
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads
 from minimedusa.model import causal_mask
 from minimedusa.speed.packed_linear import PackedLinear
-from minimedusa.sampling import Sampling
 from minimedusa.tree import build_tree
-from minimedusa.speed import defaults
 from minimedusa.speed.defaults import four_bit_checkpoint
 from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8,
                                     dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,

@@ -38,7 +38,7 @@ def add_engine_flags(p) -> None:
                    "--context says")
     p.add_argument("--ranked", default="",
                    help="also time greedy Medusa with confidence-ranked trees of these sizes "
-                   "(ranked_tree.py), e.g. 4,8,16, beside --sizes' static trees")
+                   "(draft.RankedDraft), e.g. 4,8,16, beside --sizes' static trees")
     p.add_argument("--ranked-adapted", action="store_true",
                    help="also time greedy Medusa with confidence-ranked trees whose size the "
                    "budget adapts step by step (generate.py --tree ranked)")

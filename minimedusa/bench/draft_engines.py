@@ -15,7 +15,7 @@ from minimedusa.cli.draft_model import draft_budget, draft_model
 from minimedusa.cli.drafts import tree_draft
 from minimedusa.cli.load import decoding_model
 from minimedusa.cli.trees import decoding_budget
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.speculative_decoding import MedusaDraft, ModelDraft, speculative_decode
 from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.speed.memory_bandwidth import weight_bytes

@@ -28,8 +28,7 @@ from minimedusa.cli.load import decoding_model
 from minimedusa.cli.trees import decoding_budget, decoding_tree
 from minimedusa.heads import ranked_vocab_size
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.draft import TreeDraft
-from minimedusa.ranked_tree import RankedDraft
+from minimedusa.draft import RankedDraft, TreeDraft
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.speed.plug_in import eager_step
 from minimedusa.errors import UserError

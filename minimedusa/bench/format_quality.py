@@ -30,7 +30,7 @@ from minimedusa.errors import entry_point
 from minimedusa.files.outputs import check_writable, write_json
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.training.self_distill import answer_batch
 from minimedusa.files.tokenizer import Tokenizer

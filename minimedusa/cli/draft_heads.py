@@ -8,8 +8,7 @@ from pathlib import Path
 from minimedusa.errors import UserError
 from minimedusa.files.heads_files import (DRAFT_VOCAB_FILE, HeadsError, load_heads,
                                           read_draft_vocab)
-from minimedusa.heads import DraftVocabulary, MedusaHeads
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads
 from minimedusa.model import Llama
 from minimedusa.speed.defaults import cpu_draft_vocab
 from minimedusa.speed.plug_in import plug_in_heads

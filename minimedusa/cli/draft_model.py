@@ -15,7 +15,7 @@ from minimedusa.cli.answer import Decoder
 from minimedusa.cli.load import decoding_model
 from minimedusa.errors import UserError
 from minimedusa.model import Llama
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, chain_rank,
                                              speculative_decode)
 from minimedusa.speed.defaults import default_format

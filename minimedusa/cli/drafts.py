@@ -1,15 +1,14 @@
 """--tree, read into what decoding.medusa_decode drafts with: the draft (the heads' guesses on a
-tree: draft.TreeDraft, fused where speed fuses it; or ranked_tree.RankedDraft), and the budget
+tree: draft.TreeDraft, fused where speed fuses it; or draft.RankedDraft), and the budget
 that picks each step's tree size (budget.fixed for one tree, else the Budget of trees.py);
 read through a Hydra++ draft layer for such heads, with context candidates where asked.
 """
 from minimedusa.budget import FixedSize, fixed
 from minimedusa.cli.trees import decoding_budget, decoding_tree, ranked_size
 from minimedusa.context_candidates import ContextDraft
-from minimedusa.draft import TreeDraft
+from minimedusa.draft import RankedDraft, TreeDraft
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.model import Llama
-from minimedusa.ranked_tree import RankedDraft
 from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.speed.fused_draft import fast_draft
 
@@ -19,7 +18,7 @@ def decoding_draft(spec: str | None, heads, model: Llama, heads_spec: str, conte
     """(draft, budget, describe) for decoding.medusa_decode as --tree asks: a fixed tree
     (budget.fixed: the paper's one tree every step), ranked:N (each step's N most probable
     nodes), or by default the nested trees and the Budget that picks among them and plain
-    steps, ranked (ranked_tree.RankedDraft) with --tree ranked; with context candidates
+    steps, ranked (draft.RankedDraft) with --tree ranked; with context candidates
     (context_candidates.ContextDraft) where `context`; Hydra++ heads' draft reads through their
     layer; candidates drawn from the heads at temperature `draws` where given (DrawnDraft, for
     speculative sampling; its draws seeded apart from the acceptance's coins). describe() says

@@ -21,7 +21,7 @@ from minimedusa.decoding import StepStats, check_context
 from minimedusa.errors import UserError
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.files.outputs import WrittenAside
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.speed.defaults import default_batch
 from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
 from minimedusa.cli.load import device_and_format

@@ -70,7 +70,7 @@ def check_tree_size(nodes: int, spec: str) -> None:
 
 
 def ranked_size(spec: str) -> int | None:
-    """N of a --tree ranked:N (ranked_tree.py: each step's N most probable nodes); None for
+    """N of a --tree ranked:N (draft.RankedDraft: each step's N most probable nodes); None for
     --tree ranked, whose N the budget chooses step by step."""
     if spec == "ranked":
         return None

@@ -23,14 +23,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from minimedusa.acceptance import Acceptance
+from minimedusa.acceptance import Acceptance, make_generator
 from minimedusa.batch_decoding import Row, batch_cache, batch_step, refill
 from minimedusa.decoding import cut_at_stop, prefill
 from minimedusa.draft import TreeDraft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import EXACT_ATTENTION_TOKENS, Llama, at_least_float32
-from minimedusa.sampling import make_generator
 from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.tree import MedusaTree
 

@@ -8,7 +8,7 @@ block of the backbone's own shape (attention + SwiGLU, RoPE), run over the backb
 hidden states of the whole accepted sequence, with its own KV cache:
 
     f_1..f_t = DraftLayer(h_1..h_t)             (causal: f_t reads h_1..h_t)
-    z^(k)   = f_t + U^(k) [E(x_{t+1}); ...; E(x_{t+k})]      (Hydra's head k, hydra.py)
+    z^(k)   = f_t + U^(k) [E(x_{t+1}); ...; E(x_{t+k})]      (Hydra's head k, heads.py)
 
 so a head's input carries what the sequence said before t, not only what h_t kept of it. The
 layer's two output projections start at zero: a fresh layer passes h_t through unchanged, and a
@@ -33,8 +33,7 @@ import torch
 import torch.nn as nn
 
 from minimedusa.errors import UserError
-from minimedusa.heads import MedusaConfig, as_features
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import HydraHeads, MedusaConfig, as_features
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Block, LlamaConfig, causal_mask, rope_angles, rope_frequencies
 

@@ -18,8 +18,7 @@ from safetensors.torch import save_file
 from minimedusa.files.outputs import write_atomically
 from minimedusa.errors import UserError, json_kind, unreadable
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
-from minimedusa.heads import MedusaConfig, MedusaHeads
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import HydraHeads, MedusaConfig, MedusaHeads
 from minimedusa.model import LlamaConfig
 
 HEADS_FILE = "medusa_lm_head.safetensors"

@@ -1,5 +1,5 @@
 """The Hydra heads' draft in ONE call of a C++ operator (operators.cpp's hydra_draft), instead of
-~25 operators a depth: hydra.hydra_candidates is the reference, and stays what training,
+~25 operators a depth: heads.hydra_candidates is the reference, and stays what training,
 calibration and any other heads run.
 
 Why: a Hydra draft of one depth is 4 small products (the head's read U, its 2 residual blocks,
@@ -23,8 +23,7 @@ Shapes: C model dim, N tree nodes, D depth, V' the heads' vocabulary.
 import torch
 
 from minimedusa.draft import Candidates, TreeDraft
-from minimedusa.heads import drafting_lm_head
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import HydraHeads, drafting_lm_head
 from minimedusa.speed import group_kernel
 from minimedusa.speed.graphed_draft import GraphedDraft
 from minimedusa.speed.packed_linear import OPERATORS

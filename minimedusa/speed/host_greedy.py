@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from minimedusa import acceptance
-from minimedusa.acceptance import Acceptance
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Acceptance, Sampling
 from minimedusa.tree import MedusaTree
 
 

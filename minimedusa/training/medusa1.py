@@ -27,8 +27,7 @@ from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, with_draft_la
 from minimedusa.files.heads_files import load_heads
 from minimedusa.files.outputs import check_out_is_not
 from minimedusa.cli.flags import non_negative, non_negative_int, positive_int
-from minimedusa.heads import MedusaHeads, as_features, drafting_lm_head, token_ids
-from minimedusa.hydra import HydraHeads
+from minimedusa.heads import HydraHeads, MedusaHeads, as_features, drafting_lm_head, token_ids
 
 IGNORE = -100  # target of a head whose token t+k+1 lies past the end of the answer
 
@@ -59,7 +58,7 @@ def head_targets(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def head_inputs(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(n,) answer ids -> (n, K): row i holds answer[i + k - 1] for k = 1..K, the tokens a Hydra
-    head k reads beside h_t (hydra.py): the root y_{t+1} = answer[i], then the draft's tokens up
+    head k reads beside h_t (heads.HydraHeads): the root y_{t+1} = answer[i], then the draft's tokens up
     to y_{t+k}, one before its target answer[i + k]. Past the end: 0, where every target is
     IGNORE.
     """
@@ -237,7 +236,7 @@ def add_flags(p) -> None:
     m1 = p.add_argument_group("Medusa-1 (with --frozen)")
     m1.add_argument("--kind", choices=("medusa", "hydra", "hydra++"), default=None,
                     help="medusa: the paper's heads, each reads h_t alone (default with --data); "
-                    "hydra: each also reads the tokens drafted before it (hydra.py; default from "
+                    "hydra: each also reads the tokens drafted before it (heads.HydraHeads; default from "
                     "the model alone); hydra++: Hydra heads behind one decoder layer over the "
                     "whole accepted sequence (experiments/draft_layer.py; with --init-heads of "
                     "the hydra kind, those heads behind a fresh layer)")

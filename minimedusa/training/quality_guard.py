@@ -11,7 +11,7 @@ import copy
 import torch
 
 from minimedusa.training.lora import adapters_off, remove_adapters
-from minimedusa.sampling import Sampling
+from minimedusa.acceptance import Sampling
 from minimedusa.training.self_distill import answer_batch
 
 

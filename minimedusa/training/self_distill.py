@@ -44,7 +44,7 @@ from minimedusa.training.progress import progress_bar, say
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
 from minimedusa.kv_cache import KVCache
-from minimedusa.sampling import Sampling, make_generator
+from minimedusa.acceptance import Sampling, make_generator
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.files.tokenizer import Tokenizer
 
