@@ -16,36 +16,31 @@ and the one-time loading time apart. A chat does the same turn by turn, in one K
 the conversation; a file of prompts pays the loading once for all of them, and is answered
 several prompts at a time by plain batched decoding (--batch, batch_decoding.py).
 """
+import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
     from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
     from minimedusa.cli.chat import chat
-    from minimedusa.cli.draft_heads import decoding_heads
+    from minimedusa.cli.draft_heads import read_heads
     from minimedusa.cli.draft_model import draft_model, speculative_decoder
-    from minimedusa.cli.drafts import decoding_draft, tree_draft
     from minimedusa.cli.generate_flags import parse_args
-    from minimedusa.cli.acceptance_rule import (acceptance_kind, decoding_acceptance,
-                                                drawn_temperature)
-    from minimedusa.cli.load import device_and_format
+    from minimedusa.cli.acceptance_rule import acceptance_kind
+    from minimedusa.cli.load import device_and_format, four_bit_checkpoint
     from minimedusa.cli.prompts import (answer_prompts, answer_prompts_batched, batch_size,
                                         batched_summary, open_out, prompt_from_stdin,
                                         prompt_ids, prompts_summary, read_prompts)
-    from minimedusa.cli.trees import decoding_budget, decoding_tree, ranked_size
-    from minimedusa.decoding import check_context, medusa_decode, plain_decode
+    from minimedusa.cli.recipe import Recipe, build, decoding_heads, decoding_model
+    from minimedusa.cli.trees import decoding_tree, ranked_size
+    from minimedusa.decoding import check_context
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
-    from minimedusa.heads import ranked_vocab_size
     from minimedusa.speculative_decoding import MedusaDraft
-    from minimedusa.speed.host_greedy import greedy_for, sampling_for
-    from minimedusa.speed.defaults import four_bit_checkpoint
-    from minimedusa.speed.kept_weights import formatted_model
-    from minimedusa.speed.plug_in import plug_in
-    from minimedusa.speed.reference_check import checked_step
     from minimedusa.speed.weight_formats import QUANTIZED, describe_weights, format_of
     from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, largest_id
 
@@ -71,10 +66,11 @@ def input_mode(args) -> str:
 
 
 def load(args):
-    """(model, how its step runs, its weights in words, tokenizer, draft), as gpt-fast's
-    _load_model: the model read in its weight format, the flags that must fit it checked, its
-    speed plugged in; draft: --draft's (its model, how its step runs, its heads' MedusaDraft or
-    None), loaded first, or None. The heads and the acceptance follow in decoder()."""
+    """(model, how its step runs, its weights in words, tokenizer, draft, recipe), as gpt-fast's
+    _load_model: the flags' recipe (cli/recipe.py), the model read as it says, the flags that
+    must fit it checked, its speed plugged in and held to the eager step; draft: --draft's (its
+    model, how its step runs, its heads' MedusaDraft or None), loaded first, or None. The heads
+    and the acceptance follow in decoder()."""
     folder = args.model if args.model is not None else ensure_default_model()
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist")
@@ -88,18 +84,25 @@ def load(args):
         # first: what its loading holds for a while comes before the target's weights are in,
         # not on top of them (the peak resident memory: weights/HISTORY.md, session 29)
         draft_llama, draft_step = draft_model(args.draft, folder, device, args.compile)
-        draft = draft_llama, draft_step, drafting_heads(args, draft_llama)  # its heads too
+        draft = draft_llama, draft_step, drafting_heads(args, folder, draft_llama)  # its heads
     tokenizer = Tokenizer.from_folder(folder)
-    model = formatted_model(folder, device, weight_format)  # block by block, in its format
-    check_flags(args, model, tokenizer)  # in seconds, before the speed's warm-up
-    step = plug_in(model, weight_format, args.compile)  # its layers, the step fused or compiled
-    # a fast step's logits against the eager step's, on the prompt's first tokens: eager where
-    # they part (speed/reference_check.py), so that no run writes a broken step's text
-    step = checked_step(model, step, probe_ids(args, tokenizer))
+    recipe = recipe_of(args, folder, device, weight_format)
+    # checked in seconds, before the speed's warm-up; the fast step's logits held to the eager
+    # step's on the prompt's first tokens (eager where they part: speed/reference_check.py)
+    model, step = decoding_model(recipe, lambda model: check_flags(args, model, tokenizer),
+                             probe_ids(args, tokenizer))
     rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
                                           and not four_bit_checkpoint(folder))
     return (model, step, describe_weights(model.config, weight_format, rounded, device),
-            tokenizer, draft)
+            tokenizer, draft, recipe)
+
+
+def recipe_of(args, folder, device, weight_format: str) -> Recipe:
+    """The flags' recipe: context candidates with the adapted trees only."""
+    return Recipe(folder, device, weight_format, args.compile, heads_spec(args), args.draft_vocab,
+                  args.tree, args.context and args.tree in (None, "ranked"),
+                  acceptance_kind(args) if heads_spec(args) else "greedy", args.temperature,
+                  args.top_p, args.eps, args.delta, args.seed)
 
 
 def probe_ids(args, tokenizer) -> list[int]:
@@ -124,7 +127,7 @@ def check_flags(args, model, tokenizer) -> None:
     spec = heads_spec(args)
     if spec is not None:
         acceptance_kind(args)
-        heads = decoding_heads(spec, model, args.draft_vocab)
+        heads = read_heads(spec, model, args.draft_vocab)
         if args.tree is not None and args.tree.startswith("ranked:"):
             ranked_size(args.tree)
         elif args.tree not in (None, "ranked"):
@@ -144,36 +147,26 @@ def heads_spec(args) -> str | None:
     return args.heads
 
 
-def decoder(args, model, draft=None) -> Decoder:
+def decoder(args, model, recipe: Recipe, draft=None) -> Decoder:
     """What the flags ask to decode with (answer.Decoder): decode(prompt ids, cache) iterates
     over the tokens each step yields, describe() names the mode (after the run: which tree sizes
     the budget used). The one-time work, the heads and the tree budget (its step latencies timed
-    here at first use), is done here, the flags checked first. draft: load()'s (--draft)."""
-    stops, n, spec = model.config.stop_ids, args.max_new_tokens, heads_spec(args)
+    here at first use), is the recipe's build (cli/recipe.py). draft: load()'s (--draft)."""
     if draft is not None:
         return speculative_decoder(args, model, *draft)
-    if spec is None:
-        sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p,
-                                args.seed)
-        return Decoder(lambda ids, cache=None: plain_decode(model, ids, n, sampling, stops, cache),
-                       lambda: "plain", 0)
-    heads = decoding_heads(spec, model, args.draft_vocab)
-    if args.chat and isinstance(heads, HydraPlusPlusHeads):
-        raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
-                        "cache is not kept between turns): use other heads or --baseline")
-    kind = heads.config.head_kind + (f" heads (draft vocabulary {ranked_vocab_size(heads, model)})"
-                                     if heads.vocabulary is not None else " heads")
-    context = args.context and args.tree in (None, "ranked")  # with the adapted trees only
-    draws = drawn_temperature(args)  # speculative sampling: candidates drawn at T, else None
-    draft, budget, tree = decoding_draft(args.tree, heads, model, spec, context, draws, args.seed)
-    accept = decoding_acceptance(args, model.embed.weight.device)
-    return Decoder(lambda ids, cache=None: medusa_decode(model, draft, budget, accept, ids, n,
-                                                         stops, cache),
-                   lambda: f"{kind}, {tree()}, {accept.name}",
-                   max(budget.sizes) + 1)  # a step's tree tokens, written before compaction
+    heads = None
+    if recipe.heads is not None:
+        heads = decoding_heads(recipe.heads, model, recipe.draft_vocab)
+        if args.chat and isinstance(heads, HydraPlusPlusHeads):
+            raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
+                            "cache is not kept between turns): use other heads or --baseline")
+    decoding, n, stops = build(recipe, model, heads), args.max_new_tokens, model.config.stop_ids
+    return Decoder(lambda ids, cache=None: decoding.decode(ids, n, stops, cache),
+                   decoding.describe,
+                   0 if decoding.budget is None else max(decoding.budget.sizes) + 1)
 
 
-def drafting_heads(args, draft) -> MedusaDraft | None:
+def drafting_heads(args, folder, draft) -> MedusaDraft | None:
     """--draft's proposer where it decodes with heads (Medusa inside the draft: several drafts a
     forward of it): --heads, else the default model's trained heads where the model drafts for
     itself rounded; greedy only (sampling needs each draft's law), and not with --baseline."""
@@ -181,17 +174,17 @@ def drafting_heads(args, draft) -> MedusaDraft | None:
     spec = args.heads if args.heads is not None else str(DEFAULT_HEADS_DIR) if own else None
     if spec is None or args.baseline or args.temperature > 0:
         return None
-    heads = decoding_heads(spec, draft, args.draft_vocab)
-    trees, budget, _ = decoding_budget(heads, draft, spec)  # its own trees' sizes
-    return MedusaDraft(draft, tree_draft(heads, trees, draft, None, None), budget,
-                       greedy_for(draft.embed.weight.device))
+    weight, where = draft.embed.weight, folder if args.draft in QUANTIZED else Path(args.draft)
+    decoding = build(Recipe(where, weight.device, format_of(draft), heads=spec,
+                            draft_vocab=args.draft_vocab), draft)  # its own trees' Budget
+    return MedusaDraft(draft, decoding.draft, decoding.budget, decoding.rule)
 
 
 def run(args) -> dict:
     """One prompt (--prompt or standard input), streamed unless --json: the result's numbers."""
     start = time.perf_counter()
-    model, step, weights, tokenizer, draft = load(args)
-    decode = decoder(args, model, draft)
+    model, step, weights, tokenizer, draft, recipe = load(args)
+    decode = decoder(args, model, recipe, draft)
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system)  # timed from here
     answer = decode_answer(decode, ids, Answer(), None if args.json else StreamDecoder(tokenizer),
@@ -212,8 +205,8 @@ def load_once(args):
     """(model, tokenizer, decoder, where and how it runs in words): for a chat or a file of
     prompts, the model, heads and tree budget loaded once for all their answers."""
     start = time.perf_counter()
-    model, step, weights, tokenizer, draft = load(args)
-    decode = decoder(args, model, draft)
+    model, step, weights, tokenizer, draft, recipe = load(args)
+    decode = decoder(args, model, recipe, draft)
     return model, tokenizer, decode, (f"{model.embed.weight.device}, {weights}, {step} step; "
                                       f"loaded once in {time.perf_counter() - start:.1f} s")
 
@@ -242,10 +235,10 @@ def run_prompts(args) -> None:
 def run_batched(args, prompts: list, out) -> None:
     """--prompts, args.batch at a time: the model loaded, no heads (plain decoding)."""
     start = time.perf_counter()
-    model, step, weights, tokenizer, _ = load(args)  # no draft: --batch decodes plainly
+    model, step, weights, tokenizer, _, recipe = load(args)  # --batch decodes plainly
     where = (f"{model.embed.weight.device}, {weights}, {step} step; loaded in "
              f"{time.perf_counter() - start:.1f} s")
-    sampling = sampling_for(model.embed.weight.device, args.temperature, args.top_p, args.seed)
+    sampling = build(dataclasses.replace(recipe, heads=None), model).rule  # plain's Sampling
     answers, seconds = answer_prompts_batched(args, prompts, model, tokenizer, sampling, out)
     print(batched_summary(answers, seconds, args.batch, f"({where}, not counted)"),
           file=sys.stderr)

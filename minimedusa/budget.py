@@ -12,7 +12,7 @@ not of its name: a tree tuned on one CPU ran slower than plain decoding on anoth
 the same name but has narrower vector units. So nothing here is assumed from elsewhere:
 1. The step latency of each tree size, plain decoding (size 0) included, is measured at first
    use on this machine (a few seconds) and cached under the user's cache folder, never in the
-   repository (speed/step_latency.py; the Budget is handed the numbers).
+   repository (cli/step_latency.py; the Budget is handed the numbers).
 2. During decoding a Budget keeps measuring: every step's time, and for every smaller size
    nested in the tree it ran, how many tokens that size would have yielded. It runs the size
    with the most tokens per second, plain decoding being one of the choices (a run starts
@@ -115,8 +115,9 @@ def batch_latency(latency: dict[int, float], batch_size: int) -> dict[int, float
 class Budget:
     """Chooses each step's tree size from the steps so far. sizes: the choices (0 = plain);
     expected: prior tokens per step of each size (from the calibration; missing: unknown, so the
-    size is tried); latency: prior seconds per step of each size; rank: each node path's place
-    in the nested trees (size n holds the paths of rank <= n).
+    size is tried); latency: prior seconds per step of each size. What a step accepted is
+    recorded by each node path's rank, which the draft hands with its candidates (the nested
+    trees: size n holds the paths of rank <= n).
 
     Steps come in groups that the caller names (decoding: how long a suffix the step's context
     chain matched, context_candidates.py), each group with its own acceptance counts and
@@ -126,12 +127,12 @@ class Budget:
     is the chain alone (context_candidates.chain_alone), whose growth with the size the heads'
     calibration does not predict (prior)."""
 
-    def __init__(self, sizes, expected: dict, latency: dict, rank: dict, prior_steps: int = 8,
+    def __init__(self, sizes, expected: dict, latency: dict, prior_steps: int = 8,
                  window: int = 16, trusted: int = 3, margin: float = 0.05, chain: int = 0,
                  rows: int = 1, stale: int = 512, clock=time.perf_counter):
         self.sizes = sorted(sizes)
         self.clock = clock  # what the decoding loop times each step with (tests: a fake one)
-        self.expected, self.latency, self.rank = expected, latency, rank
+        self.expected, self.latency = expected, latency
         self.chain = chain
         # rows: the records a step makes: a batch's rows each record their share of its time
         # and their own accepted path (experiments/batch_medusa.py); the counts below are per step
@@ -239,11 +240,12 @@ class Budget:
                     return n
         return self.current[group]
 
-    def record(self, n: int, seconds: float, accepted: list[tuple],
-               rank: dict | None = None, group: int = 0) -> None:
+    def record(self, n: int, seconds: float, accepted: list[tuple], rank: dict | None,
+               group: int = 0) -> None:
         """A step of this group at size n took `seconds` and accepted these node paths (root
-        excluded); rank: where each path comes in this step's tree order, if not the nested
-        trees' (a ranked tree, a tree merged with a context chain).
+        excluded); rank: where each path comes in the step's tree order (its Candidates': the
+        nested trees', a ranked tree's, a tree merged with a context chain's; None for a plain
+        step).
 
         note: the accepted paths form one chain from the root, and a smaller nested tree holds
         a prefix of it; under greedy and rejection-sampling acceptance (one draw per node), and
@@ -255,7 +257,6 @@ class Budget:
         self.used[n] += 1
         self.records += 1
         self.timed[n] = self.records
-        rank = rank or self.rank
         tokens, steps = self.tokens.setdefault(group, {}), self.steps.setdefault(group, {})
         for m in self.sizes:
             if 0 < m <= n:  # what the nested tree of m nodes would have accepted in this step
@@ -277,14 +278,14 @@ class FixedSize:
     """The budget of one tree size every step: the paper's setting (one tree, chosen offline:
     --tree) or a ranked tree of N nodes (--tree ranked:N). It counts the steps, nothing more."""
 
-    def __init__(self, n: int, rank: dict | None = None, clock=time.perf_counter):
-        self.sizes, self.rank, self.steps, self.clock = [n], rank or {}, 0, clock
+    def __init__(self, n: int, clock=time.perf_counter):
+        self.sizes, self.steps, self.clock = [n], 0, clock
 
     def choose(self, group: int = 0) -> int:
         return self.sizes[0]
 
-    def record(self, n: int, seconds: float, accepted: list[tuple],
-               rank: dict | None = None, group: int = 0) -> None:
+    def record(self, n: int, seconds: float, accepted: list[tuple], rank: dict | None,
+               group: int = 0) -> None:
         self.steps += 1
 
     def summary(self) -> str:
@@ -296,8 +297,7 @@ def fixed(heads, tree: MedusaTree) -> tuple[TreeDraft, FixedSize]:
     `heads`: the paper's Medusa, the simplest case of the loop (each node path ranked in the
     tree's own order)."""
     n = tree.size - 1
-    return (TreeDraft(heads, {n: tree}),
-            FixedSize(n, {path: i + 1 for i, path in enumerate(tree.nodes[1:])}))
+    return TreeDraft(heads, {n: tree}), FixedSize(n)
 
 
 def nested_trees(nodes: list[tuple], sizes, num_heads: int, vocab_size: int, device):

@@ -156,10 +156,10 @@ class ContextDraft:
         group, self.chain = self.index.match()
         return group
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+    def tree(self, model, n: int, root: int, features: torch.Tensor):
         if len(self.chain) >= n:  # no draft: nothing drawn, the chain's tokens point masses
             return Candidates(*chain_alone(root, self.chain[:n], features.device))
-        drafted = self.draft.tree(model, n, root, features, rank)
+        drafted = self.draft.tree(model, n, root, features)
         if not self.chain:
             return drafted
         merged = with_chain(drafted.tree, drafted.tokens, drafted.rank, n, self.chain)

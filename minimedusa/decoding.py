@@ -213,7 +213,7 @@ def medusa_decode(model: Llama, draft: Draft, budget, acceptance: Acceptance,
             new, nodes, hidden = root_step(model, cache, root, acceptance, generator)
             accepted, rank = [], None
         else:
-            candidates = draft.tree(model, n, root, features, budget.rank)
+            candidates = draft.tree(model, n, root, features)
             new, nodes, hidden = medusa_step(model, candidates, cache, acceptance, generator)
             accepted, rank = [candidates.tree.nodes[i] for i in nodes[1:]], candidates.rank
         # note: a step's time includes what the draft reads of its kept positions (a draft

@@ -5,7 +5,7 @@ The decoding loop (decoding.medusa_decode) asks a draft five things, in the orde
 them: start(prompt ids, cache) before the prefill; read(hidden (a, C)) after every forward, what
 the heads will read (here the last position's hidden state); match(root), the Budget's group
 for the step (how long a suffix a context chain matched: 0 here, context_candidates.py);
-tree(model, n, root, features, rank), the step's Candidates: its tree of n nodes, its tokens
+tree(model, n, root, features), the step's Candidates: its tree of n nodes, its tokens
 (n + 1,), each node path's rank, and what drawn candidates were drawn from, which the loop
 hands the acceptance with them; extend(tokens), the step's accepted candidates.
 
@@ -49,8 +49,7 @@ class Draft(Protocol):
 
     def match(self, root: int) -> int: ...
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor,
-             rank: dict) -> Candidates: ...
+    def tree(self, model, n: int, root: int, features: torch.Tensor) -> Candidates: ...
 
     def extend(self, tokens: list[int]) -> None: ...
 
@@ -86,19 +85,34 @@ def tree_tokens(heads: MedusaHeads | HydraHeads, model, tree: MedusaTree,
     """The tree's candidate tokens (N,), root first, guessed at the position whose hidden state
     (or what the heads read there: a draft's read) is hidden (C,). Medusa heads guess every
     depth at once from h_t alone; Hydra heads read the draft's own tokens, so they guess depth
-    by depth (heads.HydraHeads). root: its token id, or a 0-d tensor of it on hidden's device (a CUDA
-    graph's input, speed/cuda_graphs.py)."""
+    by depth (heads.HydraHeads). root: its token id, or a 0-d tensor of it on hidden's device (a
+    CUDA graph's input, speed/cuda_graphs.py)."""
     root = torch.as_tensor(root, device=hidden.device)
     if isinstance(heads, HydraHeads):
         return hydra_candidates(heads, model, hidden, root, tree, pick)
     return candidates(root, guess(heads, model, hidden), tree, heads.vocabulary, pick)
 
 
-class TreeDraft:
-    """The heads' guesses on a tree of each size the budget may ask for: trees[n]."""
+def nested_rank(trees: dict[int, MedusaTree]) -> dict:
+    """Each node path's place in trees nested by size: the smaller trees' paths first, each
+    tree's in its own order."""
+    rank = {}
+    for n in sorted(trees):
+        for path in trees[n].nodes[1:]:
+            rank.setdefault(path, len(rank) + 1)
+    return rank
 
-    def __init__(self, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree]):
+
+class TreeDraft:
+    """The heads' guesses on a tree of each size the budget may ask for: trees[n]; rank: each
+    node path's place in the nested trees (the tree of n nodes holds the paths of rank <= n:
+    budget.nested_trees gives the grown order), which the Budget records a step by; by default
+    the smaller trees' paths first, each tree's in its own order (one tree: its order)."""
+
+    def __init__(self, heads: MedusaHeads | HydraHeads, trees: dict[int, MedusaTree],
+                 rank: dict | None = None):
         self.heads, self.trees = heads, trees
+        self.rank = rank if rank is not None else nested_rank(trees)
 
     def start(self, prompt_ids: list[int], cache) -> None:
         pass  # nothing to set up: the heads read one hidden state, the last
@@ -110,10 +124,10 @@ class TreeDraft:
     def match(self, root: int) -> int:
         return 0  # no context chain: every step in the budget's one group
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict) -> Candidates:
+    def tree(self, model, n: int, root: int, features: torch.Tensor) -> Candidates:
         """trees[n], its tokens (n + 1,), root first, each node path's rank."""
         tree = self.trees[n]
-        return Candidates(tree, tree_tokens(self.heads, model, tree, root, features), rank)
+        return Candidates(tree, tree_tokens(self.heads, model, tree, root, features), self.rank)
 
     def extend(self, tokens: list[int]) -> None:
         pass  # the accepted tokens change nothing the heads keep
@@ -228,7 +242,7 @@ class RankedDraft:
     def match(self, root: int) -> int:
         return 0
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+    def tree(self, model, n: int, root: int, features: torch.Tensor):
         tree, tokens, order = ranked_draft(self.heads, model, root, features, n)
         return Candidates(tree, tokens, {path: i + 1 for i, path in enumerate(order)})
 

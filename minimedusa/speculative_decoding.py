@@ -176,10 +176,6 @@ def speculative_decode(target: Llama, draft: ModelDraft, budget, sampling: Sampl
         new = verify(target, cache, text[-1], drafted, laws, sampling, generator)
         kept = len(new) - 1
         draft.keep(len(text) + kept, kept)  # it fed the text, then its drafts but the last
-        budget.record(k, budget.clock() - start, [(0,) * (i + 1) for i in range(kept)])
-
-
-def chain_rank(sizes) -> dict[tuple, int]:
-    """The budget's rank of each drafted position: the chain's i-th draft is the node (0,) * i,
-    held by every k >= i."""
-    return {(0,) * i: i for i in range(1, max(sizes) + 1)}
+        # the chain's i-th draft is the node (0,) * i, held by every k >= i: its rank is i
+        accepted = [(0,) * (i + 1) for i in range(kept)]
+        budget.record(k, budget.clock() - start, accepted, {path: len(path) for path in accepted})

@@ -85,8 +85,8 @@ class DrawnDraft(TreeDraft):
     acceptance, which must know what every candidate was drawn from."""
 
     def __init__(self, heads, trees: dict[int, MedusaTree], temperature: float,
-                 seed: int | None = None):
-        super().__init__(heads, trees)
+                 seed: int | None = None, rank: dict | None = None):
+        super().__init__(heads, trees, rank)
         self.temperature, self.seed = temperature, seed
         self.generator = None
 
@@ -96,7 +96,7 @@ class DrawnDraft(TreeDraft):
             self.generator = make_generator(device, self.seed)
         return self.generator
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+    def tree(self, model, n: int, root: int, features: torch.Tensor):
         tree = self.trees[n]
         calls = []  # (q (M, V'), the columns drawn (M, k)) of each call of the heads, in order
         noise = []  # the step's (step_noise), drawn at the first call, once its width is known
@@ -113,7 +113,7 @@ class DrawnDraft(TreeDraft):
             return columns
 
         tokens = tree_tokens(self.heads, model, tree, root, features, pick)
-        return Candidates(tree, tokens, rank, proposal_of(tree, calls, self.heads))
+        return Candidates(tree, tokens, self.rank, proposal_of(tree, calls, self.heads))
 
 
 def proposal_of(tree: MedusaTree, calls: list, heads) -> Proposal:

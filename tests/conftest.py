@@ -16,7 +16,7 @@ from minimedusa.model import Blocks, Llama, LlamaConfig
 from minimedusa.acceptance import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
-from minimedusa.cli.load import decoding_model
+from minimedusa.cli.recipe import Recipe, decoding_model
 from minimedusa.speed.c_kernels import kernels_folder
 
 # every run draws the same examples (a seed per test): a failure seen on one machine is replayed
@@ -196,7 +196,7 @@ def smollm2_packed(request, default_model_dir):
     products prepacked (speed/packed_linear.py), whose row bits are the same whatever rows
     beside them. The real-model decoding checks run on it (on the 2-core AVX2 EPYC 98 s where
     the plain core took 134); the reference checks on the plain core (smollm2)."""
-    model, _ = decoding_model(default_model_dir, request.param, "float32")  # eager
+    model, _ = decoding_model(Recipe(default_model_dir, request.param, "float32"))  # eager
     return model
 
 
@@ -257,7 +257,7 @@ def torch_threads():
 @pytest.fixture(autouse=True)
 def latency_cache(tmp_path_factory, monkeypatch, built_kernels):
     """Step latencies measured by a test go to a fresh folder of its own, never to the user's
-    cache (speed/latency_cache.cache_file); its kernels folder is the run's (built_kernels)."""
+    cache (cli/latency_cache.cache_file); its kernels folder is the run's (built_kernels)."""
     cache = tmp_path_factory.mktemp("cache")
     (cache / "kernels").symlink_to(built_kernels, target_is_directory=True)
     monkeypatch.setenv("MINIMEDUSA_CACHE", str(cache))

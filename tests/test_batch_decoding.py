@@ -211,9 +211,10 @@ def test_a_budget_mixing_plain_steps_and_tree_sizes_keeps_every_row_lossless():
     trees_by_size, rank = nested_trees(nodes, [1, 2, 4, 7], 4, None, "cpu")
     ticks = itertools.count()
     budget = Budget([0, 1, 2, 4, 7], dict.fromkeys([1, 2, 4, 7], 1.0),
-                    dict.fromkeys([0, 1, 2, 4, 7], 1.0), rank, clock=lambda: next(ticks))
+                    dict.fromkeys([0, 1, 2, 4, 7], 1.0), clock=lambda: next(ticks))
     prompts = random_prompts(3, 6, 10)
-    medusa = BatchMedusa(fast_draft(TreeDraft(heads, trees_by_size), model), budget, greedy())
+    medusa = BatchMedusa(fast_draft(TreeDraft(heads, trees_by_size, rank), model), budget,
+                         greedy())
     answers = dict(batch_medusa_decode(model, prompts, 40, medusa, set(), 4))
     assert answers == {i: flat(plain_decode(model, p, 40, Sampling(), set()))
                        for i, p in enumerate(prompts)}
@@ -247,12 +248,13 @@ def test_a_batchs_tail_is_timed_by_a_budget_of_its_own_row_count():
     ticks = itertools.count()
 
     def budget(rows: int) -> RowsBudget:
-        made[rows] = RowsBudget([0, 1, 3], {1: 1.5, 3: 2.0}, {0: 1.0, 1: 1.0, 3: 1.0}, rank,
+        made[rows] = RowsBudget([0, 1, 3], {1: 1.5, 3: 2.0}, {0: 1.0, 1: 1.0, 3: 1.0},
                                 rows=rows, clock=lambda: next(ticks))
         return made[rows]
     made: dict[int, RowsBudget] = {}
     prompts = random_prompts(5, 7, 10)
-    medusa = BatchMedusa(fast_draft(TreeDraft(heads, trees_by_size), model), budget(4), greedy(),
+    medusa = BatchMedusa(fast_draft(TreeDraft(heads, trees_by_size, rank), model), budget(4),
+                         greedy(),
                          budget)
     stop = {11, 23, 37}
     answers = dict(batch_medusa_decode(model, prompts, 30, medusa, stop, 4))

@@ -11,13 +11,12 @@ import torch
 
 from conftest import LastBlockSkipped, broken, tiny_model
 from minimedusa.bench import bench, processes as bench_generate, questions as bench_questions
-from minimedusa.files.heads_files import CALIBRATION
+from minimedusa.files.heads_files import CALIBRATION, save_heads
 from minimedusa.heads import MedusaHeads
-from minimedusa.files.heads_files import save_heads
 from minimedusa.training.pipeline import CPU_PROMPTS
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.cli.device import pick_device
-from minimedusa.speed.defaults import default_format
+from minimedusa.cli.load import machine_format
 from minimedusa.files.weights import load_model, save_model
 
 
@@ -153,7 +152,7 @@ def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path
     steps = result["steps_by_tree_size"]["medusa greedy"]
     assert sum(steps.values()) == result["totals"]["medusa greedy"]["steps"] - 8  # - prefills
     device = pick_device("auto")  # the GPU where there is one
-    assert result["machine"].startswith(f"{device.type}/{default_format(device, tiny_folder)}/")
+    assert result["machine"].startswith(f"{device.type}/{machine_format(device, tiny_folder)}/")
 
 
 def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):

@@ -13,14 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import copycat_model, tiny_model
-from minimedusa.acceptance import Sampling, greedy
+from minimedusa.acceptance import Sampling, greedy, typical
 from minimedusa.budget import Budget, batch_latency, grow_tree, nested_trees
-from minimedusa.speed import latency_cache
-from minimedusa.speed.latency_cache import machine_latency
+from minimedusa.cli import latency_cache
+from minimedusa.cli.latency_cache import latency_key, machine_latency
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import RankedDraft, TreeDraft
 from minimedusa.speed.machine import machine_key
 from minimedusa.heads import MedusaHeads
+from minimedusa.speculative_sampling import DrawnDraft, speculative
 
 SIZES = [0, 1, 2, 4, 8, 16]
 # a simulated machine and heads: the accepted chain of a step is the first d nodes of a spine
@@ -43,7 +44,7 @@ def simulate(budget: Budget, steps: int, seed: int = 0) -> list[int]:
         u = rng.random()
         depth = sum(u < p for p in DEPTH_AT_LEAST[1:])
         accepted = [p for p in SPINE[:depth] if RANK[p] <= n]
-        budget.record(n, TRUE_LATENCY[n] * rng.uniform(0.95, 1.05), accepted)
+        budget.record(n, TRUE_LATENCY[n] * rng.uniform(0.95, 1.05), accepted, RANK)
         chosen.append(n)
     return chosen
 
@@ -59,7 +60,7 @@ def true_best() -> int:
     {0: 0.1, 1: 0.3, 2: 0.3, 4: 0.9, 8: 0.12, 16: 0.9},  # off everywhere, and 8 looks best
 ])
 def test_a_wrong_latency_prior_recovers_to_the_size_true_latencies_favour(prior):
-    budget = Budget(SIZES, EXPECTED, prior, RANK)
+    budget = Budget(SIZES, EXPECTED, prior)
     chosen = simulate(budget, 300)
     assert true_best() == 4
     assert budget.best() == 4
@@ -70,7 +71,7 @@ def test_a_size_timed_high_once_is_timed_again_and_the_run_returns_to_it():
     """Plain steps timed slow among a run's first (3x: cold caches, another load) send the
     budget to a tree that truly pays less; their timings expire (stale) and are taken again,
     and the steps go back to plain."""
-    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), RANK, stale=200)
+    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), stale=200)
     slow = {n: 1.0 + 0.8 * n for n in SIZES if n}  # every tree step costs > 1.8x: plain pays
     rng, chosen = random.Random(1), []
     for _ in range(1200):
@@ -78,7 +79,7 @@ def test_a_size_timed_high_once_is_timed_again_and_the_run_returns_to_it():
         depth = sum(rng.random() < p for p in DEPTH_AT_LEAST[1:2])
         accepted = [p for p in SPINE[:depth] if RANK[p] <= n]
         seconds = (3.0 if chosen.count(0) < 3 else 1.0) if n == 0 else slow[n]
-        budget.record(n, seconds, accepted)
+        budget.record(n, seconds, accepted, RANK)
         chosen.append(n)
     assert chosen[:100].count(0) < 50  # fooled at first
     assert chosen[-100:].count(0) > 90
@@ -86,12 +87,12 @@ def test_a_size_timed_high_once_is_timed_again_and_the_run_returns_to_it():
 
 def test_when_no_tree_pays_the_steps_are_plain():
     slow = {0: 1.0, **{n: 1.0 + 0.8 * n for n in SIZES if n}}  # every tree step costs > 1.8x
-    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), RANK)
+    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY))
     rng = random.Random(1)
     for _ in range(200):
         n = budget.choose()
         depth = sum(rng.random() < p for p in DEPTH_AT_LEAST[1:2])
-        budget.record(n, slow[n], [p for p in SPINE[:depth] if RANK[p] <= n])
+        budget.record(n, slow[n], [p for p in SPINE[:depth] if RANK[p] <= n], RANK)
     assert budget.best() == 0
     # the prior said trees were cheap: a few sizes get 3 timed steps each, then plain only
     assert sum(c for n, c in budget.used.items() if n) <= 15
@@ -117,10 +118,10 @@ def test_a_batch_steps_prior_is_a_batch_1_forward_of_as_many_rows(batch, latency
 
 
 def test_a_step_counts_what_every_smaller_nested_tree_would_have_accepted():
-    budget = Budget(SIZES, {}, dict(TRUE_LATENCY), RANK)
-    budget.record(16, 2.5, SPINE)  # the whole spine: ranks 1, 3, 6, 12
+    budget = Budget(SIZES, {}, dict(TRUE_LATENCY))
+    budget.record(16, 2.5, SPINE, RANK)  # the whole spine: ranks 1, 3, 6, 12
     assert {n: budget.tokens[0][n] for n in SIZES[1:]} == {1: 2, 2: 2, 4: 3, 8: 4, 16: 5}
-    budget.record(4, 1.2, SPINE[:1])
+    budget.record(4, 1.2, SPINE[:1], RANK)
     tokens, steps = budget.tokens[0], budget.steps[0]  # group 0: the steps named no group
     assert tokens[8] == 4 and steps[8] == 1  # a 4-node step says nothing of 8
     assert tokens[4] == 5 and steps[4] == 2
@@ -131,13 +132,14 @@ def test_groups_that_accept_differently_settle_on_their_own_sizes():
     0's accept nothing: on the same machine, group 1 settles on the tree whose rate is best,
     group 0 on plain steps or 1 node (here within the margin of each other), and neither's
     counts leak into the other's."""
-    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY), RANK)
+    budget = Budget(SIZES, EXPECTED, dict(TRUE_LATENCY))
     rng = random.Random(0)
     for _ in range(400):
         group = rng.randrange(2)
         n = budget.choose(group)
         accepted = [p for p in SPINE if RANK[p] <= n] if group == 1 else []
-        budget.record(n, TRUE_LATENCY[n] * rng.uniform(0.95, 1.05), accepted, group=group)
+        budget.record(n, TRUE_LATENCY[n] * rng.uniform(0.95, 1.05), accepted, RANK,
+                      group=group)
     rate = {n: (1 + sum(r <= n for r in (1, 3, 6, 12))) / TRUE_LATENCY[n] for n in SIZES}
     assert budget.best(1) == max(rate, key=rate.get) == 8
     assert budget.best(0) in (0, 1)
@@ -147,7 +149,7 @@ def test_groups_that_accept_differently_settle_on_their_own_sizes():
 def test_a_group_anchors_the_calibration_at_what_it_measured():
     """Once a group has measured a size, a bigger size's prior is that measurement plus the
     calibration's growth between the two, not the calibration's level."""
-    budget = Budget(SIZES, {1: 1.5, 2: 1.7, 4: 1.9}, dict(TRUE_LATENCY), RANK)
+    budget = Budget(SIZES, {1: 1.5, 2: 1.7, 4: 1.9}, dict(TRUE_LATENCY))
     for _ in range(3):
         chain = {(0,): 1, (0, 0): 2}  # a 2-node chain tree (a merged step's ranks)
         budget.record(2, 1.1, [(0,), (0, 0)], chain, group=3)  # 3 tokens a step at 2 nodes
@@ -162,16 +164,15 @@ def chain_group_sizes(chain: int, seed: int, steps: int = 300) -> Budget:
     calibration predicting much less growth."""
     sizes, latency = [0, 1, 2, 3, 4, 8], {0: 1.0, 1: 1.1, 2: 1.24, 3: 1.33, 4: 1.48, 8: 1.84}
     rank = {(0,) * d: d for d in range(1, 6)}  # the chain's nodes by depth
-    budget = Budget(sizes, {1: 1.5, 2: 1.6, 3: 1.7, 4: 1.75, 8: 1.9}, latency, rank,
-                    chain=chain)
+    budget = Budget(sizes, {1: 1.5, 2: 1.6, 3: 1.7, 4: 1.75, 8: 1.9}, latency, chain=chain)
     for n in sizes:  # timed elsewhere: no probing step in this group
         for _ in range(3):
-            budget.record(n, latency[n], [])
+            budget.record(n, latency[n], [], rank)
     rng = random.Random(seed)
     for _ in range(steps):
         n = budget.choose(2)
         right = next((k for k in range(5) if rng.random() >= 0.9), 5)  # the chain's right run
-        budget.record(n, latency[n], [(0,) * d for d in range(1, min(n, 5, right) + 1)],
+        budget.record(n, latency[n], [(0,) * d for d in range(1, min(n, 5, right) + 1)], rank,
                       group=2)
     return budget
 
@@ -187,10 +188,10 @@ def test_a_chain_group_grows_its_steps_as_far_as_the_chain_pays():
 
 
 def test_unknown_acceptance_is_tried_before_it_is_judged():
-    budget = Budget([0, 7], {}, {0: 1.0, 7: 5.0}, {})
+    budget = Budget([0, 7], {}, {0: 1.0, 7: 5.0})
     for _ in range(10):
         n = budget.choose()
-        budget.record(n, {0: 1.0, 7: 5.0}[n], [])  # the tree accepts nothing, at 5x the cost
+        budget.record(n, {0: 1.0, 7: 5.0}[n], [], {})  # the tree accepts nothing, at 5x the cost
     assert budget.used == {0: 7, 7: 3}  # no calibration: tried (3 timed steps) however slow
     # it looked, then dropped
 
@@ -207,11 +208,11 @@ def test_switching_tree_sizes_mid_run_keeps_greedy_output_identical_to_plain(see
     trees, rank = nested_trees(nodes, sizes, 4, model.config.vocab_size, "cpu")
     rng = random.Random(seed)  # a prior that makes the budget wander over every size
     budget = Budget([0, *sizes], {n: rng.uniform(1, 3) for n in sizes},
-                    {n: rng.uniform(0.5, 2) for n in [0, *sizes]}, rank,
+                    {n: rng.uniform(0.5, 2) for n in [0, *sizes]},
                     clock=lambda: rng.random())  # a lying clock
     prompt = [3, 5, 7, 3, 5]
     flat = lambda steps: [t for step in steps for t in step]  # noqa: E731
-    draft = RankedDraft(heads) if ranked else TreeDraft(heads, trees)
+    draft = RankedDraft(heads) if ranked else TreeDraft(heads, trees, rank)
     medusa = flat(medusa_decode(model, draft, budget, greedy(), prompt, 60, set()))
     assert medusa == flat(plain_decode(model, prompt, 60, Sampling(), set()))
     assert len([n for n, c in budget.used.items() if c]) >= 2  # it did switch
@@ -225,24 +226,37 @@ def test_the_machine_key_names_the_vector_features_not_only_the_cpu():
 
 
 def latency_setup():
-    """A tiny model, 2 heads and their nested trees of 1 and 3 nodes: what machine_latency
-    times (plain steps included)."""
+    """A tiny model, a draft of 2 heads on their nested trees of 1 and 3 nodes, and the greedy
+    rule: what machine_latency times (plain steps included)."""
     model = tiny_model(dtype=torch.float32)
     heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
     nodes, _ = grow_tree(torch.tensor([[0.5, 0.2], [0.3, 0.1]]), 3)
     trees, _ = nested_trees(nodes, [1, 3], 2, model.config.vocab_size, "cpu")
-    return model, heads, trees
+    return model, TreeDraft(heads, trees), greedy(), [1, 3]
 
 
 def test_latencies_cached_before_a_kernel_changed_are_measured_again(tmp_path, monkeypatch):
     """A faster (or slower) C kernel changes every size's step time: the cache is keyed by the
     kernels' sources, so a user's cache from an older version is not taken for this one."""
     monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path))
-    model, heads, trees = latency_setup()
-    latency, _ = machine_latency(model, heads, trees, repeats=1)
-    assert machine_latency(model, heads, trees) == (latency, "cached")
+    model, draft, rule, sizes = latency_setup()
+    latency, _ = machine_latency(model, draft, rule, sizes, repeats=1)
+    assert machine_latency(model, draft, rule, sizes) == (latency, "cached")
     monkeypatch.setattr(latency_cache, "sources_digest", lambda: "another version")
-    assert machine_latency(model, heads, trees, repeats=1)[1] == "measured here"
+    assert machine_latency(model, draft, rule, sizes, repeats=1)[1] == "measured here"
+
+
+def test_the_latency_key_names_the_draft_and_the_rule_the_timing_ran(tmp_path, monkeypatch):
+    """A drawn draft verified by speculative sampling costs more a step than the heads' top-k
+    verified greedily: latencies timed for one are not read for the other."""
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path))
+    model, draft, rule, sizes = latency_setup()
+    drawn, sampled = DrawnDraft(draft.heads, draft.trees, 0.7, 1), speculative(0.7, seed=0)
+    assert latency_key(model, draft, rule) != latency_key(model, drawn, sampled)
+    assert latency_key(model, draft, rule) != latency_key(model, draft, typical(0.7))
+    machine_latency(model, draft, rule, sizes, repeats=1)
+    assert machine_latency(model, drawn, sampled, sizes, repeats=1)[1] == "measured here"
+    assert machine_latency(model, draft, rule, sizes)[1] == "cached"
 
 
 @pytest.mark.parametrize("damage", [
@@ -253,13 +267,13 @@ def test_a_damaged_latency_cache_is_measured_again_and_rewritten(damage, tmp_pat
                                                                   monkeypatch, capsys):
     monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path))
     (tmp_path / "step_latency.json").write_bytes(damage)
-    model, heads, trees = latency_setup()
-    latency, source = machine_latency(model, heads, trees, repeats=1)
+    model, draft, rule, sizes = latency_setup()
+    latency, source = machine_latency(model, draft, rule, sizes, repeats=1)
     assert source == "measured here" and set(latency) == {0, 1, 3}
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "step_latency.json was damaged (" in lines[0]
     assert lines[0].endswith("; measured again")
-    assert machine_latency(model, heads, trees) == (latency, "cached")  # the next run reads it
+    assert machine_latency(model, draft, rule, sizes) == (latency, "cached")  # the next run's
     assert capsys.readouterr().err == ""
     assert os.listdir(tmp_path) == ["step_latency.json"]  # renamed into place, nothing left
 
@@ -278,8 +292,8 @@ def test_an_unwritable_latency_cache_gives_the_latencies_and_says_so(unwritable,
     else:
         cache.mkdir(mode=0o555)
     monkeypatch.setenv("MINIMEDUSA_CACHE", str(cache))
-    model, heads, trees = latency_setup()
-    latency, source = machine_latency(model, heads, trees, repeats=1)
+    model, draft, rule, sizes = latency_setup()
+    latency, source = machine_latency(model, draft, rule, sizes, repeats=1)
     assert source == "measured here" and set(latency) == {0, 1, 3}
     lines = capsys.readouterr().err.splitlines()
     said = ("step latencies measured here were not kept" if unwritable.startswith("a folder ")

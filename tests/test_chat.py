@@ -18,7 +18,7 @@ from conftest import cached_keys_values, copycat_model, tiny_model
 from minimedusa import decoding
 from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import fixed
-from minimedusa.cli.drafts import wrapped
+from minimedusa.cli.recipe import wrapped
 from minimedusa.decoding import decode_step, medusa_decode, plain_decode, prefill
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.errors import UserError
@@ -142,8 +142,8 @@ def runs(monkeypatch):
     already in the cache, "prefilled": tokens decoding.prefill ran}; "loads": loadings."""
     runs, real_decoder, real_prefill, real_load = [], generate.decoder, prefill, generate.load
 
-    def decoder(args, model, draft=None):
-        chosen = real_decoder(args, model, draft)
+    def decoder(args, model, recipe, draft=None):
+        chosen = real_decoder(args, model, recipe, draft)
         real_decode = chosen.decode
 
         def decode(ids, cache=None):

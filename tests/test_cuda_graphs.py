@@ -214,8 +214,8 @@ def test_the_graphed_draft_gives_the_drafts_tokens(pair, kind):
             device.type])
         root = int(torch.randint(0, 64, (), generator=g))
         with torch.inference_mode():
-            ours, theirs = draft.tree(graphed, n, root, hidden, {}), reference.tree(
-                graphed, n, root, hidden, {})
+            ours, theirs = draft.tree(graphed, n, root, hidden), reference.tree(
+                graphed, n, root, hidden)
         assert torch.equal(ours.tokens, theirs.tokens)
 
 

@@ -15,7 +15,7 @@ import train
 from conftest import copycat_model, perturbed, tiny_model
 from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import Budget, fixed, nested_trees
-from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.recipe import decoding_heads
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import (medusa_decode, medusa_step, new_cache, plain_decode, prefill,
                                  root_step)
@@ -178,8 +178,8 @@ def test_hydra_pp_adapted_trees_with_plain_steps_stay_lossless(seed, context):
     heads = perturbed_hydra_pp(model, 4, seed, 0.1)
     trees, rank = nested_trees(NODES[:8], [4, 8], 4, model.config.vocab_size, "cpu")
     prompt = [3, 5, 7, 9, 3, 5, 7, 9, 3]
-    budget = Budget([0, 4, 8], {4: 2.0, 8: 2.4}, {0: 1.0, 4: 1.2, 8: 1.5}, rank)
-    draft = PlusPlusDraft(TreeDraft(heads, trees))
+    budget = Budget([0, 4, 8], {4: 2.0, 8: 2.4}, {0: 1.0, 4: 1.2, 8: 1.5})
+    draft = PlusPlusDraft(TreeDraft(heads, trees, rank))
     out = medusa_decode(model, ContextDraft(draft) if context else draft, budget, greedy(),
                         prompt, 40, set())
     assert flat(out) == flat(plain_decode(model, prompt, 40, Sampling(), set()))

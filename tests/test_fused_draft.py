@@ -50,7 +50,7 @@ def drafts(heads, model, hidden, root, tree) -> tuple[torch.Tensor, torch.Tensor
     """(hydra_candidates' tokens, the fused draft's) for the same step."""
     reference = hydra_candidates(heads, model, hidden, root, tree)
     fused = FusedHydraDraft(heads, {tree.size - 1: tree}, model)
-    return reference, fused.tree(model, tree.size - 1, int(root), hidden, {}).tokens
+    return reference, fused.tree(model, tree.size - 1, int(root), hidden).tokens
 
 
 @settings(max_examples=30, deadline=None)
@@ -131,8 +131,8 @@ def test_the_fused_draw_draws_drawn_drafts_candidates_from_the_same_seed(choices
     for _ in range(2):  # the second step draws from where the first left the generator
         hidden = 4 * torch.randn(model.config.hidden_size, generator=g)
         root = int(torch.randint(0, model.config.vocab_size, (), generator=g))
-        fused_step = fused.tree(model, tree.size - 1, root, hidden, {})
-        reference_step = reference.tree(model, tree.size - 1, root, hidden, {})
+        fused_step = fused.tree(model, tree.size - 1, root, hidden)
+        reference_step = reference.tree(model, tree.size - 1, root, hidden)
         assert torch.equal(fused_step.tokens, reference_step.tokens)
         got, expected = fused_step.proposal, reference_step.proposal
         assert set(got.q) == set(expected.q)

@@ -1,9 +1,8 @@
-"""Hydra heads (heads.HydraHeads): a fresh Hydra head is a fresh Medusa head; training feeds head k the
-answer up to the token before its target, which is what drafting feeds it; decoding with them is
-lossless over random trees (greedy == plain greedy, also with a draft vocabulary); their files
+"""Hydra heads (heads.HydraHeads): a fresh Hydra head is a fresh Medusa head; training feeds head
+k the answer up to the token before its target, which is what drafting feeds it; decoding with
+them is lossless over random trees (greedy == plain greedy, also with a draft vocabulary); their files
 name their kind; they learn."""
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from minimedusa.draft import tree_tokens
 from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads, hydra_candidates
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.training.self_distill import tokenizer_fingerprint
-from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.recipe import decoding_heads
 from minimedusa.speed.defaults import CPU_DRAFT_VOCAB, cpu_draft_vocab
 from minimedusa.training.medusa1 import IGNORE, draft_columns, head_inputs, head_targets, read_rows
 from minimedusa.tree import build_tree

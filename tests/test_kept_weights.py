@@ -10,10 +10,11 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from minimedusa.files.weights import save_model
-from minimedusa.speed.kept_weights import formatted_model
+from minimedusa.cli.load import formatted_model
+from minimedusa.speed.kept_weights import (kept_file, layer_tensors,
+                                           quantized_layers)
 from minimedusa.model import causal_mask
 from minimedusa.speed import group_kernel, kept_weights
-from minimedusa.speed.kept_weights import kept_file, layer_tensors, quantized_layers
 
 FORMATS = ["int8", "int4"] + (["w4a8"] if group_kernel.kernel_problem() is None else [])
 CPU = torch.device("cpu")

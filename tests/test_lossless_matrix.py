@@ -94,6 +94,6 @@ def test_every_kind_of_draft_stays_lossless_and_accepts(draft, weight_format, st
         tokens, per_step = steps_of(model, ContextDraft(tree_draft), budget, prompt)
     else:
         trees, rank = nested_trees(NODES, [3, 8], 4, vocab, device)
-        budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2}, rank)
-        tokens, per_step = steps_of(model, TreeDraft(heads, trees), budget, prompt)
+        budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2})
+        tokens, per_step = steps_of(model, TreeDraft(heads, trees, rank), budget, prompt)
     assert tokens == plain and per_step > 1.2

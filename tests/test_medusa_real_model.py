@@ -14,11 +14,10 @@ import torch
 
 from generate import main as generate_main
 from minimedusa.acceptance import greedy
-from minimedusa.heads import MedusaHeads
+from minimedusa.heads import MedusaHeads, ranked_vocab_size
 from minimedusa.budget import fixed, grow_tree
 from minimedusa.files.heads_files import read_calibration
-from minimedusa.cli.draft_heads import decoding_heads
-from minimedusa.heads import ranked_vocab_size
+from minimedusa.cli.recipe import decoding_heads
 from minimedusa.cli.trees import tree_choices
 from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache, prefill
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR

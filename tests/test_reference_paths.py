@@ -20,9 +20,7 @@ from conftest import BROKEN, LastBlockSkipped, broken
 from generate import main as generate_main
 from minimedusa.batch_decoding import batch_decode
 from minimedusa.budget import fixed, grow_tree
-from minimedusa.cli.draft_heads import decoding_heads
-from minimedusa.cli.drafts import wrapped
-from minimedusa.cli.load import decoding_model
+from minimedusa.cli.recipe import Recipe, decoding_heads, decoding_model, wrapped
 from minimedusa.decoding import decode_step, medusa_decode, new_cache, plain_decode, prefill
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR
 from minimedusa.files.heads_files import read_calibration
@@ -59,7 +57,7 @@ def path_model(folder, device: str, fmt: str, step: str):
         return f"w4a8 multiplies in group_kernel.c only: {group_kernel.kernel_problem()}"
     if step == "compiled" and compiler_problem() is not None:
         return f"no compiled step here: {compiler_problem()}"
-    model, how = decoding_model(folder, torch.device(device), fmt, COMPILE_FLAG[step])
+    model, how = decoding_model(Recipe(folder, torch.device(device), fmt, COMPILE_FLAG[step]))
     if not how.startswith(HOW[step]):
         return f"{fmt}'s step here is {how}, not {step}"
     return model
@@ -237,14 +235,14 @@ def test_a_fast_step_that_passes_the_check_is_kept(paths, reference):
 def test_generate_falls_back_to_eager_where_its_step_fails(monkeypatch, capsys):
     """generate.py with a broken step plugged in: one notice line, and the eager step's
     answer (the reference's: "The capital of France is Paris.")."""
-    import generate
-    real = generate.plug_in
+    from minimedusa.cli import recipe
+    real = recipe.plug_in
 
     def plug_in_broken(model, weight_format, compile_flag):
         real(model, weight_format, compile_flag)
         broken(model, LastBlockSkipped)
         return "compiled (warm-up 0.0 s)"
-    monkeypatch.setattr(generate, "plug_in", plug_in_broken)
+    monkeypatch.setattr(recipe, "plug_in", plug_in_broken)
     generate_main(["--prompt", "What is the capital of France?", "--dtype", "float32",
                    "--no-compile", "--baseline", "--max-new-tokens", "8"])
     out, err = capsys.readouterr()

@@ -128,10 +128,10 @@ def default_path_samples(accept: Acceptance | None, runs: int,
     trees, rank = nested_trees(DEFAULT_NODES, [3, 8], 4, model.config.vocab_size, "cpu")
     counts, tokens, steps = Counter(), 0, 0
     for s in range(seed, seed + runs):
-        budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2}, rank,
+        budget = Budget([0, 3, 8], {3: 1.8, 8: 2.2}, {0: 1.0, 3: 1.1, 8: 1.2},
                         clock=itertools.count().__next__)
-        inner = fast_draft(TreeDraft(heads, trees) if accept is not None else
-                           DrawnDraft(heads, trees, TEMPERATURE, s + 10**6), model)
+        inner = fast_draft(TreeDraft(heads, trees, rank) if accept is not None else
+                           DrawnDraft(heads, trees, TEMPERATURE, s + 10**6, rank), model)
         rule = accept if accept is not None else speculative(TEMPERATURE, TOP_P)
         answer = list(medusa_decode(model, ContextDraft(inner), budget,
                                     dataclasses.replace(rule, seed=s),

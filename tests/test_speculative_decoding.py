@@ -20,16 +20,14 @@ from generate import main as generate_main
 from minimedusa import speculative_decoding
 from minimedusa.acceptance import Sampling, greedy, probabilities
 from minimedusa.budget import Budget, FixedSize
-from minimedusa.cli.draft_heads import decoding_heads
+from minimedusa.cli.recipe import Recipe, build, decoding_model
 from minimedusa.cli.draft_model import draft_budget, draft_model
-from minimedusa.cli.trees import decoding_budget
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR
-from minimedusa.cli.load import decoding_model
 from minimedusa.decoding import plain_decode
 from minimedusa.files.weights import save_model
 from minimedusa.draft import TreeDraft
 from minimedusa.heads import MedusaHeads
-from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, chain_rank, sampled_kept,
+from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, sampled_kept,
                                              speculative_decode)
 from minimedusa.tree import build_tree
 from test_rejection_exact import goodness_of_fit
@@ -92,7 +90,7 @@ def test_drafts_are_kept_and_rejected_and_the_budget_moves_k():
     draft = draft_of(target, 0.02, 3)
     sizes = (0, 1, 2, 4, 8)
     budget = Budget(sizes, {k: 1 + 0.8 * k for k in sizes if k}, {k: 1.0 for k in sizes},
-                    chain_rank(sizes), clock=iter(range(10**6)).__next__)
+                    clock=iter(range(10**6)).__next__)
     got, proposer = speculative_tokens(target, draft, budget, [5, 9, 11], 120)
     assert got == tokens_of(plain_decode(target, [5, 9, 11], 120, Sampling(), set()))
     assert 0 < proposer.kept < proposer.proposed
@@ -222,12 +220,13 @@ def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default
     the shipped heads (as generate.py --draft int4 does): the float32 model's plain greedy
     tokens exactly, and most drafts kept (the system prompt's chat, of near-ties, fewest: a
     draft cache rewound wrong keeps few, its drafts following text the target never wrote)."""
-    target, _ = decoding_model(default_model_dir, torch.device("cpu"), "float32", False)
+    target, _ = decoding_model(Recipe(default_model_dir, torch.device("cpu"), "float32", False))
     draft, _ = draft_model("int4", default_model_dir, torch.device("cpu"), None)  # fused
-    heads = decoding_heads(str(DEFAULT_HEADS_DIR), draft)
-    trees, heads_budget, _ = decoding_budget(heads, draft, str(DEFAULT_HEADS_DIR))
+    heads = build(Recipe(default_model_dir, torch.device("cpu"), "int4",
+                         heads=str(DEFAULT_HEADS_DIR)), draft)  # as generate.py's
     proposers = [ModelDraft(draft, Sampling()),
-                 MedusaDraft(draft, TreeDraft(heads, trees), heads_budget, greedy())]
+                 MedusaDraft(draft, TreeDraft(heads.draft.heads, heads.draft.trees),
+                             heads.budget, greedy())]
     budget = draft_budget(target, draft)
     for proposer, case in zip(proposers, reference["greedy"]["cases"][::2]):
         prompt = case["prompt_ids"]

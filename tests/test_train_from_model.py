@@ -16,8 +16,7 @@ import train
 from conftest import tiny_model
 from minimedusa.speed import group_kernel
 from minimedusa.training import pipeline, self_distill
-from minimedusa.files.heads_files import CALIBRATION
-from minimedusa.files.heads_files import HEADS_FILE
+from minimedusa.files.heads_files import CALIBRATION, HEADS_FILE
 from minimedusa.files.weights import save_model
 
 

@@ -13,18 +13,19 @@ from conftest import tiny_model
 from minimedusa.training import tree_search
 from minimedusa.budget import (SIZES, expected_length, expected_length_of, grow_tree, nested_trees,
                                pick_budget)
-from minimedusa.files.heads_files import CALIBRATION, read_calibration
-from minimedusa.speed.latency_cache import latency_key, read_cached
-from minimedusa.speed.step_latency import step_latency
-from minimedusa.cli.trees import decoding_budget, decoding_tree
+from minimedusa.files.heads_files import CALIBRATION, read_calibration, save_heads
+from minimedusa.cli.latency_cache import latency_key, read_cached
+from minimedusa.cli.step_latency import step_latency
+from minimedusa.cli.trees import decoding_tree, grown_trees
 from minimedusa.heads import MedusaHeads
 from minimedusa.training.medusa1 import IGNORE, Rows, head_metrics
 from minimedusa.tree import build_tree, dense_tree
 from minimedusa.training.tree_search import head_accuracies
-from minimedusa.files.heads_files import load_heads, save_heads
-from minimedusa.cli.load import decoding_model
-from minimedusa.speed.defaults import default_format
-from minimedusa.speed.weight_formats import activation_dtype, apply_format
+from minimedusa.acceptance import greedy
+from minimedusa.cli.load import machine_format
+from minimedusa.cli.recipe import Recipe, build, decoding_heads, decoding_model, timed_parts
+from minimedusa.draft import TreeDraft
+from minimedusa.speed.weight_formats import apply_format
 
 
 def test_heads_read_features_in_their_own_dtype_in_training_and_calibration():
@@ -104,7 +105,8 @@ def test_step_latency_times_every_size_and_plain_decoding():
     heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
     nodes, _ = grow_tree(torch.tensor([[0.5, 0.2], [0.3, 0.1]]), 6)
     trees, _ = nested_trees(nodes, [1, 3, 6], 2, model.config.vocab_size, "cpu")
-    latency = step_latency(model, heads, trees, prompt_len=10, repeats=2)
+    latency = step_latency(model, TreeDraft(heads, trees), greedy(), list(trees), prompt_len=10,
+                           repeats=2)
     assert set(latency) == {0, 1, 3, 6} and all(s > 0 for s in latency.values())
 
 
@@ -116,12 +118,15 @@ def test_calibrated_heads_get_nested_grown_trees_and_latencies_measured_once(tmp
     save_heads(heads, tmp_path)
     (tmp_path / CALIBRATION).write_text(json.dumps({"accuracy": [[0.6, 0.2], [0.4, 0.1],
                                                                   [0.3, 0.1]]}))
-    trees, budget, why = decoding_budget(heads, model, str(tmp_path))
+    recipe = Recipe(tmp_path, torch.device("cpu"), "float32", heads=str(tmp_path))
+    decoding = build(recipe, model, heads)
+    trees, budget = decoding.draft.trees, decoding.budget
     nodes, _ = grow_tree(read_calibration(tmp_path), 16)
     assert sorted(trees) == [n for n in SIZES if n <= len(nodes)]
     assert all(set(trees[n].nodes[1:]) == set(nodes[:n]) for n in trees)
-    assert budget.sizes == [0, *sorted(trees)] and why.endswith("latencies measured here")
-    assert decoding_budget(heads, model, str(tmp_path))[2].endswith("latencies cached")
+    assert budget.sizes == [0, *sorted(trees)]
+    assert decoding.describe().endswith("latencies measured here, greedy")
+    assert build(recipe, model, heads).describe().endswith("latencies cached, greedy")
 
 
 def test_uncalibrated_heads_get_the_default_tree_cut_to_their_depth_or_plain(tmp_path):
@@ -132,9 +137,10 @@ def test_uncalibrated_heads_get_the_default_tree_cut_to_their_depth_or_plain(tmp
     model = tiny_model(dtype=torch.float32)
     heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
     save_heads(heads, tmp_path)
-    trees, budget, why = decoding_budget(heads, model, str(tmp_path))
-    assert why.startswith("cpu_8 (cut to its paths of at most 2 nodes")
-    (tree,) = trees.values()
+    grown = grown_trees(heads, model, str(tmp_path))
+    assert grown.why.startswith("cpu_8 (cut to its paths of at most 2 nodes")
+    (tree,) = grown.trees.values()
+    budget = grown.budget({0: 1.0, 5: 1.0})
     assert set(tree.nodes[1:]) == {(0,), (1,), (0, 0), (0, 1), (1, 0)}
     assert budget.sizes == [0, 5]
     name, tree = decoding_tree("dense:2,1", heads, model)  # --tree: that tree, every step
@@ -153,11 +159,11 @@ def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_
     chosen = [tuple(p) for p in json.loads((tmp_path / "t.json").read_text())]
     assert chosen == nodes[:len(chosen)]
     build_tree(chosen, num_heads=3)
-    weight_format = default_format(torch.device("cpu"), model_dir)  # the format decoding picks
-    model, _ = decoding_model(model_dir, torch.device("cpu"), weight_format, None)  # its step
-    heads = load_heads(tmp_path, model)
-    cached = read_cached(latency_key(model, heads, torch.device("cpu"),
-                                     activation_dtype(weight_format)))
+    weight_format = machine_format(torch.device("cpu"), model_dir)  # the format decoding picks
+    recipe = Recipe(model_dir, torch.device("cpu"), weight_format, None, heads=str(tmp_path))
+    model, _ = decoding_model(recipe)  # its step
+    heads = decoding_heads(recipe.heads, model)
+    cached = read_cached(latency_key(model, *timed_parts(recipe, heads, {}, model)))
     assert set(cached) == {0, 1, 2, 3, 4}  # sizes up to --max-nodes 6, and plain
 
 

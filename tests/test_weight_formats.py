@@ -15,7 +15,7 @@ from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads
 from minimedusa.model import causal_mask
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.tree import build_tree
-from minimedusa.speed.defaults import four_bit_checkpoint
+from minimedusa.cli.load import four_bit_checkpoint
 from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8,
                                     dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
                                     quantize_int4, quantize_int8, quantize_int8_groups)
@@ -210,11 +210,10 @@ def test_a_four_bit_checkpoint_decodes_with_8_bit_activations_only_without_avx51
     monkeypatch.setattr(defaults.group_kernel, "takes_float32", lambda: True)
     monkeypatch.setattr(defaults.group_kernel, "multiplies_bfloat16", lambda: bf16)
     monkeypatch.setattr(defaults, "bf16_is_native", lambda: bf16)
-    monkeypatch.setattr(defaults, "four_bit_checkpoint", lambda folder: folder == "four-bit")
     cpu = torch.device("cpu")
-    assert defaults.default_format(cpu, "four-bit") == expected
-    assert defaults.default_format(cpu, "other") == ("bfloat16" if bf16 else "float32")
-    assert defaults.default_format(torch.device("cuda"), "four-bit") == "bfloat16"
+    assert defaults.default_format(cpu, four_bit=True) == expected
+    assert defaults.default_format(cpu, four_bit=False) == ("bfloat16" if bf16 else "float32")
+    assert defaults.default_format(torch.device("cuda"), four_bit=True) == "bfloat16"
 
 
 @pytest.mark.skipif(not bf16_is_native(), reason="this CPU has no native bfloat16 (oneDNN)")

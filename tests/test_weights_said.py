@@ -7,8 +7,8 @@ import torch
 
 from conftest import tiny_model
 from minimedusa.files.weights import save_model
-from minimedusa.cli.load import decoding_model
-from minimedusa.speed.defaults import four_bit_checkpoint
+from minimedusa.cli.recipe import Recipe, decoding_model
+from minimedusa.cli.load import four_bit_checkpoint
 from minimedusa.speed import group_kernel, weight_formats
 from minimedusa.speed.kept_weights import layer_tensors, quantized_layers
 from minimedusa.speed.weight_formats import describe_weights, weight_bytes
@@ -30,7 +30,7 @@ def held_bytes(model) -> int:
 def test_the_size_said_is_the_size_held(weight_format, tmp_path):
     save_model(tiny_model(0, dtype=torch.float32, hidden_size=128, intermediate_size=256,
                           vocab_size=256), tmp_path)
-    model, _ = decoding_model(tmp_path, CPU, weight_format)
+    model, _ = decoding_model(Recipe(tmp_path, CPU, weight_format))
     said = weight_bytes(model.config, weight_format)
     assert abs(said - held_bytes(model)) <= 0.05 * said
 

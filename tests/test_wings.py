@@ -23,7 +23,13 @@ ROOM = 0.95
 PYTHON_LINES, FUNCTION_LINES, CORE_FILES = 350, 50, 15
 C_LINES = 700  # C and C++: one CPU path of a kernel a file, with its comments (group_kernel_*.h)
 MOST_IMPORTS = 10  # project modules one module imports, but where the wiring is the job:
-WIRING = ("minimedusa.bench.", "minimedusa.training.")  # and the entry points
+WIRING = ("minimedusa.bench.", "minimedusa.training.", "minimedusa.cli.recipe")  # and entry points
+# Where speed enters: the one module outside speed/ that calls what plugs it into a model, its
+# heads, their draft and the acceptance rule (the recipe, after loading).
+SPEED_DOOR = PACKAGE / "cli" / "recipe.py"
+PLUG_INS = {"plug_in", "plug_in_heads", "fast_draft", "greedy_for", "sampling_for",
+            "checked_step", "formatted_model", "apply_format", "fuse_blocks", "compile_blocks",
+            "graph_step"}
 
 
 def module_name(path: Path) -> str:
@@ -54,6 +60,31 @@ def test_the_core_imports_no_wing():
     for path in CORE:
         wings = {n for n in imports(path) if n.split(".")[1] in WINGS}
         assert not wings, f"{path.name} imports a wing: {sorted(wings)}"
+
+
+def test_speed_imports_only_the_core():
+    """speed/ plugs into the core's objects: it reads no file format, flag or experiment."""
+    core = {module_name(p) for p in CORE}
+    for path in (PACKAGE / "speed").glob("*.py"):
+        modules = {n if n in package_modules() else n.rsplit(".", 1)[0] for n in imports(path)}
+        outside = {n for n in modules - {"minimedusa"}
+                   if n not in core and not n.startswith("minimedusa.speed")}
+        assert not outside, f"speed/{path.name} imports {sorted(outside)}"
+
+
+def test_speed_is_plugged_in_at_one_place():
+    """Outside speed/, only the recipe calls what swaps speed into a model, heads, draft or
+    rule: generate.py, bench, the latency timing and training all get it from there."""
+    for path in [p for p in PACKAGE.rglob("*.py") if p.parent.name != "speed"] + ENTRY_POINTS:
+        if path == SPEED_DOOR:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                assert name not in PLUG_INS, f"{path.name}:{node.lineno} calls {name}"
+    called = {getattr(n.func, "id", None) for n in ast.walk(ast.parse(SPEED_DOOR.read_text()))
+              if isinstance(n, ast.Call)}
+    assert {"plug_in", "plug_in_heads", "fast_draft", "greedy_for"} <= called
 
 
 def test_no_module_imports_itself_back():

@@ -20,36 +20,32 @@ import resource
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from minimedusa.batch_decoding import batch_decode
-from minimedusa.bench.engines import rule_engines
+from minimedusa.bench.engines import engine
 from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.llama_cpp_tools import batched_rates, find_tools, runs_the_model
-from minimedusa.cli.draft_heads import decoding_heads
-from minimedusa.cli.trees import decoding_budget
+from minimedusa.cli.recipe import Recipe, build
 from minimedusa.budget import Budget, batch_latency
 from minimedusa.decoding import plain_decode
-from minimedusa.draft import TreeDraft
 from minimedusa.experiments.batch_medusa import BatchMedusa, batch_medusa_decode, max_tree_size
 from minimedusa.files.default_model import ensure_default_gguf
 from minimedusa.files.outputs import write_json
-from minimedusa.speed.fused_draft import fast_draft
-from minimedusa.speed.host_greedy import greedy_for, sampling_for
 from minimedusa.speed.machine import machine_key
 
 
-def batch_engines(args, model, prompts: list[list[int]], usage: dict) -> dict:
+def batch_engines(args, plain: Recipe, model, prompts: list[list[int]], usage: dict) -> dict:
     """{name: (rows a step, run() -> {prompt index: answer})}; Medusa in a batch counts its
     row-steps by tree size into usage[name]."""
-    n, device = args.max_new_tokens, model.embed.weight.device
-    sampling = sampling_for(device)
-    heads = decoding_heads(args.heads[0], model, args.draft_vocab[0])
-    medusa = next(run for name, run in rule_engines(
-        f"{heads.config.head_kind} ", args.heads[0], model, heads, None, 0.0, {}).items()
-        if name.endswith("greedy"))
+    n = args.max_new_tokens
+    sampling = build(plain, model).rule
+    # generate.py --batch 1's default: the heads, the adapted trees, context candidates
+    medusa = engine(replace(plain, heads=args.heads[0], draft_vocab=args.draft_vocab[0],
+                            context=True), model)
     engines = {"plain, one at a time": (1, lambda: {
                    i: [t for step in plain_decode(model, ids, n, sampling, set()) for t in step]
                    for i, ids in enumerate(prompts)}),
@@ -59,16 +55,17 @@ def batch_engines(args, model, prompts: list[list[int]], usage: dict) -> dict:
         engines[f"plain, {B} at a time"] = (B, lambda B=B: dict(
             batch_decode(model, prompts, n, sampling, set(), B)))
         if B > 1:
-            engines[f"medusa, {B} at a time"] = (B, batched_medusa(args, model, heads, prompts,
+            engines[f"medusa, {B} at a time"] = (B, batched_medusa(args, plain, model, prompts,
                                                                    B, usage))
     return engines
 
 
-def batched_medusa(args, model, heads, prompts: list[list[int]], B: int, usage: dict):
-    """Medusa in a batch of B rows: each run from the same Budget priors (fresh Budgets, one
-    for each count of rows), its steps by tree size into usage[name] (0: plain steps)."""
-    trees, for_rows, _ = batch_budget(heads, model, args.heads[0], B)
-    draft = fast_draft(TreeDraft(heads, trees), model)
+def batched_medusa(args, plain: Recipe, model, prompts: list[list[int]], B: int, usage: dict):
+    """Medusa in a batch of B rows: the recipe's greedy draft and rule (one sequence's, without
+    context candidates: a chain is one sequence's), each run from the same Budget priors (fresh
+    Budgets, one for each count of rows), its steps by tree size into usage[name] (0: plain)."""
+    decoding = build(replace(plain, heads=args.heads[0], draft_vocab=args.draft_vocab[0]), model)
+    trees, for_rows = batch_budget(decoding.draft.trees, decoding.budget, B)
     name = f"medusa, {B} at a time"
     usage[name] = Counter()
 
@@ -78,7 +75,7 @@ def batched_medusa(args, model, heads, prompts: list[list[int]], B: int, usage: 
         def fresh(rows: int):
             budgets.append(for_rows(rows))
             return budgets[-1]
-        medusa = BatchMedusa(draft, fresh(B), greedy_for(model.embed.weight.device), fresh)
+        medusa = BatchMedusa(decoding.draft, fresh(B), decoding.rule, fresh)
         answers = dict(batch_medusa_decode(model, prompts, args.max_new_tokens, medusa, set(), B))
         for budget in budgets:
             usage[name].update(budget.used)
@@ -86,14 +83,15 @@ def batched_medusa(args, model, heads, prompts: list[list[int]], B: int, usage: 
     return run
 
 
-def report_batches(args, model, tokenizer, questions: list[dict], device, dtype,
+def report_batches(args, recipe: Recipe, model, tokenizer, questions: list[dict], device, dtype,
                    folder: Path) -> None:
     """Time every engine on the whole set of questions, --rounds rounds; print and --out.
-    folder: the model's (llama.cpp runs beside the default model only)."""
+    recipe: plain decoding's, of the model loaded; folder: the model's (llama.cpp runs beside
+    the default model only)."""
     prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q["prompt"]}]))
                for q in questions]
     usage = {}
-    engines = batch_engines(args, model, prompts, usage)
+    engines = batch_engines(args, recipe, model, prompts, usage)
     times = {name: [] for name in engines}
     answers, peak = {}, {}
     for r in range(args.rounds):
@@ -173,19 +171,17 @@ def kv_cache_mb(model, rows: int, capacity: int) -> float:
     return round(size * torch.finfo(dtype).bits / 8 / 1e6, 1)
 
 
-def batch_budget(heads, model, heads_spec: str, batch_size: int):
-    """(trees by size, for_rows(r): a fresh Budget for a step of r rows, why) for Medusa in a
-    batch (batch_medusa.batch_medusa_decode: for_rows(batch_size) its budget, for_rows its
-    fewer): decoding_budget's, its sizes cut to the batch's largest tree (max_tree_size),
-    without context candidates (a chain is one sequence's). A Budget for r rows takes batch-1's
-    latency priors read by rows (budget.batch_latency: a step of n nodes is r (n + 1) rows),
-    rescales them by its plain steps, timed first, and times each tree size it tries; its rows
-    record a step each."""
-    trees, budget, why = decoding_budget(heads, model, heads_spec)
+def batch_budget(trees: dict, budget: Budget, batch_size: int):
+    """(trees by size, for_rows(r): a fresh Budget for a step of r rows) for Medusa in a batch
+    (batch_medusa.batch_medusa_decode: for_rows(batch_size) its budget, for_rows its fewer):
+    one sequence's trees and Budget (the recipe's), its sizes cut to the batch's largest tree
+    (max_tree_size). A Budget for r rows takes batch-1's latency priors read by rows
+    (budget.batch_latency: a step of n nodes is r (n + 1) rows), rescales them by its plain
+    steps, timed first, and times each tree size it tries; its rows record a step each."""
     sizes = [n for n in budget.sizes if n <= max_tree_size(batch_size)]
 
     def for_rows(rows: int) -> Budget:
         latency = batch_latency(budget.latency, rows)
         return Budget(sizes, {n: budget.expected[n] for n in sizes if n in budget.expected},
-                      {n: latency[n] for n in sizes}, budget.rank, rows=rows)
-    return {n: trees[n] for n in sizes if n}, for_rows, why
+                      {n: latency[n] for n in sizes}, rows=rows)
+    return {n: trees[n] for n in sizes if n}, for_rows

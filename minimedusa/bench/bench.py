@@ -26,7 +26,6 @@ all of them alike. Report ratios from one run, not absolute numbers from differe
     python -m minimedusa.bench --per-category 1 --no-sampling --formats float32,int8
 """
 import sys
-from pathlib import Path
 
 import torch
 
@@ -39,17 +38,14 @@ from minimedusa.bench.processes import report_generate_processes
 from minimedusa.bench.questions import questions_to_time
 from minimedusa.bench.reference_text import reference_answers, same_as_reference_of, verdict
 from minimedusa.bench.report import category_table, markdown, plot, summarize
-from minimedusa.files.heads_files import read_calibration
 from minimedusa.files.outputs import check_writable, write_json
-from minimedusa.cli.draft_heads import decoding_heads
-from minimedusa.cli.load import decoding_model, device_and_format
-from minimedusa.cli.trees import decoding_tree
+from minimedusa.cli.recipe import Recipe, decoding_model
+from minimedusa.cli.load import device_and_format
 from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_model
 from minimedusa.speed.machine import device_name, machine_key
 from minimedusa.errors import UserError, entry_point
 from minimedusa.speed.memory_bandwidth import implied_bandwidth, streaming_bandwidth
-from minimedusa.bench.step_profile import (draft_times, forward_times, product_times,
-                                           profile_steps, step_times)
+from minimedusa.bench.step_profile import report_profile
 from minimedusa.files.tokenizer import Tokenizer
 from minimedusa.speed.weight_formats import activation_dtype
 
@@ -171,27 +167,14 @@ def main(argv=None):
         prompts = [question_ids(tokenizer, q) for q in questions]
         references = reference_answers(folder, device, prompts, args.max_new_tokens)
         check = same_as_reference_of(references, weight_format, str(dtype)[6:], device)
-    model, step = decoding_model(folder, device, weight_format, args.compile)
+    recipe = Recipe(folder, device, weight_format, args.compile, seed=0)
+    model, step = decoding_model(recipe)
     print(f"decoding step: {step}", file=sys.stderr)
     if args.batch:
-        return report_batches(args, model, tokenizer, questions, device, dtype, folder)
+        return report_batches(args, recipe, model, tokenizer, questions, device, dtype, folder)
     if args.profile:
-        heads = decoding_heads(args.heads[0], model, args.draft_vocab[0])
-        _, tree = decoding_tree(args.tree, heads, model)
-        prompt = [{"role": "user", "content": questions[0]["prompt"]}]
-        print(profile_steps(model, heads, tree, tokenizer.encode(tokenizer.chat_prompt(prompt))))
-        print(forward_times(model))
-        print(forward_times(model, cached=1536))  # how a row's cost grows with the context
-        print(product_times(model))
-        accuracy = read_calibration(Path(args.heads[0])) if Path(args.heads[0]).is_dir() else None
-        if accuracy is None:
-            print("steps by tree size: the heads have no calibration.json to grow trees from")
-        else:
-            for cached in (256, 1536):  # how a row's cost grows with the context
-                print(step_times(model, heads, accuracy, cached))
-            print(draft_times(model, heads, accuracy))
-        return
-    engines = engines_to_time(args, model, folder, device, dtype, tokenizer)
+        return report_profile(args, recipe, model, tokenizer, questions[0])
+    engines = engines_to_time(args, recipe, model, tokenizer)
     if args.draft is not None:
         draft_engines(args, folder, device, engines)
     if args.reference not in engines.run:

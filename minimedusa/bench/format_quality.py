@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from minimedusa.cli.flags import Parser, format_list, positive_int
-from minimedusa.cli.load import decoding_model
+from minimedusa.cli.recipe import Recipe, decoding_model
 from minimedusa.files.default_model import (DEFAULT_MODEL_DIR, ensure_default_gguf,
                                             ensure_default_model)
 from minimedusa.errors import entry_point
@@ -35,7 +35,7 @@ from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.training.self_distill import answer_batch
 from minimedusa.files.tokenizer import Tokenizer
 from minimedusa.speed.reference_check import largest_shift
-from minimedusa.speed.weight_formats import FORMATS, apply_format
+from minimedusa.speed.weight_formats import FORMATS
 from minimedusa.files.weights import load_model
 
 MIN_AGREEMENT = 0.98  # below this, a format is not a default
@@ -109,7 +109,7 @@ def step_models(folder: Path, name: str):
     (--steps): fused where the blocks fuse, compiled where a compiler works."""
     seen = set()
     for compile_flag in (None, True):
-        model, step = decoding_model(folder, torch.device("cpu"), name, compile_flag)
+        model, step = decoding_model(Recipe(folder, torch.device("cpu"), name, compile_flag))
         kind = step.split(" ")[0]  # "fused", "compiled" or "eager"
         if kind not in seen and kind != "eager":
             seen.add(kind)
@@ -142,7 +142,7 @@ def main(argv=None):
     reference = [answer_log_probs(float32, prompt, answer) for prompt, answer in chats]
     results = {}
     for name in args.formats or CPU_FORMATS:
-        model = apply_format(load_model(folder), name)
+        model, _ = decoding_model(Recipe(folder, torch.device("cpu"), name, False))  # eager
         results[name] = compare(reference, [answer_log_probs(model, p, a) for p, a in chats])
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
         for kind, fast in step_models(folder, name) if args.steps else ():

@@ -137,9 +137,9 @@ FORWARDS = """
 import sys, torch
 from pathlib import Path
 from minimedusa.bench.step_profile import forward_times
-from minimedusa.cli.load import decoding_model
+from minimedusa.cli.recipe import Recipe, decoding_model
 torch.set_num_threads(int(sys.argv[3]))
-model, _ = decoding_model(Path(sys.argv[1]), torch.device("cpu"), sys.argv[2], None)
+model, _ = decoding_model(Recipe(Path(sys.argv[1]), torch.device("cpu"), sys.argv[2], None))
 print(forward_times(model, rows=(1, 2, 4, 8)))
 """
 

@@ -7,51 +7,51 @@ a whole step at each tree size against a plain one.
 """
 import functools
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from minimedusa.budget import fixed, grow_tree, nested_trees
-from minimedusa.speed.step_latency import (cached_prefix, round_robin_medians, step_latency,
+from minimedusa.budget import grow_tree, nested_trees
+from minimedusa.cli.recipe import Recipe, build, decoding_heads, timed_parts
+from minimedusa.files.heads_files import read_calibration
+from minimedusa.cli.step_latency import (cached_prefix, round_robin_medians, step_latency,
                                           time_forward)
-from minimedusa.heads import ranked_vocab_size
-from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.draft import TreeDraft
-from minimedusa.speed.fused_draft import fast_draft
-from minimedusa.heads import as_features
+from minimedusa.heads import as_features, ranked_vocab_size
 from minimedusa.kv_cache import KVCache
 from minimedusa.speed.group_kernel import switch_tiles, switch_vnni, uses_tiles, uses_vnni
 from minimedusa.speed.memory_bandwidth import weight_bytes
 from minimedusa.speed.defaults import largest_grown_tree
 from minimedusa.speed.packed_linear import PackedLinear
-from minimedusa.speed.host_greedy import greedy_for, sampling_for
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
 from minimedusa.speed.weight_formats import format_of
 
 
-def profile_steps(model, heads, tree, prompt_ids: list[int], steps: int = 8) -> str:
+def profile_steps(recipe: Recipe, model, heads, prompt_ids: list[int], steps: int = 8) -> str:
     """Where one step's time goes: torch.profiler over a few plain and Medusa steps from the
     same prompt (its prefill left out), operators sorted by their own time and split by input
-    shape, so the LM head's products show apart from the blocks'."""
+    shape, so the LM head's products show apart from the blocks'. recipe: Medusa's (its heads
+    `heads`, its tree: --tree's, else the Budget's), built beside plain decoding's."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if torch.cuda.is_available() else [])
+    plain, medusa = build(replace(recipe, heads=None), model), build(recipe, model, heads)
     tables = []
-    for name, decode in (("plain", lambda: plain_decode(model, prompt_ids, steps + 1,
-                                                        sampling_for(model.embed.weight.device),
-                                                        set())),
-                         ("medusa greedy", lambda: medusa_decode(
-                             model, *fixed(heads, tree), greedy_for(model.embed.weight.device),
-                             prompt_ids, steps * (tree.num_heads + 1), set()))):
+    for name, decoding, n in (("plain", plain, steps + 1),
+                              ("medusa greedy", medusa,
+                               steps * (heads.config.medusa_num_heads + 1))):
+        def decode():
+            return decoding.decode(prompt_ids, n, set())
         for _ in decode():  # warm-up
             pass
         forwards = decode()
         next(forwards)  # the prefill, not a step
         with profile(activities=activities, record_shapes=True) as prof:
             start = time.perf_counter()
-            n = sum(1 for _ in forwards)  # each item: one step's accepted tokens
+            count = sum(1 for _ in forwards)  # each item: one step's accepted tokens
             seconds = time.perf_counter() - start
-        tables.append(f"{name}: {n} steps in {1000 * seconds:.0f} ms, "
-                      f"{1000 * seconds / n:.1f} ms a step (profiler on)\n"
+        tables.append(f"{name}: {count} steps in {1000 * seconds:.0f} ms, "
+                      f"{1000 * seconds / count:.1f} ms a step (profiler on)\n"
                       + prof.key_averages(group_by_input_shape=True).table(
                           sort_by="self_cpu_time_total", row_limit=12))
     return "\n".join(tables)
@@ -153,13 +153,13 @@ def grown_trees(model, heads, accuracy) -> dict:
     return trees
 
 
-def step_times(model, heads, accuracy, cached: int = 256) -> str:
-    """A whole step at each tree size, as the Budget times it (budget.step_latency: the heads'
-    draft, the tree's forward, acceptance and compaction, after `cached` tokens: fewer for a
-    model whose context is short), against a plain step: what a tree of n nodes costs on this
+def step_times(recipe: Recipe, model, heads, accuracy, cached: int = 256) -> str:
+    """A whole step at each tree size, as the Budget times it (step_latency: the recipe's
+    draft, the tree's forward, its acceptance and compaction, after `cached` tokens: fewer for
+    a model whose context is short), against a plain step: what a tree of n nodes costs on this
     machine, in this format."""
     trees = grown_trees(model, heads, accuracy)
-    seconds = step_latency(model, heads, trees, cached)
+    seconds = step_latency(model, *timed_parts(recipe, heads, trees, model), list(trees), cached)
     return (f"a whole step after {cached_prefix(model, cached)} cached tokens, ms (x a plain "
             "step): plain "
             f"{1000 * seconds[0]:.1f}, " + ", ".join(
@@ -182,12 +182,12 @@ def forward_times(model, rows=None, cached: int = 256, rounds: int = 5) -> str:
 
 
 @torch.inference_mode()
-def draft_times(model, heads, accuracy, rounds: int = 9) -> str:
+def draft_times(recipe: Recipe, model, heads, accuracy, rounds: int = 9) -> str:
     """The heads' draft alone at each tree size: the part of a whole step (step_times) that is
     not the model's forward, beside acceptance and compaction. Medusa heads guess every depth in
     one call; Hydra heads run depth by depth, so their draft grows with the tree's depth."""
     trees = grown_trees(model, heads, accuracy)
-    draft = fast_draft(TreeDraft(heads, trees), model)  # as decoding drafts (fused, where it is)
+    draft, _ = timed_parts(recipe, heads, trees, model)  # as decoding drafts (fused, or not)
     features = as_features(heads, torch.randn(model.config.hidden_size,
                                                device=model.embed.weight.device))  # (C,)
     seconds = round_robin_medians({n: functools.partial(time_draft, model, draft, n, features)
@@ -200,5 +200,26 @@ def draft_times(model, heads, accuracy, rounds: int = 9) -> str:
 def time_draft(model, draft, n: int, features) -> float:
     """Seconds of one draft of the n-node tree's tokens from the features at one position."""
     start = time.perf_counter()
-    draft.tree(model, n, 0, features, {}).tokens.tolist()  # on the host: the draft is done
+    draft.tree(model, n, 0, features).tokens.tolist()  # on the host: the draft is done
     return time.perf_counter() - start
+
+
+def report_profile(args, recipe: Recipe, model, tokenizer, question: dict) -> None:
+    """bench --profile: where a step's time goes (profile_steps) on the question, with the
+    first --heads (their tree: --tree's, else the Budget's), then what forwards, products, whole
+    steps and the draft cost at each size."""
+    medusa = replace(recipe, heads=args.heads[0], draft_vocab=args.draft_vocab[0],
+                     tree=args.tree)
+    heads = decoding_heads(medusa.heads, model, medusa.draft_vocab)
+    prompt = [{"role": "user", "content": question["prompt"]}]
+    print(profile_steps(medusa, model, heads, tokenizer.encode(tokenizer.chat_prompt(prompt))))
+    print(forward_times(model))
+    print(forward_times(model, cached=1536))  # how a row's cost grows with the context
+    print(product_times(model))
+    accuracy = read_calibration(Path(medusa.heads)) if Path(medusa.heads).is_dir() else None
+    if accuracy is None:
+        print("steps by tree size: the heads have no calibration.json to grow trees from")
+        return
+    for cached in (256, 1536):  # how a row's cost grows with the context
+        print(step_times(medusa, model, heads, accuracy, cached))
+    print(draft_times(medusa, model, heads, accuracy))

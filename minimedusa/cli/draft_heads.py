@@ -1,6 +1,7 @@
 """--heads and --draft-vocab: the heads a run drafts with, read from a folder (or made
 untrained to try the machinery), with the draft vocabulary they rank (on a CPU cut to the
-machine's default: speed/defaults.py) and their speed plugged in (speed/plug_in.py).
+machine's default: speed/defaults.py); float32, as read: the recipe puts them in the model's
+format (recipe.decoding_heads).
 """
 import json
 from pathlib import Path
@@ -11,14 +12,13 @@ from minimedusa.files.heads_files import (DRAFT_VOCAB_FILE, HeadsError, load_hea
 from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads
 from minimedusa.model import Llama
 from minimedusa.speed.defaults import cpu_draft_vocab
-from minimedusa.speed.plug_in import plug_in_heads
 
 
-def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
+def read_heads(spec: str, model: Llama, draft_vocab: int | None = None):
     """A heads folder, or 'untrained:K' / 'untrained-shared:K' / 'untrained-hydra:K': K fresh
     heads (own / shared projection / Hydra's) in the paper's initialisation, for trying the
     machinery without training. With a draft vocabulary of draft_vocab tokens (None: the
-    folder's default), and in the model's weight format (weight_formats.py)."""
+    folder's default); float32."""
     heads, config = None, {}
     for prefix in ("untrained:", "untrained-shared:", "untrained-hydra:"):
         if spec.startswith(prefix):
@@ -39,7 +39,7 @@ def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
             else draft_vocab)
     if size:
         heads.vocabulary = draft_vocabulary(spec, heads, model, size)
-    return plug_in_heads(heads.float(), model)
+    return heads.float()
 
 
 def draft_vocabulary(spec: str, heads, model: Llama, size: int) -> DraftVocabulary:

@@ -2,7 +2,7 @@
 same model rounded (--draft int4, w4a8 or int8: its file read again, block by block, into the
 format's kernels; on a CPU) or another model folder that shares the target's tokenizer. Each
 round's k is chosen by a Budget (budget.py) among DRAFT_SIZES, its priors the two models' step
-costs, timed once (speed/step_latency.round_latency), and KEPT_PRIOR; the run then measures
+costs, timed once (cli/step_latency.round_latency), and KEPT_PRIOR; the run then measures
 both.
 """
 from pathlib import Path
@@ -12,14 +12,13 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from minimedusa.budget import Budget
 from minimedusa.cli.answer import Decoder
-from minimedusa.cli.load import decoding_model
+from minimedusa.cli.load import machine_format
+from minimedusa.cli.recipe import Recipe, decoding_model
 from minimedusa.errors import UserError
 from minimedusa.model import Llama
 from minimedusa.acceptance import Sampling
-from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, chain_rank,
-                                             speculative_decode)
-from minimedusa.speed.defaults import default_format
-from minimedusa.speed.step_latency import round_latency
+from minimedusa.speculative_decoding import MedusaDraft, ModelDraft, speculative_decode
+from minimedusa.cli.step_latency import round_latency
 from minimedusa.speed.weight_formats import QUANTIZED
 
 DRAFT_SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # k, the drafts a round; 0: a target's plain step
@@ -33,8 +32,9 @@ def draft_model(spec: str, folder: Path, device: torch.device,
     --compile asks (None: where that is faster), as the target's."""
     check_draft(spec, folder)
     if spec in QUANTIZED:
-        return decoding_model(folder, torch.device("cpu"), spec, compile_flag)
-    return decoding_model(Path(spec), device, default_format(device, Path(spec)), compile_flag)
+        return decoding_model(Recipe(folder, torch.device("cpu"), spec, compile_flag))
+    other = Path(spec)
+    return decoding_model(Recipe(other, device, machine_format(device, other), compile_flag))
 
 
 def check_draft(spec: str, folder: Path) -> None:
@@ -64,7 +64,7 @@ def draft_budget(target: Llama, draft: Llama) -> Budget:
     KEPT_PRIOR's: a round of k drafts yields 1 + sum_i KEPT_PRIOR^i tokens."""
     latency = round_latency(target, draft, DRAFT_SIZES)
     expected = {k: 1 + sum(KEPT_PRIOR ** i for i in range(1, k + 1)) for k in DRAFT_SIZES if k}
-    budget = Budget(DRAFT_SIZES, expected, latency, chain_rank(DRAFT_SIZES))
+    budget = Budget(DRAFT_SIZES, expected, latency)
     return budget
 
 

@@ -1,21 +1,26 @@
-"""From command-line flags to the model decoding runs: the device and weight format (the
-machine's default: speed/defaults.py), the model read in that format and its speed plugged in
-(speed/plug_in.py); decided here once for generate.py, bench and the training tools alike.
-The acceptance rule: cli/acceptance_rule.py.
+"""From command-line flags to the model as read: the device and weight format (the machine's
+default: speed/defaults.py, for a model whose file is 4-bit or not), and the model read block by
+block in that format, its rounded blocks kept for later runs (speed/kept_weights.py). Its speed
+is plugged in by the recipe (recipe.load_model), for generate.py, bench and training alike.
 """
+import json
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+from safetensors.torch import save_file
 
 from minimedusa.cli.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
-from minimedusa.model import Llama
+from minimedusa.files.outputs import write_atomically
+from minimedusa.files.weights import load_model, read_tensor, safetensors_files, tensor_files
 from minimedusa.speed import group_kernel
 from minimedusa.speed.defaults import default_format
-from minimedusa.speed.kept_weights import formatted_model
-from minimedusa.speed.plug_in import plug_in
-from minimedusa.speed.weight_formats import bf16_is_native
+from minimedusa.speed.grids import on_four_bit_grid
+from minimedusa.speed.kept_weights import (KeptBlocksError, kept_file, kept_state, read_kept,
+                                           weights_key, worth_keeping)
+from minimedusa.speed.weight_formats import DTYPE_FORMATS, bf16_is_native, block_format
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
@@ -43,7 +48,7 @@ def device_and_format(args, folder: Path) -> tuple[torch.device, str]:
                             f"here: {problem}")
         return device, args.quantize
     if args.dtype == "auto":
-        return device, default_format(device, folder)
+        return device, machine_format(device, folder)
     name = str(dtype).removeprefix("torch.")
     if device.type == "cpu" and name == "bfloat16" and not bf16_is_native():
         print("minimedusa: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products run "
@@ -52,15 +57,64 @@ def device_and_format(args, folder: Path) -> tuple[torch.device, str]:
     return device, name
 
 
-def decoding_model(folder: Path, device, weight_format: str, compile_flag: bool | None = False,
-                   check=None) -> tuple[Llama, str]:
-    """(the model for decoding, how its step runs in words): loaded, then its speed plugged in
-    (speed/plug_in.py): the weight format's layers, the step compiled as --compile asks.
-    check(model), if given, runs on the model as read, before its speed: flags that must fit
-    the model fail there in seconds, not after the compiler's warm-up."""
+def machine_format(device: torch.device, folder: Path) -> str:
+    """The machine's format for the model in `folder` (speed/defaults.default_format)."""
+    return default_format(device, four_bit_checkpoint(folder))
+
+
+def four_bit_checkpoint(folder) -> bool:
+    """Whether every weight of the model's blocks in `folder` lies on a 4-bit grid of GROUP
+    (what a GGUF's Q4_0, Q4_1 or Q4_K file converted to floats holds); stops at the first that
+    does not (one matrix read for most models). Asked once a process for a folder as it is
+    (the default format asks, and the summary line)."""
     if not Path(folder).is_dir():
-        raise UserError(f"model folder {folder} does not exist")
-    model = formatted_model(folder, device, weight_format)
-    if check is not None:
-        check(model)
-    return model, plug_in(model, weight_format, compile_flag)
+        return False  # the loader says so, in its words
+    files = safetensors_files(folder)
+    key = (str(Path(folder).resolve()), *((f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key not in _four_bit:
+        _four_bit[key] = all(on_four_bit_grid(read_tensor(path, name))  # one tensor in memory
+                             for name, path in tensor_files(files).items()
+                             if ".layers." in name and name.endswith("proj.weight"))
+    return _four_bit[key]
+
+
+_four_bit: dict[tuple, bool] = {}  # four_bit_checkpoint's answers, by folder and files
+
+
+def formatted_model(folder: Path, device, weight_format: str) -> nn.Module:
+    """The model, each block in the format as it is read: a dtype's weights read straight into
+    it, int8's and int4's rounded from the weights as stored, so that the model is never held
+    whole in another dtype beside its format's bytes (peak memory). A large model's rounded
+    blocks are kept after the first run and read back by later ones (speed/kept_weights.py)."""
+    device = torch.device(device)
+    dtype, convert = DTYPE_FORMATS.get(weight_format), block_format(weight_format)
+    key = weights_key([Path(folder) / "config.json", *safetensors_files(folder)], weight_format)
+    kept = read_kept(folder, weight_format, key) if device.type == "cpu" else None
+    if kept is not None:
+        try:
+            return load_model(folder, device, dtype, convert, kept)
+        except KeptBlocksError as e:
+            print(f"minimedusa: the kept weights were damaged ({e}); rounding again",
+                  file=sys.stderr)
+    model = load_model(folder, device, dtype, convert)
+    if device.type == "cpu" and worth_keeping(model.config, weight_format):
+        keep(folder, weight_format, model, key)
+    return model
+
+
+def keep(folder: Path, weight_format: str, model, key: str) -> None:
+    """Write the model's blocks, formatted, to kept_file (beside its name, then renamed), in
+    place of any older one; a line on stderr says where and how big. Where the cache folder
+    cannot take it (a full disk), the run goes on: a line says so."""
+    state, layers = kept_state(model)
+    path = kept_file(folder, weight_format)
+    metadata = {"key": key, "layers": json.dumps(layers)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda tmp: save_file(state, tmp, metadata=metadata))
+    except OSError as e:
+        print(f"minimedusa: the {weight_format} weights were not kept ({e.strerror or e}): the "
+              "next run rounds them again", file=sys.stderr)
+        return
+    print(f"minimedusa: {weight_format} weights kept in {path} ({path.stat().st_size / 1e9:.2f} "
+          "GB): later runs read them in seconds", file=sys.stderr)

@@ -1,19 +1,21 @@
 """--tree's values: a named tree (tree.NAMED_TREES), a dense one (dense:3,2,2), a JSON file of
-node paths, or ranked:N; each at most MAX_TREE_NODES nodes, refused in one line past it. And
-without --tree, the trees the Budget chooses among (decoding_budget: grown from the heads'
-calibration, their step latencies measured on this machine).
+node paths, ranked:N, or grown:N (the first N nodes grown from the heads' calibration); each at
+most MAX_TREE_NODES nodes, refused in one line past it. And without --tree, the trees the Budget
+chooses among (grown_trees, from the heads' calibration; their step latencies are timed with
+the run's own draft and acceptance by the recipe, recipe.py).
 """
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from minimedusa.budget import SIZES, Budget, expected_length, grow_tree, nested_trees
 from minimedusa.context_candidates import CHAIN
+from minimedusa.errors import UserError
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.heads import ranked_vocab_size
 from minimedusa.model import Llama
 from minimedusa.speed.defaults import default_tree, largest_grown_tree
-from minimedusa.speed.latency_cache import machine_latency
 from minimedusa.tree import NAMED_TREES, MedusaTree, TreeError, build_tree, dense_tree
 
 
@@ -81,6 +83,15 @@ def ranked_size(spec: str) -> int | None:
     return int(size)
 
 
+def grown_size(spec: str) -> int:
+    """N of a --tree grown:N: the first N nodes grown from the heads' calibration."""
+    size = spec.removeprefix("grown:")
+    if not size.isdigit() or not 1 <= int(size) <= MAX_TREE_NODES:
+        raise TreeError(f"bad tree {spec!r}: use grown:N with N >= 1 nodes, at most "
+                        f"{MAX_TREE_NODES}")
+    return int(size)
+
+
 def decoding_tree(spec: str | None, heads, model: Llama) -> tuple[str, MedusaTree]:
     """(name, tree) for a --tree value, checked against the heads it will read and the
     vocabulary they rank; without one, the device's default named tree without the paths
@@ -98,27 +109,44 @@ def decoding_tree(spec: str | None, heads, model: Llama) -> tuple[str, MedusaTre
                             ranked_vocab_size(heads, model), device)
 
 
-def decoding_budget(heads, model: Llama, heads_spec: str, context: bool = False):
-    """(trees by size, the Budget that picks among them and plain steps, why these): the tree
-    grown from the heads' calibration at every size up to the machine's largest
-    (defaults.largest_grown_tree); for heads without a calibration, the default tree or plain
-    steps. Step latencies: measured on this machine at first use, then cached (budget.py).
-    context: whether decoding reads context chains (the Budget then knows how many tokens one
-    proposes: context_candidates.CHAIN)."""
+@dataclass
+class GrownTrees:
+    """The trees a Budget chooses among (with plain steps), before their latencies are timed
+    (recipe.py times them with the run's own draft and acceptance): {size: tree}, each node
+    path's rank in the nested trees, each size's expected tokens a step, and why these."""
+    trees: dict[int, MedusaTree]
+    rank: dict
+    expected: dict[int, float]
+    why: str
+
+    def budget(self, latency: dict[int, float], context: bool = False) -> Budget:
+        """The Budget over these trees and plain steps, given each size's seconds a step;
+        context: whether decoding reads context chains (the Budget then knows how many tokens
+        one proposes: context_candidates.CHAIN)."""
+        return Budget([0, *self.trees], self.expected, latency, chain=CHAIN if context else 0)
+
+
+def grown_trees(heads, model: Llama, heads_spec: str, sizes: list[int] | None = None
+                ) -> GrownTrees:
+    """The tree grown from the heads' calibration at each of `sizes` (None: budget.SIZES up to
+    the machine's largest, defaults.largest_grown_tree); for heads without a calibration, the
+    default tree alone (and an error where sizes are asked for)."""
     weight = model.embed.weight
     folder = Path(heads_spec)
     accuracy = read_calibration(folder) if folder.is_dir() else None
+    if accuracy is None and sizes is not None:
+        raise UserError(f"trees grown to {', '.join(map(str, sizes))} nodes grow from "
+                        f"{heads_spec}/calibration.json, which does not exist (run python -m "
+                        "minimedusa.training.tree_search)")
     if accuracy is None:
         name, tree = decoding_tree(None, heads, model)
         nodes, sizes, expected = tree.nodes[1:], [tree.size - 1], {}
         why = f"{name} or plain steps (the heads have no calibration.json)"
     else:
-        nodes, probs = grow_tree(accuracy, largest_grown_tree(weight.device))
-        sizes = [n for n in SIZES if n <= len(nodes)]
+        nodes, probs = grow_tree(accuracy, max(sizes or [largest_grown_tree(weight.device)]))
+        sizes = sizes or [n for n in SIZES if n <= len(nodes)]
         expected = {n: expected_length(probs[:n]) for n in sizes}
         why = "grown from the heads' calibration"
     trees, rank = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
                                ranked_vocab_size(heads, model), weight.device)
-    latency, source = machine_latency(model, heads, trees)
-    return (trees, Budget([0, *sizes], expected, latency, rank, chain=CHAIN if context else 0),
-            f"{why}, latencies {source}")
+    return GrownTrees(trees, rank, expected, why)

@@ -133,7 +133,7 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
             row.hidden = hidden[b, nodes]
             # a row's share of the step (a Budget made with rows=B counts B records a step):
             # it weighs the sizes by their tokens a second over all rows
-            step_budget.record(n, seconds / len(rows), accepted)
+            step_budget.record(n, seconds / len(rows), accepted, medusa.draft.rank)
 
 
 def unbatchable(draft) -> str | None:
@@ -193,7 +193,7 @@ def batch_medusa_step(model: Llama, cache: KVCache, medusa: BatchMedusa, n: int,
         return steps, hidden.unsqueeze(1)  # (B, 1, C): the root's, a row's one node
     drafted = []
     for root, row in zip(roots, rows):  # what the heads read: read for tree steps only
-        step = draft.tree(model, n, root, draft.read(row.hidden), medusa.budget.rank)
+        step = draft.tree(model, n, root, draft.read(row.hidden))
         # a graphed draft's tokens live in its graph's buffer: the next row's overwrites them
         drafted.append(replace(step, tokens=step.tokens.clone()))
     tree = drafted[0].tree  # one size, one tree, every row's

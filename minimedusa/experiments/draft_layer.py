@@ -117,8 +117,8 @@ class PlusPlusDraft:
     def match(self, root: int) -> int:
         return self.draft.match(root)
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
-        return self.draft.tree(model, n, root, features, rank)
+    def tree(self, model, n: int, root: int, features: torch.Tensor):
+        return self.draft.tree(model, n, root, features)
 
     def extend(self, tokens: list[int]) -> None:
         self.draft.extend(tokens)

@@ -3,20 +3,16 @@ the tree a fixed-tree run starts from, the most nodes a grown tree may have, and
 tokens the heads rank. Each follows what runs fastest where it was measured (weights/RESULTS.md,
 "Today's figures" and the log's entries it cites); a flag overrides each.
 """
-from pathlib import Path
-
 import torch
 
-from minimedusa.files.weights import read_tensor, safetensors_files, tensor_files
 from minimedusa.speed import group_kernel
-from minimedusa.speed.grids import on_four_bit_grid
 from minimedusa.speed.weight_formats import bf16_is_native
 
 
-def default_format(device: torch.device, folder=None) -> str:
-    """generate.py's format for the model in `folder` when none is asked for: bfloat16 on CUDA.
-    On a CPU, for a model whose weights came from a 4-bit file (four_bit_checkpoint: its 4-bit
-    weights then lose nothing), where group_kernel.c multiplies them:
+def default_format(device: torch.device, four_bit: bool = False) -> str:
+    """generate.py's format for a model when none is asked for: bfloat16 on CUDA. On a CPU, for
+    a model whose weights came from a 4-bit file (`four_bit`: cli/load.four_bit_checkpoint; its
+    4-bit weights then lose nothing), where group_kernel.c multiplies them:
     - on AVX2 without avx512_bf16, w4a8: 8-bit activations in the wo and gate_up products
       (quantized.EIGHT_BIT_INPUTS), faster than int4 there and within the quality llama.cpp's
       own 8-bit activations already give its users (format_quality.py);
@@ -27,31 +23,11 @@ def default_format(device: torch.device, folder=None) -> str:
     tree's size), else float32."""
     if device.type == "cuda":
         return "bfloat16"
-    four_bit = folder is not None and four_bit_checkpoint(folder)
     if four_bit and group_kernel.takes_float32() and not group_kernel.multiplies_bfloat16():
         return "w4a8"  # the AVX2 path, its kernel running
     if four_bit and (bf16_is_native() or group_kernel.kernel_problem() is None):
         return "int4"
     return "bfloat16" if bf16_is_native() else "float32"
-
-
-def four_bit_checkpoint(folder) -> bool:
-    """Whether every weight of the model's blocks in `folder` lies on a 4-bit grid of GROUP
-    (what a GGUF's Q4_0, Q4_1 or Q4_K file converted to floats holds); stops at the first that
-    does not (one matrix read for most models). Asked once a process for a folder as it is
-    (the default format asks, and the summary line)."""
-    if not Path(folder).is_dir():
-        return False  # the loader says so, in its words
-    files = safetensors_files(folder)
-    key = (str(Path(folder).resolve()), *((f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    if key not in _four_bit:
-        _four_bit[key] = all(on_four_bit_grid(read_tensor(path, name))  # one tensor in memory
-                             for name, path in tensor_files(files).items()
-                             if ".layers." in name and name.endswith("proj.weight"))
-    return _four_bit[key]
-
-
-_four_bit: dict[tuple, bool] = {}  # four_bit_checkpoint's answers, by folder and files
 
 
 def default_tree(device: torch.device) -> str:

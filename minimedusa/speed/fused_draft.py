@@ -85,8 +85,9 @@ class FusedHydraDraft(TreeDraft):
     passes are read once here (through the modules they take ~8 us a call). Swapped in for the
     TreeDraft of these heads (fast_draft), as the fused blocks are for the model's."""
 
-    def __init__(self, heads: HydraHeads, trees: dict[int, MedusaTree], model):
-        super().__init__(heads, trees)
+    def __init__(self, heads: HydraHeads, trees: dict[int, MedusaTree], model,
+                 rank: dict | None = None):
+        super().__init__(heads, trees, rank)
         lm_head = drafting_lm_head(heads.vocabulary, model.lm_head)
         self.head_tensors = [t for head in heads.heads for t in (
             head.read.packed, head.read.scales,
@@ -97,11 +98,11 @@ class FusedHydraDraft(TreeDraft):
         self.ids = vocabulary.ids if vocabulary is not None else torch.empty(0, dtype=torch.long)
         self.embed = model.embed.weight
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+    def tree(self, model, n: int, root: int, features: torch.Tensor):
         tree = self.trees[n]
         with torch.inference_mode():
             tokens = torch.ops.minimedusa.hydra_draft(*self.arguments(tree, root, features))
-        return Candidates(tree, tokens, rank)
+        return Candidates(tree, tokens, self.rank)
 
     def arguments(self, tree: MedusaTree, root: int, features: torch.Tensor) -> tuple:
         drafting = [t for depth in tree.drafting for t in depth]
@@ -115,15 +116,15 @@ class FusedDrawnDraft(DrawnDraft):
     draws the same candidates; each parent's logits back for q."""
 
     def __init__(self, draft: DrawnDraft, model):
-        super().__init__(draft.heads, draft.trees, draft.temperature, draft.seed)
-        self.fused = FusedHydraDraft(draft.heads, draft.trees, model)
+        super().__init__(draft.heads, draft.trees, draft.temperature, draft.seed, draft.rank)
+        self.fused = FusedHydraDraft(draft.heads, draft.trees, model, draft.rank)
         # hydra_draw gives its draws as token ids; the Proposal wants the columns of q
         vocabulary, V = draft.heads.vocabulary, model.embed.weight.shape[0]
         self.column_of = torch.arange(V)  # token id -> column of q
         if vocabulary is not None:
             self.column_of[vocabulary.ids.cpu()] = torch.arange(len(vocabulary.ids))
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+    def tree(self, model, n: int, root: int, features: torch.Tensor):
         tree = self.trees[n]
         columns = self.fused.lm[1].shape[0] * 16  # V': the LM head's outputs, 16 a block
         noise = step_noise(self.heads, tree, columns, self.generator_on(features.device),
@@ -135,7 +136,7 @@ class FusedDrawnDraft(DrawnDraft):
         q = torch.softmax(logits[parents].float() / self.temperature, dim=-1)  # (M, V')
         proposal = proposal_from([(tree.nodes[p], q[i], self.column_of[draws[p]])
                                   for i, p in enumerate(parents)], self.heads)
-        return Candidates(tree, tokens, rank, proposal)
+        return Candidates(tree, tokens, self.rank, proposal)
 
 
 def fast_draft(draft, model):
@@ -144,10 +145,10 @@ def fast_draft(draft, model):
     TreeDraft for a GraphedDraft (its trees' drafts as CUDA graphs, while the model's blocks
     are); any other as it is."""
     if model.embed.weight.device.type == "cuda" and type(draft) is TreeDraft:
-        return GraphedDraft(draft.heads, draft.trees)
+        return GraphedDraft(draft.heads, draft.trees, draft.rank)
     if (model.embed.weight.device.type != "cpu" or type(draft) not in (TreeDraft, DrawnDraft)
             or fusable_draft(draft.heads, model) is not None):
         return draft
     if type(draft) is DrawnDraft:
         return FusedDrawnDraft(draft, model)
-    return FusedHydraDraft(draft.heads, draft.trees, model)
+    return FusedHydraDraft(draft.heads, draft.trees, model, draft.rank)

@@ -30,18 +30,18 @@ class GraphedDraft(TreeDraft):
     """TreeDraft whose tokens come from a graph per tree size (the heads' every depth: a
     Hydra draft is ~25 kernels a depth), while the model's blocks are graphed."""
 
-    def __init__(self, heads, trees: dict):
-        super().__init__(heads, trees)
+    def __init__(self, heads, trees: dict, rank: dict | None = None):
+        super().__init__(heads, trees, rank)
         self.graphs: dict[int, DraftGraph] = {}
         self.pool = new_pool()
 
-    def tree(self, model, n: int, root: int, features: torch.Tensor, rank: dict):
+    def tree(self, model, n: int, root: int, features: torch.Tensor):
         if not is_graphed(model):  # plug_in.eager_step: the draft eager too
-            return super().tree(model, n, root, features, rank)
+            return super().tree(model, n, root, features)
         if n not in self.graphs:
             self.graphs[n] = DraftGraph(self.heads, model, self.trees[n], features, self.pool)
         graph = self.graphs[n]
         graph.hidden.copy_(features)
         graph.root.fill_(root)
         graph.replay()
-        return Candidates(self.trees[n], graph.tokens, rank)
+        return Candidates(self.trees[n], graph.tokens, self.rank)

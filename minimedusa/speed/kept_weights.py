@@ -16,23 +16,18 @@ Shapes: N output features, K input features.
 """
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from minimedusa.files.outputs import write_atomically
-from minimedusa.files.weights import load_model, safetensors_files
 from minimedusa.speed import c_kernels, group_kernel
 from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import cpu_features
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4A16KernelLinear, Int4KernelLinear,
                                         Int4Linear, Int8Linear)
-from minimedusa.speed.weight_formats import (DTYPE_FORMATS, LARGE, activation_dtype, block_format,
-                                             block_weights)
+from minimedusa.speed.weight_formats import LARGE, activation_dtype, block_weights
 
 KEPT_FORMATS = ("int8", "int4", "w4a8")  # the formats that round: the others read as stored
 LAYERS = {cls.__name__: cls for cls in (Int8Linear, Int4Linear, Int4KernelLinear,
@@ -50,9 +45,9 @@ def kept_file(folder: Path, weight_format: str) -> Path:
     return cache_folder() / "weights" / f"{folder.name}-{tag}-{weight_format}.safetensors"
 
 
-def weights_key(folder: Path, weight_format: str) -> str:
-    """16 hex digits of everything the kept blocks depend on (the module's docstring)."""
-    files = [Path(folder) / "config.json", *safetensors_files(folder)]
+def weights_key(files: list[Path], weight_format: str) -> str:
+    """16 hex digits of everything the kept blocks depend on (the module's docstring); files:
+    the model's as stored (its config.json and safetensors files)."""
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     parts = [json.dumps(stats), weight_format, str(activation_dtype(weight_format)),
              cpu_features(), str(group_kernel.kernel_problem() is None), torch.__version__,
@@ -97,10 +92,9 @@ def quantized_layers(block: nn.Module) -> dict[str, nn.Module]:
             if type(layer).__name__ in LAYERS}
 
 
-def keep(folder: Path, weight_format: str, model) -> None:
-    """Write the model's blocks, formatted, to kept_file (beside its name, then renamed), in
-    place of any older one; a line on stderr says where and how big. Where the cache folder
-    cannot take it (a full disk), the run goes on: a line says so."""
+def kept_state(model) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """What a kept file holds of the model's blocks, formatted: (every tensor by name, each
+    quantized layer's class and sizes by its path)."""
     state, layers = {}, {}
     for i, block in enumerate(model.layers):
         quantized = quantized_layers(block)
@@ -109,18 +103,7 @@ def keep(folder: Path, weight_format: str, model) -> None:
             state |= {f"{i}.{path}.{n}": t for n, t in layer_tensors(layer).items()}
         state |= {f"{i}.{name}": t for name, t in block.state_dict().items()
                   if name.rsplit(".", 1)[0] not in quantized}
-    path = kept_file(folder, weight_format)
-    metadata = {"key": weights_key(folder, weight_format), "layers": json.dumps(layers)}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda tmp: save_file({k: t.contiguous() for k, t in state.items()},
-                                                     tmp, metadata=metadata))
-    except OSError as e:
-        print(f"minimedusa: the {weight_format} weights were not kept ({e.strerror or e}): the "
-              "next run rounds them again", file=sys.stderr)
-        return
-    print(f"minimedusa: {weight_format} weights kept in {path} ({path.stat().st_size / 1e9:.2f} "
-          "GB): later runs read them in seconds", file=sys.stderr)
+    return {k: t.contiguous() for k, t in state.items()}, layers
 
 
 class KeptBlocksError(Exception):
@@ -156,37 +139,18 @@ class KeptBlocks:
             raise KeptBlocksError(f"{self.path}: block {i} is not whole")
 
 
-def read_kept(folder: Path, weight_format: str) -> KeptBlocks | None:
-    """The kept blocks of this model and format, if a file holds them under today's key; None
-    (the model is read and rounded) where there is none, it is another key's, or damaged."""
+def read_kept(folder: Path, weight_format: str, key: str) -> KeptBlocks | None:
+    """The kept blocks of this model and format, if a file holds them under today's key
+    (weights_key); None (the model is read and rounded) where there is none, it is another
+    key's, or damaged."""
     path = kept_file(folder, weight_format)
     if weight_format not in KEPT_FORMATS or not path.is_file():
         return None
     try:
         with safe_open(path, framework="pt", device="cpu") as kept:
             metadata = kept.metadata() or {}
-        if metadata.get("key") != weights_key(folder, weight_format):
+        if metadata.get("key") != key:
             return None
         return KeptBlocks(path, json.loads(metadata["layers"]))
     except Exception:  # a damaged file: safetensors' errors have varied types
         return None
-
-
-def formatted_model(folder: Path, device, weight_format: str) -> nn.Module:
-    """The model, each block in the format as it is read: a dtype's weights read straight into
-    it, int8's and int4's rounded from the weights as stored, so that the model is never held
-    whole in another dtype beside its format's bytes (peak memory). A large model's rounded
-    blocks are kept after the first run and read back by later ones (above)."""
-    device = torch.device(device)
-    dtype, convert = DTYPE_FORMATS.get(weight_format), block_format(weight_format)
-    kept = read_kept(folder, weight_format) if device.type == "cpu" else None
-    if kept is not None:
-        try:
-            return load_model(folder, device, dtype, convert, kept)
-        except KeptBlocksError as e:
-            print(f"minimedusa: the kept weights were damaged ({e}); rounding again",
-                  file=sys.stderr)
-    model = load_model(folder, device, dtype, convert)
-    if device.type == "cpu" and worth_keeping(model.config, weight_format):
-        keep(folder, weight_format, model)
-    return model

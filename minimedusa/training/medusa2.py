@@ -30,13 +30,12 @@ import torch
 
 from safetensors.torch import save_file
 
-from minimedusa.files.heads_files import CALIBRATION
-from minimedusa.files.outputs import write_atomically, write_json
+from minimedusa.files.heads_files import CALIBRATION, load_heads, save_heads
+from minimedusa.files.outputs import check_out_is_not, write_atomically, write_json
 from minimedusa.cli.flags import dropout, non_negative, non_negative_int, positive, positive_int
 from minimedusa.files.default_model import PAPER_HEADS_DIR, ensure_default_model
 from minimedusa.errors import UserError
 from minimedusa.heads import MedusaHeads
-from minimedusa.files.heads_files import load_heads, save_heads
 from minimedusa.training.lora import (adapter_state, adapters_off, add_adapters, load_adapter_state,
                              merge_adapters)
 from minimedusa.model import Llama
@@ -48,7 +47,6 @@ from minimedusa.training.quality_guard import (greedy_agreement, original_in_bfl
 from minimedusa.training.self_distill import tokenizer_fingerprint
 from minimedusa.training.medusa1 import (Rows, head_metrics, medusa_loss, read_answers,
                                          split_validation)
-from minimedusa.files.outputs import check_out_is_not
 from minimedusa.training.loop import Losses, accuracy_line, batch_rows, distributed, total_steps
 from minimedusa.training.tree_search import head_accuracies
 from minimedusa.files.weights import load_model, save_model

@@ -17,13 +17,13 @@ import torch
 from minimedusa.budget import grow_tree
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.speed import group_kernel
-from minimedusa.speed.latency_cache import latency_key, read_cached
+from minimedusa.cli.latency_cache import latency_key, read_cached
 from minimedusa.speed.weight_formats import QUANTIZED
 from minimedusa.files.checkpoint import CHECKPOINT
 from minimedusa.files.outputs import lock_folder, write_json
 from minimedusa.cli.flags import positive_int
-from minimedusa.cli.draft_heads import decoding_heads
-from minimedusa.cli.load import decoding_model
+from minimedusa.cli.load import machine_format
+from minimedusa.cli.recipe import Recipe, decoding_heads, decoding_model, timed_parts
 from minimedusa.training.progress import minutes, progress_bar, say
 from minimedusa.files.default_model import WEIGHTS_DIR, ensure_default_model
 from minimedusa.cli.device import pick_device, pick_dtype
@@ -33,9 +33,8 @@ from minimedusa.training.self_distill import (Settings, answering_model, batch_s
 from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.files.tokenizer import Tokenizer
 from minimedusa.training.loop import batch_rows, total_steps
-from minimedusa.speed.defaults import default_format
-from minimedusa.training.tree_search import (MAX_NODES, calibrate_on, held_out_rows, search_seconds,
-                                    time_sizes)
+from minimedusa.training.tree_search import (MAX_NODES, calibrate_on, held_out_rows,
+                                             search_seconds, size_trees, time_sizes)
 from minimedusa.files.weights import read_config
 
 # The recipe of the shipped heads' first stage (weights/README.md; they were then trained on
@@ -161,24 +160,24 @@ def tree_stage(args, folder: Path, device, say) -> None:
     fused = weight_format in ("int4", "w4a8") or (weight_format == "bfloat16"
                                                   and group_kernel.multiplies_bfloat16())
     step = None if fused else False
-    model, _ = decoding_model(folder, device, weight_format, step)
-    heads = decoding_heads(str(args.out), model)
-    dtype = model.embed.weight.dtype
-    if read_calibration(args.out) is not None and read_cached(latency_key(model, heads, device,
-                                                                          dtype)):
+    recipe = Recipe(folder, device, weight_format, step, heads=str(args.out))
+    model, _ = decoding_model(recipe)
+    heads = decoding_heads(recipe.heads, model)
+    timed = timed_parts(recipe, heads, size_trees(model, heads, [(0,)], 1), model)
+    if read_calibration(args.out) is not None and read_cached(latency_key(model, *timed)):
         return say(f"stage 3/{STAGES}, tree search: done (calibrated, this machine timed)")
     val = held_out_rows(args.data, heads, model, folder)
     say(f"stage 3/{STAGES}, tree search: calibration on {val.targets.shape[0]} held-out "
         f"positions, then each tree size timed on this machine: expected "
-        f"{minutes(search_seconds(heads, model, val))}")
+        f"{minutes(search_seconds(recipe, heads, model, val))}")
     nodes, probs = grow_tree(calibrate_on(val, args.out, args.data, heads, model), MAX_NODES)
-    time_sizes(model, heads, nodes, probs, MAX_NODES)
+    time_sizes(recipe, model, heads, nodes, probs, MAX_NODES)
 
 
 def decode_format(name: str, device, folder: Path) -> str:
     """--decode-format's weight format: the one named, or generate.py's default for this
     machine and model."""
-    return default_format(device, folder) if name == "auto" else name
+    return machine_format(device, folder) if name == "auto" else name
 
 
 def from_model(args, medusa1, train_loop) -> None:

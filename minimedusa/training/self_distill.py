@@ -39,7 +39,8 @@ from minimedusa.decoding import prefill
 from minimedusa.files.outputs import lock_folder, write_atomically
 from minimedusa.cli.flags import (Parser, add_device_arguments, non_negative, positive_int,
                                   seed_int)
-from minimedusa.cli.load import decoding_model, device_and_dtype
+from minimedusa.cli.load import device_and_dtype
+from minimedusa.cli.recipe import Recipe, decoding_model
 from minimedusa.training.progress import progress_bar, say
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point
@@ -121,7 +122,7 @@ def answering_model(folder: Path, device, dtype):
     prepacked where that pays on a CPU (speed/packed_linear.py; answering never trains it, so
     the packed copy stays right). 64 seed prompts x 48 tokens on the 2-core AVX2 EPYC: 34.9 /
     39.9 s -> 30.6 / 32.1 s, the same 64 answers."""
-    model, _ = decoding_model(folder, device, str(dtype).removeprefix("torch."))
+    model, _ = decoding_model(Recipe(folder, device, str(dtype).removeprefix("torch.")))
     return model
 
 

@@ -23,13 +23,13 @@ import torch
 
 from minimedusa.budget import SIZES, expected_length, grow_tree, nested_trees, pick_budget
 from minimedusa.files.heads_files import CALIBRATION, read_calibration
-from minimedusa.speed.latency_cache import latency_key, write_cached
-from minimedusa.speed.step_latency import step_latency
+from minimedusa.cli.latency_cache import latency_key, write_cached
+from minimedusa.cli.step_latency import step_latency
 from minimedusa.files.outputs import write_json
 from minimedusa.cli.flags import (Parser, add_compile_argument, add_device_arguments,
                                   add_quantize_argument, positive_int)
-from minimedusa.cli.draft_heads import decoding_heads
-from minimedusa.cli.load import decoding_model, device_and_format
+from minimedusa.cli.recipe import Recipe, decoding_heads, decoding_model, timed_parts
+from minimedusa.cli.load import device_and_format
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.speed.machine import machine_key
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
@@ -119,7 +119,7 @@ def size_trees(model, heads, nodes: list[tuple], max_nodes: int) -> dict:
     return trees
 
 
-def search_seconds(heads, model, val: Rows, max_nodes: int = MAX_NODES,
+def search_seconds(recipe, heads, model, val: Rows, max_nodes: int = MAX_NODES,
                    probe_rows: int = 512) -> float:
     """The expected time of calibrating on `val` and timing the trees: calibration timed on
     probe_rows of them, and the trees grown from that probe timed for 2 of the rounds."""
@@ -129,20 +129,24 @@ def search_seconds(heads, model, val: Rows, max_nodes: int = MAX_NODES,
     nodes, _ = grow_tree(head_accuracies(heads, model, probe), max_nodes)
     calibration = (time.perf_counter() - start) * val.targets.shape[0] / probe_rows
     start = time.perf_counter()
-    step_latency(model, heads, size_trees(model, heads, nodes, max_nodes), repeats=1)
+    trees = size_trees(model, heads, nodes, max_nodes)
+    step_latency(model, *timed_parts(recipe, heads, trees, model), list(trees), repeats=1)
     return calibration + (time.perf_counter() - start) * (LATENCY_REPEATS + 1) / 2
 
 
-def time_sizes(model, heads, nodes: list[tuple], probs: list[float], max_nodes: int) -> int:
-    """Time a step of every size here, cache the latencies for generate.py, print the table;
-    the size with the most expected tokens per second."""
+def time_sizes(recipe, model, heads, nodes: list[tuple], probs: list[float],
+               max_nodes: int) -> int:
+    """Time a step of every size here, of the recipe's draft and acceptance (recipe.timed_parts),
+    cache the latencies for generate.py, print the table; the size with the most expected
+    tokens per second."""
     weight = model.embed.weight
     trees = size_trees(model, heads, nodes, max_nodes)
     sizes = list(trees)
     print(f"timing steps of {sizes} nodes (and a plain step) on "
           f"{machine_key(weight.device, weight.dtype)}", file=sys.stderr)
-    latency = step_latency(model, heads, trees, repeats=LATENCY_REPEATS)
-    write_cached(latency_key(model, heads, weight.device, weight.dtype), latency)
+    draft, rule = timed_parts(recipe, heads, trees, model)
+    latency = step_latency(model, draft, rule, sizes, repeats=LATENCY_REPEATS)
+    write_cached(latency_key(model, draft, rule), latency)
     best, table = pick_budget(probs, latency)
     plain_rate = 1000 / table[0]["step_ms"]
     for n, row in table.items():
@@ -186,15 +190,15 @@ def main(argv=None):
     device, weight_format = device_and_format(args, folder)
     # the heads are read once on the model as read, so that a missing or mismatched folder is
     # one line in seconds, not after the compiled step's warm-up (dropped: read again below)
-    model, step = decoding_model(folder, device, weight_format, args.compile,
-                                 check=lambda model: decoding_heads(str(args.heads), model))
+    recipe = Recipe(folder, device, weight_format, args.compile, heads=str(args.heads))
+    model, step = decoding_model(recipe, check=lambda model: decoding_heads(recipe.heads, model))
     print(f"decoding step: {step}", file=sys.stderr)
     heads = decoding_heads(str(args.heads), model)
     accuracy = calibrate(args.heads, args.data, heads, model, folder, args.ranks)
     print("a_k^(i), head k per row, guess i per column:\n" + "\n".join(
         " ".join(f"{x:.3f}" for x in row) for row in accuracy.tolist()), file=sys.stderr)
     nodes, probs = grow_tree(accuracy, args.max_nodes)
-    size = args.budget or time_sizes(model, heads, nodes, probs, args.max_nodes)
+    size = args.budget or time_sizes(recipe, model, heads, nodes, probs, args.max_nodes)
     print(f"{size} nodes, expected {expected_length(probs[:size]):.3f} tokens/step",
           file=sys.stderr)
     if args.out:

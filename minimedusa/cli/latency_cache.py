@@ -1,6 +1,7 @@
 """Step latencies kept per machine: measured once (step_latency.py, a few seconds), then read
 back from the user's cache folder, never the repository, under a key of all they depend on
-(latency_key: the machine, how the step runs, the model's and the heads' shapes). A damaged
+(latency_key: the machine, how the step runs, the model's and the heads' shapes, and what the
+timing ran: the run's draft and acceptance). A damaged
 cache is measured again and replaced; one that cannot be written still decodes.
 """
 import contextlib
@@ -14,9 +15,8 @@ from minimedusa.speed.c_kernels import sources_digest
 from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import machine_key
 from minimedusa.speed.plug_in import how_it_runs
-from minimedusa.speed.step_latency import step_latency
+from minimedusa.cli.step_latency import step_latency
 from minimedusa.speed.weight_formats import format_of
-from minimedusa.tree import MedusaTree
 
 
 def cache_file() -> Path:
@@ -24,14 +24,17 @@ def cache_file() -> Path:
     return cache_folder() / "step_latency.json"
 
 
-def latency_key(model, heads, device, dtype) -> str:
+def latency_key(model, draft, acceptance) -> str:
     """The machine, how the step runs (plug_in.how_it_runs: latencies cached by a version of
     this code that ran it otherwise are not reused; and the C kernels' sources: a faster kernel
     is timed anew), the model's shapes and the heads' (their kind, their format, and how many
-    tokens they rank)."""
+    tokens they rank), and what the timing ran: the draft's kind (its heads' top-k, drawn
+    candidates, fused) and the acceptance rule (a drawn draft's rule costs more a step)."""
+    weight, heads = model.embed.weight, draft.heads
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
-    return (f"{machine_key(device, dtype)}{how_it_runs(model)} | kernels {sources_digest()}"
+    return (f"{machine_key(weight.device, weight.dtype)}{how_it_runs(model)} | kernels "
+            f"{sources_digest()} | {type(draft).__name__}, {acceptance.name} acceptance"
             f" | model {m.num_hidden_layers}x{m.hidden_size}"
             f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
             f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
@@ -100,14 +103,14 @@ def write_cached(key: str, latency: dict[int, float]) -> None:
               file=sys.stderr)
 
 
-def machine_latency(model, heads, trees: dict[int, MedusaTree], repeats: int = 3):
-    """(seconds per step of each size, "cached" or "measured here"): measured once per machine
-    (a few seconds), then read from the cache."""
-    weight = model.embed.weight
-    key = latency_key(model, heads, weight.device, weight.dtype)
+def machine_latency(model, draft, acceptance, sizes, repeats: int = 3):
+    """(seconds per step of each size, "cached" or "measured here") for the run's draft and
+    acceptance (recipe.build's): measured once per machine (a few seconds), then read from the
+    cache."""
+    key = latency_key(model, draft, acceptance)
     cached = read_cached(key)
-    if all(n in cached for n in [0, *trees]):
-        return {n: cached[n] for n in [0, *trees]}, "cached"
-    latency = step_latency(model, heads, trees, repeats=repeats)
+    if all(n in cached for n in [0, *sizes]):
+        return {n: cached[n] for n in [0, *sizes]}, "cached"
+    latency = step_latency(model, draft, acceptance, sizes, repeats=repeats)
     write_cached(key, latency)
     return latency, "measured here"

@@ -11,14 +11,11 @@ import time
 
 import torch
 
+from minimedusa.acceptance import Acceptance
 from minimedusa.decoding import decode_step, medusa_step, new_cache, prefill
+from minimedusa.experiments.draft_layer import PlusPlusDraft
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
-from minimedusa.draft import TreeDraft
-from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
-from minimedusa.speed.host_greedy import greedy_for, sampling_for
-from minimedusa.speed.fused_draft import fast_draft
-from minimedusa.tree import MedusaTree
 
 
 def cached_prefix(model, prompt_len: int) -> int:
@@ -27,17 +24,17 @@ def cached_prefix(model, prompt_len: int) -> int:
     return min(prompt_len, model.config.max_position_embeddings // 2)
 
 
-def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 256,
+def step_latency(model, draft, acceptance: Acceptance, sizes, prompt_len: int = 256,
                  repeats: int = 8) -> dict[int, float]:
-    """Seconds per step for each tree of `trees` and for a plain step (size 0). Sizes are timed
-    round-robin so that machine noise hits all of them alike; the median of `repeats` rounds is
-    kept. Every step starts from the same cached prefix of prompt_len random tokens."""
+    """Seconds per step for each tree size of `sizes` and for a plain step (size 0), of the
+    run's own draft and acceptance (the recipe's: recipe.build). Sizes are timed round-robin so
+    that machine noise hits all of them alike; the median of `repeats` rounds is kept. Every
+    step starts from the same cached prefix of prompt_len random tokens."""
     device = model.embed.weight.device
     prompt_len = cached_prefix(model, prompt_len)
-    cache = new_cache(model, prompt_len, 1, margin=max(trees, default=0) + 1)
+    cache = new_cache(model, prompt_len, 1, margin=max(sizes, default=0) + 1)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device,
                            generator=torch.Generator(device).manual_seed(0))
-    draft = timed_draft(heads, trees, model)
     draft.start(prompt.tolist()[0], cache)
     _, hidden = prefill(model, cache, prompt)
     features = draft.read(hidden)
@@ -47,16 +44,9 @@ def step_latency(model, heads, trees: dict[int, MedusaTree], prompt_len: int = 2
             cache.rewind(prompt_len)  # every size starts from the same prefix
             if isinstance(draft, PlusPlusDraft):  # and so does a draft layer's cache
                 draft.cache.rewind(prompt_len)
-            return time_one_step(model, draft, n, cache, features)
+            return time_one_step(model, draft, acceptance, n, cache, features)
         return seconds
-    return round_robin_medians({n: timer(n) for n in [0, *trees]}, repeats)
-
-
-def timed_draft(heads, trees: dict[int, MedusaTree], model):
-    """The draft decoding runs these heads' trees with (fused where it fuses: fast_draft), whose
-    steps are timed: a draft layer's (Hydra++) feeds the layer every step too."""
-    draft = fast_draft(TreeDraft(heads, trees), model)
-    return PlusPlusDraft(draft) if isinstance(heads, HydraPlusPlusHeads) else draft
+    return round_robin_medians({n: timer(n) for n in [0, *sizes]}, repeats)
 
 
 def round_robin_medians(timers: dict, rounds: int) -> dict:
@@ -72,19 +62,20 @@ def round_robin_medians(timers: dict, rounds: int) -> dict:
     return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
 
 
-def time_one_step(model, draft, n: int, cache, features) -> float:
-    """Seconds of one step of n nodes: the draft and the tree forward, or (n 0) a plain step;
-    and what the draft reads of the kept positions."""
+def time_one_step(model, draft, acceptance: Acceptance, n: int, cache, features) -> float:
+    """Seconds of one step of n nodes as the decoding loop runs it: the draft, the tree forward
+    and the acceptance, or (n 0) a plain step and its first token; and what the draft reads of
+    the kept positions."""
     if model.embed.weight.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     if n == 0:
         logits, kept = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
                                                              device=cache.device))
-        sampling_for(cache.device).pick(logits, None).item()  # as a plain step picks and syncs
+        acceptance.first(logits[0], None).item()  # as decoding.root_step picks and syncs
     else:
-        candidates = draft.tree(model, n, 0, features, {})
-        _, _, kept = medusa_step(model, candidates, cache, greedy_for(cache.device), None)
+        candidates = draft.tree(model, n, 0, features)
+        _, _, kept = medusa_step(model, candidates, cache, acceptance, None)
     draft.read(kept)
     return time.perf_counter() - start
 
