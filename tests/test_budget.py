@@ -242,7 +242,7 @@ def test_latencies_cached_before_a_kernel_changed_are_measured_again(tmp_path, m
     model, draft, rule, sizes = latency_setup()
     latency, _ = machine_latency(model, draft, rule, sizes, repeats=1)
     assert machine_latency(model, draft, rule, sizes) == (latency, "cached")
-    monkeypatch.setattr(latency_cache, "sources_digest", lambda: "another version")
+    monkeypatch.setattr(latency_cache, "kernels_version", lambda: "another version")
     assert machine_latency(model, draft, rule, sizes, repeats=1)[1] == "measured here"
 
 

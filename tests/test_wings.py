@@ -27,6 +27,12 @@ WIRING = ("minimedusa.bench.", "minimedusa.training.", "minimedusa.cli.recipe") 
 # Where speed enters: the one module outside speed/ that calls what plugs it into a model, its
 # heads, their draft and the acceptance rule (the recipe, after loading).
 SPEED_DOOR = PACKAGE / "cli" / "recipe.py"
+# What other wings may import of speed (its face: the machine's facts, the formats' names, the
+# door's words); the rest only the recipe and the load that reads weights into speed's formats.
+# files/ (file formats) and experiments/ (the core's extensions) are read whole, as the core.
+SPEED_FACE = {f"minimedusa.speed.{name}" for name in ("defaults", "weight_formats", "machine",
+                                                      "cache_folder", "plug_in")}
+SPEED_INSIDE = {SPEED_DOOR, PACKAGE / "cli" / "load.py"}
 PLUG_INS = {"plug_in", "plug_in_heads", "fast_draft", "greedy_for", "sampling_for",
             "checked_step", "formatted_model", "apply_format", "fuse_blocks", "compile_blocks",
             "graph_step"}
@@ -85,6 +91,20 @@ def test_speed_is_plugged_in_at_one_place():
     called = {getattr(n.func, "id", None) for n in ast.walk(ast.parse(SPEED_DOOR.read_text()))
               if isinstance(n, ast.Call)}
     assert {"plug_in", "plug_in_heads", "fast_draft", "greedy_for"} <= called
+
+
+def test_no_wing_but_the_wiring_reaches_into_speeds_internals():
+    """The entry points, bench/ (which times speed's parts one by one) and training/ wire what
+    they need; every other module outside speed/ imports its face, or is one of its doors."""
+    modules = package_modules()
+    for path in [p for p in PACKAGE.rglob("*.py")] + ENTRY_POINTS:
+        name = module_name(path) if path.is_relative_to(PACKAGE) else path.stem
+        if path in SPEED_INSIDE or path in ENTRY_POINTS or name.startswith(
+                ("minimedusa.speed.", *WIRING[:2])):
+            continue
+        speed = {n if n in modules else n.rsplit(".", 1)[0] for n in imports(path)
+                 if n.startswith("minimedusa.speed")}
+        assert speed <= SPEED_FACE | {"minimedusa.speed"}, f"{name} imports {sorted(speed)}"
 
 
 def test_no_module_imports_itself_back():

@@ -11,10 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from minimedusa.speed.c_kernels import sources_digest
 from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import machine_key
-from minimedusa.speed.plug_in import how_it_runs
+from minimedusa.speed.plug_in import how_it_runs, kernels_version
 from minimedusa.cli.step_latency import step_latency
 from minimedusa.speed.weight_formats import format_of
 
@@ -34,7 +33,7 @@ def latency_key(model, draft, acceptance) -> str:
     m, h = model.config, heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     return (f"{machine_key(weight.device, weight.dtype)}{how_it_runs(model)} | kernels "
-            f"{sources_digest()} | {type(draft).__name__}, {acceptance.name} acceptance"
+            f"{kernels_version()} | {type(draft).__name__}, {acceptance.name} acceptance"
             f" | model {m.num_hidden_layers}x{m.hidden_size}"
             f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
             f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
