@@ -12,8 +12,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from minimedusa.speed import group_kernel
-from minimedusa.speed.c_kernels import build
-from minimedusa.speed.machine import cpu_features
+from minimedusa.errors import UserError
+from minimedusa.speed.c_kernels import build, flags
+from minimedusa.speed.machine import ISA_VARIABLE, cpu_features
+from minimedusa.speed.weight_formats import bf16_is_native
 from minimedusa.speed.grids import dequantize_int4, eight_bit_groups, quantize_int4
 from test_w4a8 import w4a8_reference
 from test_weight_formats import eight_bit_weight, four_bit_weight
@@ -162,3 +164,17 @@ def test_avx_vnni_gives_w4a8s_products_the_avx2_codes_bits(avx2, avx_vnni, seed,
                             (int4_a16_product, four_bit_weight(48, 96, seed)),
                             (int8_a16_product, eight_bit_weight(48, 96, seed))):
         assert torch.equal(product(avx_vnni, x, weight), product(avx2, x, weight))
+
+
+def test_minimedusa_isa_avx2_runs_a_process_as_an_avx2_cpu(monkeypatch):
+    """MINIMEDUSA_ISA=avx2: the features said are AVX2 and FMA alone, the kernels are built for
+    Haswell (their AVX2 path: this file's build), bfloat16 is not native; a value it does not
+    know is one line."""
+    monkeypatch.setenv(ISA_VARIABLE, "avx2")
+    assert cpu_features() == "avx2+fma" and "-march=haswell" in flags()
+    assert not bf16_is_native()
+    monkeypatch.setenv(ISA_VARIABLE, "avx-512")
+    with pytest.raises(UserError, match="MINIMEDUSA_ISA='avx-512': use avx2"):
+        cpu_features()
+    monkeypatch.setenv(ISA_VARIABLE, "native")
+    assert "-march=native" in flags()

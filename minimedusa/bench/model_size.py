@@ -13,8 +13,11 @@ the operating system), its loading time and tokens/s; and a forward of 1, 2, 4 a
 256 cached tokens (bench/step_profile.py, in a process of its own). With --llama-cpp, the folder
 of llama.cpp's source built as the README says: its convert_hf_to_gguf.py makes BF16 and Q4_1
 GGUFs of the same weights (with --convert-python, a Python that has transformers), and
-llama-bench and llama-completion time and measure them. Speed figures hold for the machine
-they were measured on: the report names it.
+llama-bench and llama-completion time and measure them. --isa avx2 runs this project's
+processes as on a CPU with AVX2 and FMA alone (speed/machine.py), on a CPU with AVX-512 too;
+give it a llama.cpp built for AVX2 alone (cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_AVX512=OFF). Speed figures hold for the machine they were measured on: the report
+names it.
 """
 import json
 import os
@@ -54,6 +57,10 @@ SHAPES = {
                      num_attention_heads=32, num_key_value_heads=32),
 }
 PROMPT = "Write a short story about a lighthouse keeper."
+# --isa avx2: this project's kernels (MINIMEDUSA_ISA) and torch's (ATen's and oneDNN's) held to
+# AVX2, in every process the bench starts
+AVX2_ENVIRONMENT = {"MINIMEDUSA_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                    "ONEDNN_MAX_CPU_ISA": "AVX2"}
 ROWS = (1, 2, 4, 8)
 
 
@@ -207,6 +214,9 @@ def parse_args(argv=None):
     p.add_argument("--convert-python", default=sys.executable,
                    help="the Python that runs convert_hf_to_gguf.py (it needs transformers; "
                    "default: this one)")
+    p.add_argument("--isa", choices=("native", "avx2"), default="native",
+                   help="avx2: run as a CPU with AVX2 and FMA alone does (most laptops'), on "
+                   "any x86 CPU with them; native: this CPU's every feature (default)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -216,6 +226,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.out is not None:
         check_writable(args.out, "--out")
+    if args.isa == "avx2":
+        os.environ.update(AVX2_ENVIRONMENT)  # this process's machine key, and its children's
     folder = args.folder or cache_root() / "models" / args.shape
     if not (folder / "config.json").is_file():
         print(f"building a random {args.shape} in {folder} ...", file=sys.stderr, flush=True)
@@ -223,7 +235,7 @@ def main(argv=None):
         build_model(args.shape, folder)
     results = {"machine": machine_key(torch.device("cpu"), torch.bfloat16), "shape": args.shape,
                "file_gb": round(sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-                                / 1e9, 3), "threads": args.threads, "formats": {}}
+                                / 1e9, 3), "threads": args.threads, "isa": args.isa, "formats": {}}
     for weight_format in args.formats:
         runs = [generate_run(folder, weight_format, args.threads, args.max_new_tokens)
                 for _ in ("first", "later")]

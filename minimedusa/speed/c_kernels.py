@@ -25,9 +25,14 @@ from pathlib import Path
 import torch
 
 from minimedusa.speed.cache_folder import cache_folder
-from minimedusa.speed.machine import cpu_features, cpu_model
+from minimedusa.speed.machine import cpu_features, cpu_model, forced_avx2
 
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+def flags() -> list[str]:
+    """The kernels' compiler flags: for this CPU's vector units, or an AVX2 CPU's where
+    MINIMEDUSA_ISA=avx2 (machine.py)."""
+    march = "-march=haswell" if forced_avx2() else "-march=native"
+    return ["-O3", march, "-ffp-contract=off", "-shared", "-fPIC"]
+
 HERE = Path(__file__).parent
 KERNELS = (HERE / "group_kernel.c", HERE / "attention_kernel.c")  # what operators.cpp calls
 OPERATORS = HERE / "operators.cpp"
@@ -57,7 +62,7 @@ def source_text(source: Path) -> str:
 
 def compile_kernel(source: Path, compiler: str) -> Path:
     """`source` built for this machine, or the copy built before."""
-    key = hashlib.sha256("\n".join([source_text(source), compiler, *FLAGS, cpu_model(),
+    key = hashlib.sha256("\n".join([source_text(source), compiler, *flags(), cpu_model(),
                                     cpu_features()]).encode()).hexdigest()[:16]
     return built(kernels_folder() / f"{source.stem}-{key}.so",
                  lambda out: build(source, compiler, out))
@@ -113,7 +118,7 @@ def build(source: Path, compiler: str, out: Path, extra: tuple[str, ...] = ()) -
     -march=haswell: the last -march wins)."""
     for openmp in (["-fopenmp"], []):
         try:
-            run_compiler([compiler, *FLAGS, *extra, *openmp, str(source), "-o", str(out)],
+            run_compiler([compiler, *flags(), *extra, *openmp, str(source), "-o", str(out)],
                          compiler)
             return
         except RuntimeError:
@@ -155,15 +160,15 @@ def compile_operators() -> Path:
     # multiply-adds the reference does not make), and -fno-trapping-math: a clamp in a loop
     # becomes a vector blend, the values the same. The CPU is in the key through the kernels'
     # names.
-    flags = [*FLAGS, "-fno-trapping-math", "-std=c++17", f"-I{torch_folder / 'include'}",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    options = [*flags(), "-fno-trapping-math", "-std=c++17", f"-I{torch_folder / 'include'}",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     links = [f"-L{torch_folder / 'lib'}", "-ltorch_cpu", "-lc10", f"-L{kernels_folder()}",
              *(f"-l:{kernel.name}" for kernel in kernels), "-Wl,-rpath,$ORIGIN"]
-    key = hashlib.sha256("\n".join([OPERATORS.read_text(), compiler, *flags, torch.__version__,
+    key = hashlib.sha256("\n".join([OPERATORS.read_text(), compiler, *options, torch.__version__,
                                     *(kernel.name for kernel in kernels)]).encode()
                          ).hexdigest()[:16]
     return built(kernels_folder() / f"operators-{key}.so", lambda out: run_compiler(
-        [compiler, *flags, str(OPERATORS), *links, "-o", str(out)], compiler))
+        [compiler, *options, str(OPERATORS), *links, "-o", str(out)], compiler))
 
 
 def run_compiler(command: list[str], compiler: str) -> None:

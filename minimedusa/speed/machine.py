@@ -1,11 +1,22 @@
 """This machine in words: its CPU (or GPU), its vector features, and the key that step
 latencies and built kernels are kept under (a speed measured on one machine holds for it only).
+
+MINIMEDUSA_ISA=avx2 runs a process as a CPU with AVX2 and FMA alone would (most laptops' and
+desktops', AMD's Zen 2 and 3), on any x86 CPU that has them: its features said without the
+rest, so the C kernels are built for Haswell (c_kernels.py) and the formats chosen as there.
+torch's own kernels follow where ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 are set
+before it starts (`python -m minimedusa.bench.model_size --isa avx2` sets the three).
 """
 import os
 import platform
 from pathlib import Path
 
 import torch
+
+from minimedusa.errors import UserError
+
+ISA_VARIABLE = "MINIMEDUSA_ISA"
+AVX2_ONLY = ("avx2", "fma")  # what MINIMEDUSA_ISA=avx2 keeps of the CPU's vector features
 
 
 def cpu_model() -> str:
@@ -34,15 +45,28 @@ VECTOR_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_
 
 
 def cpu_features() -> str:
-    """"avx2+fma": the vector features /proc/cpuinfo lists, of VECTOR_FEATURES."""
+    """"avx2+fma": the vector features /proc/cpuinfo lists, of VECTOR_FEATURES (of AVX2_ONLY
+    where MINIMEDUSA_ISA=avx2)."""
+    kept = AVX2_ONLY if forced_avx2() else VECTOR_FEATURES
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 found = set(line.split(":", 1)[1].split())
-                return "+".join(f for f in VECTOR_FEATURES if f in found) or "no vector flags"
+                if kept == AVX2_ONLY and not set(AVX2_ONLY) <= found:
+                    raise UserError(f"{ISA_VARIABLE}=avx2: this CPU has no AVX2 and FMA")
+                return "+".join(f for f in kept if f in found) or "no vector flags"
     except OSError:
         pass
     return platform.machine() or "unknown features"
+
+
+def forced_avx2() -> bool:
+    """Whether this process runs as on a CPU with AVX2 and FMA alone (MINIMEDUSA_ISA=avx2)."""
+    value = os.environ.get(ISA_VARIABLE, "native")
+    if value not in ("native", "avx2"):
+        raise UserError(f"{ISA_VARIABLE}={value!r}: use avx2 (run as a CPU with AVX2 and FMA "
+                        "alone) or native (this CPU's every feature: the default)")
+    return value == "avx2"
 
 
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:

@@ -64,6 +64,7 @@ import torch.nn as nn
 
 from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
+from minimedusa.speed.machine import forced_avx2
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, Int4Linear,
                                         Int8GroupLinear, Int8Linear, bfloat16_layers,
@@ -76,8 +77,10 @@ QUANTIZED = ("int8", "int4", "w4a8")  # the formats with quantized weights
 
 
 def bf16_is_native() -> bool:
-    """Whether oneDNN multiplies bfloat16 natively on this CPU (avx512_bf16, AMX, or Arm's)."""
-    return ONEDNN_LINEAR and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (avx512_bf16, AMX, or Arm's),
+    not run as an AVX2 CPU (machine.forced_avx2)."""
+    return (ONEDNN_LINEAR and not forced_avx2()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def apply_format(module: nn.Module, name: str) -> nn.Module:
