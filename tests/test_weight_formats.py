@@ -8,14 +8,14 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import copycat_model, perturbed, tiny_model
 from minimedusa.budget import fixed
-from minimedusa.speed import defaults, group_kernel
+from minimedusa.speed import defaults, group_kernel, weight_formats
 from minimedusa.acceptance import Sampling, greedy
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads
 from minimedusa.model import causal_mask
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.tree import build_tree
-from minimedusa.cli.load import four_bit_checkpoint
+from minimedusa.cli.load import formatted_model, four_bit_checkpoint
 from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8,
                                     dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
                                     quantize_int4, quantize_int8, quantize_int8_groups)
@@ -344,3 +344,31 @@ def test_medusa_greedy_equals_int4s_plain_greedy_with_an_eight_bit_lm_head(seed,
     prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
     assert flat(medusa_decode(model, *fixed(heads, tree), greedy(), prompt, 40, set())) == plain
+
+
+@pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                    reason="group_kernel.c does not multiply here")
+@pytest.mark.parametrize("tied", [False, True], ids=["own LM head", "tied to the embedding"])
+@pytest.mark.parametrize("name", ["int4", "w4a8"])
+def test_a_real_size_models_lm_head_is_rounded_to_8_bit_groups(name, tied, tmp_path,
+                                                                monkeypatch):
+    """int4 and w4a8 round the LM head of a model of real size (here any: LARGE lowered) onto
+    Q8_0's grid: an own head as the loader reads it (no float32 copy of it made), a tied one
+    once loaded; the layer's weight is the rounding's, its logits float32 and its products
+    those of that weight. A smaller model's head stays as its file holds it."""
+    model = tiny_model(0, dtype=torch.float32, tie_word_embeddings=tied)
+    save_model(model, tmp_path)
+    monkeypatch.setattr(weight_formats, "LARGE", 0)
+    loaded = apply_format(formatted_model(tmp_path, torch.device("cpu"), name), name)
+    assert isinstance(loaded.lm_head, Int8GroupLinear) and loaded.lm_head.wide
+    q, scales = quantize_int8_groups(model.lm_head.weight)
+    rounded = dequantize_int8_groups(q, scales.half().float())
+    assert torch.equal(loaded.lm_head.weight, rounded)
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    rows = x.to(activation_dtype(name))
+    y = loaded.lm_head(rows)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, rows.float() @ rounded.T, rtol=1e-3, atol=1e-3)
+    monkeypatch.setattr(weight_formats, "LARGE", 10 ** 12)
+    small = apply_format(formatted_model(tmp_path, torch.device("cpu"), name), name)
+    assert not isinstance(small.lm_head, Int8GroupLinear)

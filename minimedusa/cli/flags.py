@@ -111,9 +111,10 @@ def add_quantize_argument(parser) -> None:
     parser.add_argument("--quantize", choices=("none", "int8", "int4", "w4a8"), default="none",
                         help="int4: the blocks' weights in 4 bits, a scale and a minimum per 32 "
                         "(as the GGUF's Q4_1), the heads' layers rounded to 8-bit groups where "
-                        "group_kernel.c multiplies, the LM head in 8-bit groups if its weights "
-                        "already lie on them (as the GGUF's Q8_0), else bfloat16; lossless for a "
-                        "model whose weights came from such a file. "
+                        "group_kernel.c multiplies, the LM head in 8-bit groups (as the GGUF's "
+                        "Q8_0) if its weights already lie on them or the model is of real size "
+                        "(0.3B weights in its blocks or more: rounded to them), else as stored; "
+                        "lossless for a model whose weights came from such files. "
                         "w4a8: int4's weights times 8-bit activations (a scale per row and "
                         "group of 32, as llama.cpp's Q4_1 decoding) in the attention's output "
                         "and the MLP's input products, 16-bit ones in the other two: integer "
@@ -123,12 +124,14 @@ def add_quantize_argument(parser) -> None:
                         "the LM head and the heads' included. All run on the CPU (--device auto "
                         "picks it, also where a GPU is present), bfloat16 activations, but int4 "
                         "and w4a8 float32 where the CPU has AVX2 and no avx512_bf16 "
-                        "(weight_formats.py). For a model of 0.5B parameters or more, int4 is "
-                        "the fastest format on a CPU where group_kernel.c multiplies, in about "
-                        "0.6 bytes a weight (bfloat16: 2; the summary line gives each run's "
-                        "size), and a run keeps the rounded weights for the next (the cache "
-                        "folder's weights/). Default: none, the weights in --dtype (whose auto "
-                        "may pick int4 or w4a8)")
+                        "(weight_formats.py). For a model of real size the 4-bit formats are "
+                        "the fastest on a CPU where group_kernel.c multiplies, in about 0.6 "
+                        "bytes a weight (bfloat16: 2; the summary line gives each run's size), "
+                        "the faster of them w4a8 on a CPU with AVX2 and no avx512_bf16 (its "
+                        "integer products beat AVX2's float ones: 1.2-1.3x int4 on a 1.1B "
+                        "model), else int4; a run keeps the rounded weights for the next (the "
+                        "cache folder's weights/). Default: none, the weights in --dtype (whose "
+                        "auto picks that 4-bit format for a model from a 4-bit file)")
 
 
 def add_compile_argument(parser) -> None:

@@ -20,7 +20,8 @@ from minimedusa.speed.defaults import default_format
 from minimedusa.speed.grids import on_four_bit_grid
 from minimedusa.speed.kept_weights import (KeptBlocksError, kept_file, kept_state, read_kept,
                                            weights_key, worth_keeping)
-from minimedusa.speed.weight_formats import DTYPE_FORMATS, bf16_is_native, block_format
+from minimedusa.speed.weight_formats import (DTYPE_FORMATS, bf16_is_native, block_format,
+                                             head_format)
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
@@ -88,15 +89,16 @@ def formatted_model(folder: Path, device, weight_format: str) -> nn.Module:
     blocks are kept after the first run and read back by later ones (speed/kept_weights.py)."""
     device = torch.device(device)
     dtype, convert = DTYPE_FORMATS.get(weight_format), block_format(weight_format)
+    head = head_format(weight_format)
     key = weights_key([Path(folder) / "config.json", *safetensors_files(folder)], weight_format)
     kept = read_kept(folder, weight_format, key) if device.type == "cpu" else None
     if kept is not None:
         try:
-            return load_model(folder, device, dtype, convert, kept)
+            return load_model(folder, device, dtype, convert, kept, head)
         except KeptBlocksError as e:
             print(f"minimedusa: the kept weights were damaged ({e}); rounding again",
                   file=sys.stderr)
-    model = load_model(folder, device, dtype, convert)
+    model = load_model(folder, device, dtype, convert, convert_head=head)
     if device.type == "cpu" and worth_keeping(model.config, weight_format):
         keep(folder, weight_format, model, key)
     return model

@@ -186,14 +186,17 @@ def check_values(t: torch.Tensor, name: str, path: Path) -> None:
 
 
 def load_model(folder, device="cpu", dtype=torch.float32, convert_block=None,
-               kept_blocks=None) -> Llama:
+               kept_blocks=None, convert_head=None) -> Llama:
     """Build the Llama of folder/config.json and fill it from folder's safetensors, a piece at a
     time (each block, the final norm, the embedding, the LM head), each tensor in `dtype` (None:
     as the file stores it). convert_block(block), where given, changes each block in place as
     soon as it is read (a weight format applied while loading: speed/weight_formats.py's
     block_format), so that the model is never held whole in its file's dtype: a model loads in
     int4 in its int4 bytes and one block's more. kept_blocks, where given, fills each block as a
-    previous run's convert_block left it (speed/kept_weights.py), instead of the files."""
+    previous run's convert_block left it (speed/kept_weights.py), instead of the files.
+    convert_head(lm_head, config), where given, makes an untied LM head, read as the file
+    stores it, the layer decoding multiplies with (weight_formats.head_format: rounded to 8
+    bits before a float32 copy of it is ever made)."""
     cfg = read_config(folder)
     with torch.device("meta"):  # no memory for random init: every tensor is replaced below
         model = Llama(cfg).eval().requires_grad_(False)
@@ -201,9 +204,9 @@ def load_model(folder, device="cpu", dtype=torch.float32, convert_block=None,
     check_names(cfg, where)
     parts, shapes = hf_parts(cfg), {n: p.shape for n, p in model.state_dict().items()}
 
-    def fill(module: nn.Module, prefix: str) -> None:
+    def fill(module: nn.Module, prefix: str, as_dtype=dtype) -> None:
         module.load_state_dict({name: read_parameter(parts[prefix + name], where,
-                                                     shapes[prefix + name], device, dtype)
+                                                     shapes[prefix + name], device, as_dtype)
                                 for name in module.state_dict()}, strict=True, assign=True)
     for i, block in enumerate(model.layers):
         if kept_blocks is not None:
@@ -216,8 +219,11 @@ def load_model(folder, device="cpu", dtype=torch.float32, convert_block=None,
     fill(model.embed, "embed.")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # one Parameter, as Llama() ties them
-    else:
+    elif convert_head is None:
         fill(model.lm_head, "lm_head.")
+    else:
+        fill(model.lm_head, "lm_head.", None)
+        model.lm_head = convert_head(model.lm_head, cfg)
     return model.requires_grad_(False)
 
 

@@ -6,7 +6,7 @@ tokens the heads rank. Each follows what runs fastest where it was measured (wei
 import torch
 
 from minimedusa.speed import group_kernel
-from minimedusa.speed.weight_formats import bf16_is_native
+from minimedusa.speed.weight_formats import bf16_is_native, faster_four_bit
 
 
 def default_format(device: torch.device, four_bit: bool = False) -> str:
@@ -23,10 +23,10 @@ def default_format(device: torch.device, four_bit: bool = False) -> str:
     tree's size), else float32."""
     if device.type == "cuda":
         return "bfloat16"
-    if four_bit and group_kernel.takes_float32() and not group_kernel.multiplies_bfloat16():
-        return "w4a8"  # the AVX2 path, its kernel running
-    if four_bit and (bf16_is_native() or group_kernel.kernel_problem() is None):
-        return "int4"
+    if four_bit and group_kernel.kernel_problem() is None:
+        return faster_four_bit()  # w4a8 on the kernel's AVX2 path, int4 on AVX-512 BF16's
+    if four_bit and bf16_is_native():
+        return "int4"  # through torch's kernel
     return "bfloat16" if bf16_is_native() else "float32"
 
 

@@ -64,12 +64,14 @@ import torch.nn as nn
 
 from minimedusa.model import Llama
 from minimedusa.speed import group_kernel
+from minimedusa.speed.grids import GROUP, quantize_int8_groups
 from minimedusa.speed.machine import forced_avx2
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, Int4Linear,
-                                        Int8GroupLinear, Int8Linear, bfloat16_layers,
-                                        eight_bit_head_layers, eight_bit_lm_heads,
-                                        four_bit_layers, int4_layer, quantize_linear_layers)
+                                        Int8A16GroupLinear, Int8GroupLinear, Int8Linear,
+                                        bfloat16_layers, eight_bit_head_layers,
+                                        eight_bit_lm_heads, four_bit_layers, int4_layer,
+                                        quantize_linear_layers)
 
 DTYPE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = (*DTYPE_FORMATS, "int8", "int4", "w4a8")
@@ -103,13 +105,56 @@ def apply_format(module: nn.Module, name: str) -> nn.Module:
         # w4a8's model verifies with 16-bit activations in its LM head; the heads' draft
         # vocabulary, only guesses, keeps float rows (as the fused draft multiplies them)
         eight_bit_lm_heads(module, activations16=is_model and name == "w4a8")
-        if not is_model:
+        if is_model:  # a tied one (the loader rounds another: head_format)
+            module.lm_head = head_format(name)(module.lm_head, module.config)
+        else:
             eight_bit_head_layers(module)  # the heads' draft: a quarter of float32's bytes
     dtype = activation_dtype(name)
     module = module.to(dtype)
     if can_pack(next(module.parameters()).device, dtype):
         pack_linear_layers(module)  # int4: the heads, and an LM head off the 8-bit grid
     return module
+
+
+def head_format(name: str):
+    """convert(lm_head, config) -> the LM head in format `name`, as the loader reads it (in the
+    file's dtype: files/weights.load_model's convert_head): int4's and w4a8's, for a model of
+    real size (rounds_lm_head), rounded to 8-bit groups (rounded_lm_head) before any float32
+    copy of it is made; else as read (apply_format casts it). None for the other formats (their
+    LM head is read in their dtype)."""
+    if name not in ("int4", "w4a8"):
+        return None
+
+    def convert(lm_head: nn.Module, config) -> nn.Module:
+        if type(lm_head) is nn.Linear and rounds_lm_head(config):
+            return rounded_lm_head(lm_head, activations16=name == "w4a8")
+        return lm_head
+    return convert
+
+
+def rounded_lm_head(lm_head: nn.Linear, activations16: bool = False) -> nn.Module:
+    """A model's LM head off the 8-bit grid rounded onto it (quantize_int8_groups: a GGUF's
+    Q8_0), an Int8GroupLinear (Int8A16GroupLinear: 16-bit activations, w4a8's), its logits
+    float32; as it is where group_kernel.c does not multiply here or its shape does not fit the
+    kernel's blocks. Why: in int4 and w4a8 a model of real size's LM head, left in its float
+    dtype, was the step's largest read (a 1.1B model's 49,152 x 2,048 head: 403 MB in float32
+    against 0.6 GB of 4-bit blocks); llama.cpp's Q4_1 files keep theirs in 6 bits (Q6_K). The
+    rounding moves a logit by at most ~0.4% of each group's largest weight times the hidden
+    state's group sum."""
+    N, K = lm_head.weight.shape
+    if (group_kernel.kernel_problem() is not None or N % 16 or K % GROUP
+            or lm_head.bias is not None):
+        return lm_head
+    q, scales = quantize_int8_groups(lm_head.weight)  # ROWS rows at a time
+    kind = Int8A16GroupLinear if activations16 else Int8GroupLinear
+    return kind(q, scales, wide=True)
+
+
+def rounds_lm_head(config) -> bool:
+    """Whether int4 and w4a8 round the LM head of a model of this config to 8-bit groups: a
+    model of real size (LARGE), whose head otherwise reads more bytes a token than its blocks;
+    smaller ones keep theirs as the file holds it (the default model's is on the grid)."""
+    return block_weights(config) >= LARGE
 
 
 def block_format(name: str):
@@ -172,11 +217,13 @@ def block_weights(config) -> int:
 def weight_bytes(config, name: str) -> int:
     """About the bytes a model takes in format `name`: its blocks' weights (int4 and w4a8: 4
     bits, and a float16 scale and minimum a group of 32; int8: a byte), its embedding in the
-    activations' dtype, its LM head too (int8: a byte; tied, none but int8's copy)."""
+    activations' dtype, its LM head too (int8's, and int4's and w4a8's of a model of real size:
+    a byte; tied, none but that copy)."""
     per_weight = {"int4": 0.625, "w4a8": 0.625, "int8": 1.0}
     size = torch.empty(0, dtype=activation_dtype(name)).element_size()
     table = config.vocab_size * config.hidden_size
-    lm_head = 1 if name == "int8" else 0 if config.tie_word_embeddings else size
+    eight_bits = name == "int8" or (name in ("int4", "w4a8") and rounds_lm_head(config))
+    lm_head = 1 if eight_bits else 0 if config.tie_word_embeddings else size
     return int(block_weights(config) * per_weight.get(name, size) + table * (size + lm_head))
 
 
@@ -190,9 +237,21 @@ def describe_weights(config, name: str, rounded: bool, device: torch.device) -> 
                  "--model DIR measures how much)")
     elif (name in DTYPE_FORMATS and device.type == "cpu" and block_weights(config) >= LARGE
           and group_kernel.kernel_problem() is None):
-        int4 = weight_bytes(config, "int4") / 1e9
-        said += f"; --quantize int4: {int4:.2f} GB, faster here, lossy"
+        fast = faster_four_bit()
+        said += (f"; --quantize {fast}: {weight_bytes(config, fast) / 1e9:.2f} GB, faster here, "
+                 "lossy")
+    elif name == faster_four_bit() and block_weights(config) >= LARGE:
+        said += " (the faster 4-bit format on this CPU)"
     return said
+
+
+def faster_four_bit() -> str:
+    """The faster of the 4-bit formats where group_kernel.c multiplies: w4a8 on a CPU with AVX2
+    and no AVX-512 BF16, whose integer products there beat AVX2's float ones (a 1.1B model of
+    TinyLlama's shape: 1.2-1.3x int4's tokens a second, weights/RESULTS.md), else int4."""
+    if group_kernel.takes_float32() and not group_kernel.multiplies_bfloat16():
+        return "w4a8"
+    return "int4"
 
 
 def activation_dtype(name: str) -> torch.dtype:
