@@ -143,19 +143,26 @@ def generate_run(folder: Path, weight_format: str, threads: int, tokens: int) ->
 FORWARDS = """
 import sys, torch
 from pathlib import Path
-from minimedusa.bench.step_profile import forward_times
+from minimedusa.bench.step_profile import forward_times, shape_times
 from minimedusa.cli.recipe import Recipe, decoding_model
 torch.set_num_threads(int(sys.argv[3]))
 model, _ = decoding_model(Recipe(Path(sys.argv[1]), torch.device("cpu"), sys.argv[2], None))
-print(forward_times(model, rows=(1, 2, 4, 8)))
+print(shape_times(model) if sys.argv[4] == "profile" else forward_times(model, rows=(1, 2, 4, 8)))
 """
 
 
 def forward_ms(folder: Path, weight_format: str, threads: int) -> dict[int, float]:
     """A forward of M rows after 256 cached tokens, ms, for each M of ROWS."""
     out, _, _ = run_measured([sys.executable, "-c", FORWARDS, str(folder), weight_format,
-                              str(threads)], timeout=3600)
+                              str(threads), "forwards"], timeout=3600)
     return {int(m): float(ms) for m, ms in re.findall(r"M = (\d+) ([\d.]+)", out)}
+
+
+def step_shapes(folder: Path, weight_format: str, threads: int) -> list[str]:
+    """Where a plain step goes, product by shape (step_profile.shape_times), its lines."""
+    out, _, _ = run_measured([sys.executable, "-c", FORWARDS, str(folder), weight_format,
+                              str(threads), "profile"], timeout=3600)
+    return out.strip().splitlines()
 
 
 def gguf_files(llama_cpp: Path, folder: Path, python: str) -> dict[str, Path]:
@@ -214,6 +221,9 @@ def parse_args(argv=None):
     p.add_argument("--convert-python", default=sys.executable,
                    help="the Python that runs convert_hf_to_gguf.py (it needs transformers; "
                    "default: this one)")
+    p.add_argument("--profile", action="store_true",
+                   help="also where each format's plain step goes: its products by shape on "
+                   "one thread and on --threads, the rest of the forward, the memory's rate")
     p.add_argument("--isa", choices=("native", "avx2"), default="native",
                    help="avx2: run as a CPU with AVX2 and FMA alone does (most laptops'), on "
                    "any x86 CPU with them; native: this CPU's every feature (default)")
@@ -243,6 +253,9 @@ def main(argv=None):
         if not args.no_forwards:
             results["formats"][weight_format]["forward_ms"] = forward_ms(folder, weight_format,
                                                                          args.threads)
+        if args.profile:
+            results["formats"][weight_format]["profile"] = step_shapes(folder, weight_format,
+                                                                       args.threads)
         print(f"{weight_format}: {json.dumps(results['formats'][weight_format])}",
               file=sys.stderr, flush=True)
     if args.llama_cpp is not None:

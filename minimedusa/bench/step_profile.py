@@ -20,7 +20,7 @@ from minimedusa.cli.step_latency import (cached_prefix, round_robin_medians, ste
 from minimedusa.heads import as_features, ranked_vocab_size
 from minimedusa.kv_cache import KVCache
 from minimedusa.speed.group_kernel import switch_tiles, switch_vnni, uses_tiles, uses_vnni
-from minimedusa.speed.memory_bandwidth import weight_bytes
+from minimedusa.speed.memory_bandwidth import streaming_bandwidth, weight_bytes
 from minimedusa.speed.defaults import largest_grown_tree
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
@@ -116,6 +116,51 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
                 f"{name} {1000 * seconds[name, M, path]:.1f} "
                 f"({gigabytes[name] / seconds[name, M, path]:.1f})" for name in parts))
     return "\n".join(lines)
+
+
+@torch.inference_mode()
+def shape_times(model, rounds: int = 5) -> str:
+    """A plain step's products by shape (the blocks' wqkv, wo, gate_up and down, each summed over
+    the blocks, and the LM head), one row each, on both threads and on one: ms, the GB/s of
+    weights that implies, and what the second thread gains (x); then what the step's forward
+    spends beside them (attention, norms, the rest), and the machine's streaming read rate. A
+    profile of where a model of real size's step goes, for the record (model_size --profile)."""
+    parts: dict[str, list] = {}
+    for block in model.layers:
+        for name, layer in block.named_modules():
+            if isinstance(layer, FAST_LAYERS):
+                parts.setdefault(f"{name.rsplit('.', 1)[-1]} {layer.in_features}->"
+                                 f"{layer.out_features}", []).append(layer)
+    parts[f"LM head {model.lm_head.in_features}->{model.lm_head.out_features}"] = [model.lm_head]
+    dtype, threads = model.norm.weight.dtype, torch.get_num_threads()
+    seconds = {}
+    for n in (threads, 1):
+        torch.set_num_threads(n)
+        seconds[n] = round_robin_medians({name: functools.partial(time_products, layers, 1, dtype)
+                                          for name, layers in parts.items()}, rounds)
+    torch.set_num_threads(threads)
+    lines = [f"products at 1 row, ms on {threads} threads (GB/s of weights; x: {threads} threads"
+             " against 1):"]
+    for name, layers in parts.items():
+        ms, gb = 1000 * seconds[threads][name], weight_bytes(*layers) / 1e9
+        lines.append(f"  {name}: {ms:.2f} ({gb / seconds[threads][name]:.1f} GB/s; "
+                     f"{seconds[1][name] / seconds[threads][name]:.2f}x)")
+    forward = forward_ms_at_one_row(model)
+    products = 1000 * sum(seconds[threads].values())
+    lines.append(f"a forward of 1 row after 256 cached tokens: {forward:.1f} ms; its products "
+                 f"called one by one above: {products:.1f} ms, the rest (attention, norms, ...) "
+                 f"{forward - products:.1f} (a fused step calls them from C++: where the rest is "
+                 "below 0, Python's calls cost more than the rest)")
+    read = streaming_bandwidth(model.embed.weight.device)["read_gb_s"]
+    lines.append(f"this machine streams {read:.1f} GB/s read alone (memory_bandwidth.py)")
+    return "\n".join(lines)
+
+
+def forward_ms_at_one_row(model, cached: int = 256) -> float:
+    """The median ms of a forward of 1 row after `cached` tokens."""
+    cache = KVCache.for_model(model, cached + 1)
+    return 1000 * round_robin_medians({1: functools.partial(time_forward, model, cache, cached,
+                                                            1)}, 9)[1]
 
 
 def use_path(path: str) -> None:
