@@ -99,10 +99,11 @@ def load(args):
 
 def recipe_of(args, folder, device, weight_format: str) -> Recipe:
     """The flags' recipe: context candidates with the adapted trees only."""
-    return Recipe(folder, device, weight_format, args.compile, heads_spec(args), args.draft_vocab,
-                  args.tree, args.context and args.tree in (None, "ranked"),
-                  acceptance_kind(args) if heads_spec(args) else "greedy", args.temperature,
-                  args.top_p, args.eps, args.delta, args.seed)
+    heads = heads_spec(args)
+    return Recipe(folder, device, weight_format, args.compile, heads, args.draft_vocab, args.tree,
+                  args.context and args.tree in (None, "ranked"),
+                  acceptance_kind(args) if heads else "greedy", args.temperature, args.top_p,
+                  args.eps, args.delta, args.seed)
 
 
 def probe_ids(args, tokenizer) -> list[int]:

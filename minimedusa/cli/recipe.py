@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from minimedusa import acceptance
-from minimedusa.budget import FixedSize, fixed
+from minimedusa.budget import FixedSize
 from minimedusa.cli.draft_heads import read_heads
 from minimedusa.cli.latency_cache import machine_latency
 from minimedusa.cli.load import formatted_model
@@ -98,7 +98,7 @@ class Decoding:
 
 
 def build(recipe: Recipe, model: Llama, heads=None) -> Decoding:
-    """The recipe's decoding on `model` (load_model's), with `heads` where they are loaded
+    """The recipe's decoding on `model` (decoding_model's), with `heads` where they are loaded
     already (decoding_heads'), else the recipe's read here."""
     device = model.embed.weight.device
     if recipe.heads is None:
@@ -129,7 +129,7 @@ def acceptance_of(recipe: Recipe, device: torch.device) -> acceptance.Acceptance
 def medusa_draft(recipe: Recipe, heads, model: Llama, rule):
     """(the heads' draft, the budget, describe) as recipe.tree asks: ranked:N (each step's N
     most probable nodes), grown:N (the first N nodes grown from the heads' calibration), a
-    fixed tree (budget.fixed: the paper's one tree every step), or by default the nested trees
+    fixed tree (the paper's one tree every step), or by default the nested trees
     and the Budget that picks among them and plain steps, their latencies timed with this draft
     and `rule` (ranked with --tree ranked). Candidates drawn at the temperature where the rule
     is speculative sampling (DrawnDraft, its draws seeded apart from the acceptance's coins)."""
@@ -141,17 +141,17 @@ def medusa_draft(recipe: Recipe, heads, model: Llama, rule):
     if spec is not None and spec.startswith("grown:"):
         size = grown_size(spec)
         tree = grown_trees(heads, model, recipe.heads, [size]).trees[size]
-        return (heads_draft(recipe, heads, {size: tree}, model), fixed(heads, tree)[1],
+        return (heads_draft(recipe, heads, {size: tree}, model), FixedSize(size),
                 lambda: f"the grown tree of {size} nodes (--tree)")
     if spec is not None and spec != "ranked":
         name, tree = decoding_tree(spec, heads, model)
-        return (heads_draft(recipe, heads, {tree.size - 1: tree}, model), fixed(heads, tree)[1],
+        return (heads_draft(recipe, heads, {tree.size - 1: tree}, model), FixedSize(tree.size - 1),
                 lambda: f"tree {name} ({tree.size - 1} nodes, --tree)")
     grown = grown_trees(heads, model, recipe.heads)
     draft = (RankedDraft(heads) if spec == "ranked" else
              heads_draft(recipe, heads, grown.trees, model, grown.rank))
+    # timed: the run's draft and rule, without context chains (as timed_parts)
     latency, source = machine_latency(model, wrapped(draft, heads, False), rule, list(grown.trees))
-    # (the draft timed is the run's, without context chains: timed_parts)
     budget = grown.budget(latency, recipe.context)
     shape = "confidence-ranked tree" if spec == "ranked" else "tree"
     joined = " and context candidates" if recipe.context else ""
