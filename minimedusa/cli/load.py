@@ -1,7 +1,7 @@
 """From command-line flags to the model as read: the device and weight format (the machine's
 default: speed/defaults.py, for a model whose file is 4-bit or not), and the model read block by
 block in that format, its rounded blocks kept for later runs (speed/kept_weights.py). Its speed
-is plugged in by the recipe (recipe.load_model), for generate.py, bench and training alike.
+is plugged in by the recipe (recipe.decoding_model), for generate.py, bench and training alike.
 """
 import json
 import sys
@@ -18,8 +18,8 @@ from minimedusa.files.weights import load_model, read_tensor, safetensors_files,
 from minimedusa.speed import group_kernel
 from minimedusa.speed.defaults import default_format
 from minimedusa.speed.grids import on_four_bit_grid
-from minimedusa.speed.kept_weights import (KeptBlocksError, kept_file, kept_state, read_kept,
-                                           weights_key, worth_keeping)
+from minimedusa.speed.kept_weights import (KEPT_FORMATS, KeptBlocksError, kept_file, kept_state,
+                                           read_kept, weights_key, worth_keeping)
 from minimedusa.speed.weight_formats import (DTYPE_FORMATS, bf16_is_native, block_format,
                                              head_format)
 
@@ -90,8 +90,11 @@ def formatted_model(folder: Path, device, weight_format: str) -> nn.Module:
     device = torch.device(device)
     dtype, convert = DTYPE_FORMATS.get(weight_format), block_format(weight_format)
     head = head_format(weight_format)
-    key = weights_key([Path(folder) / "config.json", *safetensors_files(folder)], weight_format)
-    kept = read_kept(folder, weight_format, key) if device.type == "cpu" else None
+    kept = key = None
+    if device.type == "cpu" and weight_format in KEPT_FORMATS:  # the formats that round
+        key = weights_key([Path(folder) / "config.json", *safetensors_files(folder)],
+                          weight_format)
+        kept = read_kept(folder, weight_format, key)
     if kept is not None:
         try:
             return load_model(folder, device, dtype, convert, kept, head)
@@ -99,7 +102,7 @@ def formatted_model(folder: Path, device, weight_format: str) -> nn.Module:
             print(f"minimedusa: the kept weights were damaged ({e}); rounding again",
                   file=sys.stderr)
     model = load_model(folder, device, dtype, convert, convert_head=head)
-    if device.type == "cpu" and worth_keeping(model.config, weight_format):
+    if key is not None and worth_keeping(model.config, weight_format):
         keep(folder, weight_format, model, key)
     return model
 
