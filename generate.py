@@ -90,7 +90,7 @@ def load(args):
     # checked in seconds, before the speed's warm-up; the fast step's logits held to the eager
     # step's on the prompt's first tokens (eager where they part: speed/reference_check.py)
     model, step = decoding_model(recipe, lambda model: check_flags(args, model, tokenizer),
-                             probe_ids(args, tokenizer))
+                                 probe_ids(args, tokenizer))
     rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
                                           and not four_bit_checkpoint(folder))
     return (model, step, describe_weights(model.config, weight_format, rounded, device),

@@ -20,7 +20,6 @@ rule is an Acceptance (its accept and its first token), which the decoding loop 
 
 Shapes: N tree nodes, V vocab, P root-to-leaf paths, D max depth.
 """
-
 from dataclasses import dataclass
 from typing import Callable
 

@@ -15,7 +15,6 @@ sizes the Budget chooses among (budget.nested_trees). Others: the confidence-ran
 
 Shapes: C model dim, K heads, V vocab (V' the heads' draft vocabulary), N tree nodes.
 """
-
 import heapq
 from dataclasses import dataclass
 from typing import Protocol

@@ -9,12 +9,11 @@ with L residual blocks stacked before W2. Two parametrisations of W2: each head'
 projection, initialised as a copy of the LM head (the paper's form, the reference's "V1"
 checkpoints), or the backbone's LM head shared by every head (the reference's "V2").
 Their files (the reference's layout, so heads move between projects) are files/heads_files.py's.
-Hydra's heads, which also read the draft's tokens, are below them (HydraHeads); both kinds draft over a draft
-vocabulary (DraftVocabulary, below), a cut of the shared LM head.
+Hydra's heads, which also read the draft's tokens, are below them (HydraHeads); both kinds draft
+over a draft vocabulary (DraftVocabulary, below), a cut of the shared LM head.
 
 Shapes: B batch, T tokens, C model dim, V vocab (V' a draft vocabulary's), K heads.
 """
-
 from dataclasses import dataclass
 
 import torch

@@ -43,7 +43,8 @@ class MedusaTree:
     # one sync the accepted nodes are looked up here without another device round trip
     top_k: int  # the most guesses read from any head: max rank + 1
     num_heads: int  # the heads the tree reads: its max depth
-    # for heads that draft depth by depth (heads.HydraHeads): each node's path, and per depth d = 1..D
+    # for heads that draft depth by depth (heads.HydraHeads): each node's path, and per depth
+    # d = 1..D
     # (the M nodes of depth d-1 with children, depth d's nodes, each one's parent among those M,
     # its rank among its siblings' guesses)
     ancestors: torch.Tensor  # (N, D + 1) int64: node indices root -> node, padded with 0

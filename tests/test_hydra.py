@@ -1,7 +1,7 @@
-"""Hydra heads (heads.HydraHeads): a fresh Hydra head is a fresh Medusa head; training feeds head
-k the answer up to the token before its target, which is what drafting feeds it; decoding with
-them is lossless over random trees (greedy == plain greedy, also with a draft vocabulary); their files
-name their kind; they learn."""
+"""Hydra heads (heads.HydraHeads): a fresh Hydra head is a fresh Medusa head; training feeds head k
+the answer up to the token before its target, which is what drafting feeds it; decoding with
+them is lossless over random trees (greedy == plain greedy, also with a draft vocabulary); their
+files name their kind; they learn."""
 import json
 
 import pytest

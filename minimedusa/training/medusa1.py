@@ -44,11 +44,10 @@ class Rows:
 
 
 def head_targets(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """(n,) answer ids -> (n, K): row i holds answer[i + k] for head k = 1..K.
-
-    note: row i's hidden state is the one that predicted answer[i] with the LM head (the token
-    after position t is y_{t+1} = answer[i]); head k predicts k tokens further, y_{t+k+1}, which
-    is answer[i + k]. This off-by-k is the whole point of a Medusa head, and a test checks it.
+    """(n,) answer ids -> (n, K): row i holds answer[i + k] for head k = 1..K. note: row i's hidden
+    state is the one that predicted answer[i] with the LM head (the token after position t is
+    y_{t+1} = answer[i]); head k predicts k tokens further, y_{t+k+1}, which is answer[i + k].
+    This off-by-k is the whole point of a Medusa head, and a test checks it.
     """
     n = answer.shape[0]
     padded = torch.cat([answer.long(), torch.full((num_heads,), IGNORE)])  # (n + K,)
@@ -58,9 +57,9 @@ def head_targets(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def head_inputs(answer: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(n,) answer ids -> (n, K): row i holds answer[i + k - 1] for k = 1..K, the tokens a Hydra
-    head k reads beside h_t (heads.HydraHeads): the root y_{t+1} = answer[i], then the draft's tokens up
-    to y_{t+k}, one before its target answer[i + k]. Past the end: 0, where every target is
-    IGNORE.
+    head k reads beside h_t (heads.HydraHeads): the root y_{t+1} = answer[i], then the draft's
+    tokens up to y_{t+k}, one before its target answer[i + k]. Past the end: 0, where every
+    target is IGNORE.
     """
     n = answer.shape[0]
     padded = torch.cat([answer.long(), torch.zeros(num_heads, dtype=torch.long)])  # (n + K,)
@@ -236,10 +235,10 @@ def add_flags(p) -> None:
     m1 = p.add_argument_group("Medusa-1 (with --frozen)")
     m1.add_argument("--kind", choices=("medusa", "hydra", "hydra++"), default=None,
                     help="medusa: the paper's heads, each reads h_t alone (default with --data); "
-                    "hydra: each also reads the tokens drafted before it (heads.HydraHeads; default from "
-                    "the model alone); hydra++: Hydra heads behind one decoder layer over the "
-                    "whole accepted sequence (experiments/draft_layer.py; with --init-heads of "
-                    "the hydra kind, those heads behind a fresh layer)")
+                    "hydra: each also reads the tokens drafted before it (heads.HydraHeads; "
+                    "default from the model alone); hydra++: Hydra heads behind one decoder "
+                    "layer over the whole accepted sequence (experiments/draft_layer.py; with "
+                    "--init-heads of the hydra kind, those heads behind a fresh layer)")
     m1.add_argument("--distill", action="store_true", help="learn the backbone's whole "
                     "next-token distribution (read off the stored hidden states) instead of the "
                     "data's one token: Hydra++'s teacher loss (default: cross-entropy on tokens)")
