@@ -12,7 +12,7 @@ import time
 import torch
 
 from minimedusa.acceptance import Acceptance
-from minimedusa.decoding import decode_step, medusa_step, new_cache, prefill
+from minimedusa.decoding import medusa_step, new_cache, prefill, root_step
 from minimedusa.experiments.draft_layer import PlusPlusDraft
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
@@ -70,9 +70,7 @@ def time_one_step(model, draft, acceptance: Acceptance, n: int, cache, features)
         torch.cuda.synchronize()
     start = time.perf_counter()
     if n == 0:
-        logits, kept = decode_step(model, cache, torch.zeros(1, 1, dtype=torch.long,
-                                                             device=cache.device))
-        acceptance.first(logits[0], None).item()  # as decoding.root_step picks and syncs
+        _, _, kept = root_step(model, cache, 0, acceptance, None)  # a plain step, picked
     else:
         candidates = draft.tree(model, n, 0, features)
         _, _, kept = medusa_step(model, candidates, cache, acceptance, None)
