@@ -17,12 +17,25 @@ from minimedusa.acceptance import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
 from minimedusa.cli.recipe import Recipe, decoding_model
+from minimedusa.speed import sanitizer
 from minimedusa.speed.c_kernels import kernels_folder
 
 # every run draws the same examples (a seed per test): a failure seen on one machine is replayed
 # on every other and in CI, where no example database is kept between runs
 settings.register_profile("replayable", derandomize=True)
 settings.load_profile("replayable")
+
+
+
+def pytest_configure(config):
+    """The `kernels` marker; and under MINIMEDUSA_SANITIZE, the run re-executed with the
+    sanitizers' runtime loaded first (speed/sanitizer.py), here, where pytest is not holding
+    the standard output in a file yet: `MINIMEDUSA_SANITIZE=address python -m pytest -q -m
+    kernels` runs every test of a C kernel or operator instrumented."""
+    config.addinivalue_line("markers", "kernels: runs a C kernel or operator (built by "
+                            "speed/c_kernels.py): the tests MINIMEDUSA_SANITIZE checks")
+    sanitizer.ensure_runtime()
+
 
 REPO = Path(__file__).resolve().parent.parent
 # Logits, greedy continuations, tokenizer ids and the chat template of the default model, made by
@@ -259,5 +272,5 @@ def latency_cache(tmp_path_factory, monkeypatch, built_kernels):
     """Step latencies measured by a test go to a fresh folder of its own, never to the user's
     cache (cli/latency_cache.cache_file); its kernels folder is the run's (built_kernels)."""
     cache = tmp_path_factory.mktemp("cache")
-    (cache / "kernels").symlink_to(built_kernels, target_is_directory=True)
+    (cache / built_kernels.name).symlink_to(built_kernels, target_is_directory=True)
     monkeypatch.setenv("MINIMEDUSA_CACHE", str(cache))

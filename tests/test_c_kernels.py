@@ -82,9 +82,9 @@ def test_a_cut_group_kernel_is_rebuilt_and_multiplies(built_kernels, tmp_path):
     if group_kernel.kernel_problem() is not None:
         pytest.skip(f"group_kernel.c does not multiply here: {group_kernel.kernel_problem()}")
     cache = tmp_path / "cache"
-    shutil.copytree(built_kernels, cache / "kernels")
+    shutil.copytree(built_kernels, cache / built_kernels.name)
     built = c_kernels.compile_kernel(group_kernel.SOURCE, os.environ.get("CC", "cc"))
-    library = cache / "kernels" / built.name  # this source's build (older ones may lie beside)
+    library = cache / built_kernels.name / built.name  # this source's build (older ones may lie beside)
     whole = library.read_bytes()
     with open(library, "r+b") as f:
         f.truncate(40000)

@@ -24,14 +24,16 @@ from pathlib import Path
 
 import torch
 
+from minimedusa.speed import sanitizer
 from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import cpu_features, cpu_model, forced_avx2
 
 def flags() -> list[str]:
     """The kernels' compiler flags: for this CPU's vector units, or an AVX2 CPU's where
-    MINIMEDUSA_ISA=avx2 (machine.py)."""
+    MINIMEDUSA_ISA=avx2 (machine.py); instrumented where MINIMEDUSA_SANITIZE asks
+    (sanitizer.py)."""
     march = "-march=haswell" if forced_avx2() else "-march=native"
-    return ["-O3", march, "-ffp-contract=off", "-shared", "-fPIC"]
+    return ["-O3", march, "-ffp-contract=off", "-shared", "-fPIC", *sanitizer.build_flags()]
 
 HERE = Path(__file__).parent
 KERNELS = (HERE / "group_kernel.c", HERE / "attention_kernel.c")  # what operators.cpp calls
@@ -39,8 +41,9 @@ OPERATORS = HERE / "operators.cpp"
 
 
 def kernels_folder() -> Path:
-    """Where built kernels are kept: the cache folder's kernels/ (cache_folder.py)."""
-    return cache_folder() / "kernels"
+    """Where built kernels are kept: the cache folder's kernels/ (cache_folder.py), or
+    kernels-address/ (...) for the sanitizers' instrumented builds."""
+    return cache_folder() / f"kernels{sanitizer.folder_suffix()}"
 
 
 def sources_digest() -> str:
@@ -128,6 +131,7 @@ def build(source: Path, compiler: str, out: Path, extra: tuple[str, ...] = ()) -
 
 def load_library(source: Path) -> ctypes.CDLL:
     """The built `source` (OSError or RuntimeError if it cannot be built or loaded)."""
+    sanitizer.ensure_runtime()  # an instrumented build loads only behind its runtime
     return ctypes.CDLL(str(compile_kernel(source, os.environ.get("CC", "cc"))))
 
 

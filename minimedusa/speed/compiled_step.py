@@ -37,10 +37,29 @@ from minimedusa.model import EXACT_ATTENTION_TOKENS, Block, Blocks, Llama, causa
 from minimedusa.speed.attention_kernel import use_kernel
 
 
+def key_graphs_by_vector_width() -> None:
+    """Name the vector width inductor generates C++ for in its settings, which key its cache.
+
+    subtle: inductor keeps the C++ it generates in a cache on disk (/tmp/torchinductor_$USER,
+    shared by every process of the user), under a key that holds its settings but not the
+    vector unit it chose (torch's ATEN_CPU_CAPABILITY: avx2 or avx512 on one CPU; two machines
+    sharing the folder). Code generated for 8 floats a vector, found there by a process that
+    builds it for 16, stores 16 floats at every step of 8: past the end of its buffers (heap
+    corruption: glibc's "free(): invalid pointer", the compiled step's batch after a run as an
+    AVX2 CPU); the other way it fills half of each output (NaN logits). torch 2.13; the same
+    with a function of three operators (tests/test_compiled_step.py). With the width among
+    the settings (cpp.simdlen, what inductor would pick anyway), each width has its own key."""
+    from torch._inductor import config, cpu_vec_isa
+    isa = cpu_vec_isa.pick_vec_isa()
+    if config.cpp.simdlen is None and isa:  # a CPU with no vector unit inductor knows: unkeyed
+        config.cpp.simdlen = isa.bit_width()
+
+
 def compiler_problem(device="cpu") -> str | None:
     """None if torch.compile works on this device, else why not in one line (no C++ compiler on
     a CPU, most often; no Triton on CUDA): a tiny function is compiled and run (cached after the
     first time)."""
+    key_graphs_by_vector_width()
     try:
         torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(4, device=device))
         return None
@@ -74,6 +93,7 @@ def compile_blocks(model: Llama) -> None:
     # every model compiled in a process adds its own few graphs (bench compiles one per
     # weight format); past torch's default limit of 8 it would fall back to eager, silently
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    key_graphs_by_vector_width()
     use_kernel(model)
     model.layers = Blocks([CompiledBlock(block) for block in model.layers])
 

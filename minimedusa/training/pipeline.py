@@ -138,6 +138,10 @@ def training_stage(args, device, say, medusa1, train_loop) -> None:
         return say(f"stage 2/{STAGES}, training: done ({args.out})")
     args.resume = (args.out / CHECKPOINT).is_file()
     mode = medusa1(args, device, 1)
+    if mode.rows() < mode.batch_size():  # a few --prompts: a batch of every row, not none
+        say(f"stage 2/{STAGES}, training: {mode.rows()} answer positions, fewer than a batch "
+            f"of {mode.batch_size()}: batches of {mode.rows()}")
+        args.batch_size = mode.rows()
     _, last = total_steps(args, mode.rows(), mode.batch_size())
     first = (torch.load(args.out / CHECKPOINT, weights_only=True)["step"] if args.resume else 0)
     say(f"stage 2/{STAGES}, training: {last - first} steps to go, expected "
