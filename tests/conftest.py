@@ -34,7 +34,9 @@ def pytest_configure(config):
     kernels` runs every test of a C kernel or operator instrumented."""
     config.addinivalue_line("markers", "kernels: runs a C kernel or operator (built by "
                             "speed/c_kernels.py): the tests MINIMEDUSA_SANITIZE checks")
-    sanitizer.ensure_runtime()
+    # --capture=sys: a sanitizer's report, written to the process's stderr as it stops it,
+    # then reaches the terminal, not a file of pytest's that the stop loses
+    sanitizer.ensure_runtime(("--capture=sys",))
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,6 +2,11 @@
 whose linear layers are prepacked as on a CPU: the same logits, Medusa greedy equal to plain
 greedy under compilation too, and no step of a run compiled again after the warm-up. Skipped
 where torch.compile does not work (no C++ compiler)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -75,3 +80,47 @@ def test_compiled_medusa_greedy_equals_compiled_plain_greedy_and_never_recompile
                                            prompt.tolist(), 24, set()) for t in s]
     assert medusa == plain
 
+
+
+# a tiny model's compiled batch step (2 rows, each its own length, as training's batch_seconds
+# times it) against its eager step: prints the largest difference of their logits
+BATCH_STEP = """
+import torch
+from conftest import tiny_model
+from minimedusa.batch_decoding import batch_step
+from minimedusa.kv_cache import KVCache
+from minimedusa.speed.compiled_step import compile_blocks
+from minimedusa.speed.weight_formats import apply_format
+model = apply_format(tiny_model(3, dtype=torch.float32, hidden_size=96, intermediate_size=200),
+                     "float32")
+compile_blocks(model)
+tokens, logits = torch.tensor([[5], [9]]), []
+for stance in ("default", "force_eager"):
+    cache = KVCache.for_model(model, 40, batch_size=2)
+    with torch.compiler.set_stance(stance), torch.inference_mode():
+        logits.append(batch_step(model, cache, tokens, [11, 23])[0])
+print((logits[0] - logits[1]).abs().max().item())
+"""
+
+
+@pytest.mark.kernels
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="a CPU whose torch kernels are AVX-512's: on others every process "
+                    "generates for one vector width")
+def test_graphs_cached_for_another_vector_width_are_not_reused(compiled, tmp_path):
+    """The heap corruption of `train.py --frozen --prompts 2` (glibc's "malloc(): unaligned
+    tcache chunk detected", exit 134) after a process run as an AVX2 CPU: inductor's disk cache
+    handed it C++ generated for 8 floats a vector, which built for 16 stores past its buffers
+    (compiled_step.key_graphs_by_vector_width). A process as AVX2 (ATEN_CPU_CAPABILITY, as
+    bench.model_size --isa avx2 runs) fills a fresh cache, then a native one reads it: its
+    compiled batch step gives the eager logits. (The other way round, NaN where it wrote none:
+    the same key.)"""
+    tests = Path(__file__).parent
+    for capability in ("avx2", "default"):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+               "ATEN_CPU_CAPABILITY": capability,
+               "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+        done = subprocess.run([sys.executable, "-c", BATCH_STEP], capture_output=True,
+                              text=True, env=env, timeout=600)
+        assert done.returncode == 0, (capability, done.stderr[-2000:])
+        assert float(done.stdout) <= 1e-5, (capability, done.stdout)

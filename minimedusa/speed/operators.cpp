@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -78,6 +79,46 @@ void check(int done, const char* what) {
   TORCH_CHECK_WITH(OutOfMemoryError, done != 2, "group_kernel.c could not allocate ", what);
 }
 
+/* A packed weight of K inputs (and N outputs, where N >= 0), checked before any pointer is
+   read (a wrong shape would have the kernel read past the weight, or write past y): its scales
+   (and minimums: the same) (N / 16, K / 32, 16) float16 and contiguous; its packed bytes
+   uint8, contiguous, (N / 16, ...): `bytes` for each output and group of 32 inputs (int4 16,
+   int8 32). */
+void check_weight(const char* op, const at::Tensor& packed, const at::Tensor& scales,
+                  const at::Tensor* minimums, int64_t bytes, int64_t N, int64_t K) {
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == 16 && scales.scalar_type() == at::kHalf &&
+                  scales.is_contiguous(),
+              op, ": the scales are contiguous float16 (N / 16, K / 32, 16), not ",
+              scales.sizes(), " ", scales.dtype());
+  TORCH_CHECK(minimums == nullptr ||
+                  (minimums->sizes() == scales.sizes() &&
+                   minimums->scalar_type() == at::kHalf && minimums->is_contiguous()),
+              op, ": the minimums are contiguous float16 ", scales.sizes(), " as the scales");
+  const int64_t B = scales.size(0);
+  TORCH_CHECK(32 * scales.size(1) == K && (N < 0 || 16 * B == N), op, ": the weight is ",
+              16 * B, " x ", 32 * scales.size(1), " (outputs x inputs), where ",
+              N < 0 ? "" : std::to_string(N) + " x ", K, " is wanted");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() >= 1 &&
+                  packed.size(0) == B && packed.numel() == 16 * B * K / 32 * bytes,
+              op, ": the packed weight is contiguous uint8, ", B, " blocks of ",
+              16 * K / 32 * bytes, " bytes, not ", packed.sizes(), " ", packed.dtype());
+}
+
+/* bfloat16 weights in pack_bfloat16's layout, (N / 16, 32 K) bytes, checked as check_weight */
+void check_bf16_weight(const char* op, const at::Tensor& packed, int64_t N, int64_t K) {
+  TORCH_CHECK(K % 32 == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.dim() == 2 && (N < 0 || 16 * packed.size(0) == N) &&
+                  packed.size(1) == 32 * K,
+              op, ": the packed weight is contiguous uint8 (N / 16, 32 K) with K = ", K,
+              " a multiple of 32", N < 0 ? "" : " and N = " + std::to_string(N), ", not ",
+              packed.sizes(), " ", packed.dtype());
+}
+
+/* rows as a product takes them: (M, K) */
+void check_rows(const char* op, const at::Tensor& rows) {
+  TORCH_CHECK(rows.dim() == 2, op, ": the rows are (M, K), not ", rows.sizes());
+}
+
 /* rows (M, K) times a packed weight whose scales are (B, G, 16): a new (M, N), rows' dtype */
 at::Tensor output(const at::Tensor& rows, const at::Tensor& scales) {
   return at::empty({rows.size(0), scales.size(0) * 16}, rows.options());
@@ -92,10 +133,13 @@ const uint16_t* halves(const at::Tensor& t) {  /* float16 scales and minimums, a
 using Int4Product = int (*)(const void*, const uint8_t*, const uint16_t*, const uint16_t*, void*,
                             int64_t, int64_t, int64_t, int);
 
-at::Tensor int4_layout(Int4Product product, const char* what, const at::Tensor& rows_,
+at::Tensor int4_layout(Int4Product product, const char* op, const char* what,
+                       const at::Tensor& rows_,
                        const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& minimums) {
   const at::Tensor rows = rows_.contiguous();
+  check_rows(op, rows);
+  check_weight(op, packed, scales, &minimums, 16, -1, rows.size(1));
   at::Tensor y = output(rows, scales);
   check(product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(), halves(scales),
                 halves(minimums), y.mutable_data_ptr(), rows.size(0), y.size(1), rows.size(1),
@@ -106,17 +150,19 @@ at::Tensor int4_layout(Int4Product product, const char* what, const at::Tensor& 
 
 at::Tensor int4_op(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales,
                    const at::Tensor& minimums) {
-  return int4_layout(int4_product, "its sums", rows, packed, scales, minimums);
+  return int4_layout(int4_product, "int4_product", "its sums", rows, packed, scales, minimums);
 }
 
 at::Tensor int4_a8_op(const at::Tensor& rows, const at::Tensor& packed,
                       const at::Tensor& scales, const at::Tensor& minimums) {
-  return int4_layout(int4_a8_product, "the rows' 8-bit copy", rows, packed, scales, minimums);
+  return int4_layout(int4_a8_product, "int4_a8_product", "the rows' 8-bit copy", rows, packed,
+                     scales, minimums);
 }
 
 at::Tensor int4_a16_op(const at::Tensor& rows, const at::Tensor& packed,
                        const at::Tensor& scales, const at::Tensor& minimums) {
-  return int4_layout(int4_a16_product, "the rows' 16-bit copy", rows, packed, scales, minimums);
+  return int4_layout(int4_a16_product, "int4_a16_product", "the rows' 16-bit copy", rows,
+                     packed, scales, minimums);
 }
 
 /* the int8 layout's products: float rows (int8_product), or rows rounded to 16 bits inside the
@@ -125,9 +171,12 @@ at::Tensor int4_a16_op(const at::Tensor& rows, const at::Tensor& packed,
 using Int8Product = int (*)(const void*, const uint8_t*, const uint16_t*, void*, int64_t,
                             int64_t, int64_t, int, int);
 
-at::Tensor int8_layout(Int8Product product, const char* what, const at::Tensor& rows_,
-                       const at::Tensor& packed, const at::Tensor& scales, bool wide) {
+at::Tensor int8_layout(Int8Product product, const char* op, const char* what,
+                       const at::Tensor& rows_, const at::Tensor& packed,
+                       const at::Tensor& scales, bool wide) {
   const at::Tensor rows = rows_.contiguous();
+  check_rows(op, rows);
+  check_weight(op, packed, scales, nullptr, 32, -1, rows.size(1));
   at::Tensor y = at::empty({rows.size(0), scales.size(0) * 16},
                            rows.options().dtype(wide ? at::kFloat : rows.scalar_type()));
   check(product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(), halves(scales),
@@ -138,18 +187,22 @@ at::Tensor int8_layout(Int8Product product, const char* what, const at::Tensor& 
 
 at::Tensor int8_op(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales,
                    bool wide) {
-  return int8_layout(int8_product, "its rows in float32", rows, packed, scales, wide);
+  return int8_layout(int8_product, "int8_product", "its rows in float32", rows, packed, scales,
+                     wide);
 }
 
 at::Tensor int8_a16_op(const at::Tensor& rows, const at::Tensor& packed,
                        const at::Tensor& scales, bool wide) {
-  return int8_layout(int8_a16_product, "the rows' 16-bit copy", rows, packed, scales, wide);
+  return int8_layout(int8_a16_product, "int8_a16_product", "the rows' 16-bit copy", rows,
+                     packed, scales, wide);
 }
 
 /* bfloat16 weights (pack_bfloat16's layout: (B, 32 K) bytes) times bfloat16 rows: (M, N), the
    rows' dtype, or float32 where `wide` */
 at::Tensor bf16_op(const at::Tensor& rows_, const at::Tensor& packed, bool wide) {
   const at::Tensor rows = rows_.contiguous();
+  check_rows("bf16_product", rows);
+  check_bf16_weight("bf16_product", packed, -1, rows.size(1));
   at::Tensor y = at::empty({rows.size(0), packed.size(0) * 16},
                            rows.options().dtype(wide ? at::kFloat : rows.scalar_type()));
   check(bf16_product(rows.const_data_ptr(), packed.const_data_ptr<uint8_t>(),
@@ -164,8 +217,42 @@ at::Tensor bf16_op(const at::Tensor& rows_, const at::Tensor& packed, bool wide)
    (B, T, H * D) is then a view, not a copy (attention_kernel.new_output, its fake twin). Each
    of the B sequences (a batch's rows) attends its own keys in one call, as the fused step's
    do: a row's bits the same as alone */
-at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+/* What step_attention takes, checked before any pointer is read: the kernel indexes q by its
+   strides, k and v by k's (each key a contiguous row of D values), the mask as contiguous
+   (B or 1, 1, T, S) */
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& mask) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4,
+              "step_attention: q (B, H, T, D), k and v (B, G, S, D) and the mask (B or 1, 1, T, "
+              "S) are 4-D, not ", q.sizes(), ", ", k.sizes(), ", ", v.sizes(), ", ",
+              mask.sizes());
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  mask.scalar_type() == at::kBool,
+              "step_attention: q, k and v are all float32 or all bfloat16, the mask bool, not ",
+              q.dtype(), ", ", k.dtype(), ", ", v.dtype(), ", ", mask.dtype());
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), S = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && k.size(1) > 0 &&
+                  H % k.size(1) == 0 && S > 0,
+              "step_attention: k and v ", k.sizes(), " and ", v.sizes(), " do not fit q ",
+              q.sizes(), " (the same sequences and head dim, at least one slot, H a multiple "
+              "of G)");
+  TORCH_CHECK((mask.size(0) == B || mask.size(0) == 1) && mask.size(1) == 1 &&
+                  mask.size(2) == T && mask.size(3) == S,
+              "step_attention: the mask ", mask.sizes(), " does not fit ", T, " rows over ", S,
+              " slots");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && (S == 1 || k.stride(2) == D) &&
+                  v.strides() == k.strides(),
+              "step_attention: each key is a contiguous row of D values, v laid out as k; k's "
+              "strides ", k.strides(), ", v's ", v.strides());
+}
+
+at::Tensor attention_op(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& mask_) {
+  /* a query row of D values side by side, as the kernel reads it (others only where a caller
+     slices q otherwise: a copy) */
+  const at::Tensor q = q_.dim() == 4 && q_.stride(3) != 1 ? q_.contiguous() : q_;
+  check_attention(q, k, v, mask_);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), G = k.size(1),
                 S = k.size(2);
   at::Tensor out = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
@@ -389,6 +476,24 @@ void blocks(float* out, const at::Tensor& cos, const at::Tensor& sin, const at::
                     scratch);
 }
 
+/* a block's 4 products fit its sizes: wqkv (H + 2 G) D x C, wo C x H D, gate_up 2 I x C and
+   down C x I, each as its row bits say it is packed (int4, or bfloat16 weights) */
+void check_block_products(at::TensorList products, at::IntArrayRef row_bits, const Sizes& z) {
+  const int64_t shapes[4][2] = {{(z.H + 2 * z.G) * z.D, z.C}, {z.C, z.H * z.D},
+                                {2 * z.I, z.C}, {z.C, z.I}};
+  for (int i = 0; i < 4; i++) {
+    const int64_t bits = row_bits[i];
+    TORCH_CHECK(bits == 0 || bits == 8 || bits == 16 || bits == BF16_WEIGHTS,
+                "blocks_step: a product's row bits are 0, 8, 16 or 1 (bfloat16 weights), not ",
+                bits);
+    if (bits == BF16_WEIGHTS)
+      check_bf16_weight("blocks_step", products[3 * i], shapes[i][0], shapes[i][1]);
+    else
+      check_weight("blocks_step", products[3 * i], products[3 * i + 1], &products[3 * i + 2],
+                   16, shapes[i][0], shapes[i][1]);
+  }
+}
+
 /* x (B, T, C) float32 (the residual stream: B sequences of T rows, a batch's); cos, sin (B, 1,
    T, D) float32; mask (B, 1, T, S) bool; per block b = 0 .. L - 1: its layer's cache
    k_caches[b] and v_caches[b] (B, G, capacity, D) in the activations' dtype (float32 or
@@ -411,30 +516,43 @@ at::Tensor blocks_op(const at::Tensor& x_, const at::Tensor& cos_, const at::Ten
               "blocks_step takes, for each block, its caches, 2 norms, 4 products and their "
               "row bits");
   const at::Tensor& k0 = k_caches[0];
+  TORCH_CHECK(x.dim() == 3 && k0.dim() == 4 && mask.dim() == 4 && H > 0 && k0.size(1) > 0 &&
+                  H % k0.size(1) == 0,
+              "blocks_step: x (B, T, C), the caches (B, G, capacity, D) and the mask (B, 1, T, "
+              "S) with H a multiple of G, not ", x.sizes(), ", ", k0.sizes(), ", ", mask.sizes(),
+              " and H = ", H);
   /* I: down's inputs, its groups of 32 (int4) or its packed bytes over 32 (bfloat16) */
-  const int64_t I = row_bits[3] == BF16_WEIGHTS ? products[9].size(1) / 32
-                                                : products[10].size(1) * 32;
+  const int64_t I = row_bits[3] == BF16_WEIGHTS ? products[9].size(-1) / 32
+                                                : products[10].size(-2) * 32;
   const int64_t B = x.size(0), T = x.size(1);
   const Sizes z = {B, T, x.size(2), H, k0.size(1), k0.size(3), mask.size(-1), k0.size(2), I,
                    B * T};
   const auto dtype = k0.scalar_type();
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && mask.scalar_type() == at::kBool &&
+                  slots.scalar_type() == at::kLong &&
                   (dtype == at::kFloat || dtype == at::kBFloat16),
-              "blocks_step takes float32 rows and angles, and caches in float32 or bfloat16");
-  for (int64_t b = 0; b < L; b++)
+              "blocks_step takes float32 rows and angles, a bool mask, int64 slots, and caches "
+              "in float32 or bfloat16");
+  for (int64_t b = 0; b < L; b++) {
     TORCH_CHECK(k_caches[b].sizes() == k0.sizes() && v_caches[b].sizes() == k0.sizes() &&
                     k0.size(0) == B && k_caches[b].scalar_type() == dtype &&
                     v_caches[b].scalar_type() == dtype &&
                     attn_norms[b].scalar_type() == dtype &&
                     mlp_norms[b].scalar_type() == dtype && k_caches[b].is_contiguous() &&
-                    v_caches[b].is_contiguous(),
+                    v_caches[b].is_contiguous() && attn_norms[b].is_contiguous() &&
+                    mlp_norms[b].is_contiguous() && attn_norms[b].numel() == z.C &&
+                    mlp_norms[b].numel() == z.C,
                 "blocks_step: block ", b, "'s caches or norms are not contiguous, of the "
-                "first block's shape (a row for each of x's sequences), in one dtype");
+                "first block's shape (a row for each of x's sequences; C values), in one dtype");
+    check_block_products(products.slice(12 * b, 12), row_bits.slice(4 * b, 4), z);
+  }
   const bool slot_a_row = slots.numel() == z.R && B > 1;
   TORCH_CHECK(cos.numel() == z.R * z.D && sin.numel() == z.R * z.D &&
                   mask.numel() == z.R * z.S && (slots.numel() == T || slot_a_row) &&
-                  z.S <= z.capacity,
-              "blocks_step: the angles, mask or slots do not fit ", B, " x ", T, " rows");
+                  z.S <= z.capacity && z.S > 0,
+              "blocks_step: the angles, mask or slots do not fit ", B, " x ", T, " rows over ",
+              z.S, " of ", z.capacity, " slots");
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.numel(); t++)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < z.capacity, "blocks_step: slot ", slot[t],
@@ -563,21 +681,70 @@ at::Tensor draft_tokens(const at::Tensor& hidden, int64_t root, const at::Tensor
   return tokens;
 }
 
-/* what hydra_draft and hydra_draw take fits together: one error where not */
-void check_draft(const at::Tensor& hidden, const at::Tensor& ancestors, at::TensorList drafting,
-                 const at::Tensor& embed, at::TensorList heads, int64_t layers,
-                 const at::Tensor& lm_scales, const at::Tensor& ids, int64_t top_k) {
+/* what hydra_draft and hydra_draw take fits together, checked before any pointer is read: the
+   tensors' shapes, dtypes and layout, and every index the draft follows (the tree's ancestors
+   and drafting order, the root, the vocabulary's ids) inside what it indexes. One error where
+   not. */
+void check_draft(const at::Tensor& hidden, int64_t root, const at::Tensor& ancestors,
+                 at::TensorList drafting, const at::Tensor& embed, at::TensorList heads,
+                 int64_t layers, const at::Tensor& lm_packed, const at::Tensor& lm_scales,
+                 const at::Tensor& ids, int64_t top_k) {
   const auto dtype = hidden.scalar_type();
-  const int64_t D = drafting.size() / 4, C = hidden.numel(), V = lm_scales.size(0) * 16;
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && embed.scalar_type() == dtype &&
-                  embed.size(1) == C && ancestors.scalar_type() == at::kLong &&
-                  drafting.size() % 4 == 0 && ancestors.size(1) > D && top_k >= 1 &&
-                  top_k <= V && (int64_t)heads.size() >= D * (2 + 3 * layers) &&
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && hidden.dim() == 1 &&
+                  embed.scalar_type() == dtype && embed.dim() == 2 &&
+                  embed.size(1) == hidden.numel() && ancestors.scalar_type() == at::kLong &&
+                  ancestors.dim() == 2 && drafting.size() % 4 == 0 && layers >= 0,
+              "hydra_draft: the hidden state (C,) and the embeddings (vocab, C) in one dtype, "
+              "float32 or bfloat16, the ancestors (N, depth) int64, 4 tensors a depth");
+  const int64_t N = ancestors.size(0), width = ancestors.size(1), D = drafting.size() / 4;
+  const int64_t C = hidden.numel(), V = lm_scales.dim() == 3 ? lm_scales.size(0) * 16 : 0;
+  const int64_t vocab = embed.size(0), per_head = 2 + 3 * layers;
+  TORCH_CHECK(width > D && top_k >= 1 && top_k <= V && root >= 0 && root < vocab &&
+                  (int64_t)heads.size() >= D * per_head &&
                   (ids.numel() == 0 || (ids.numel() == V && ids.scalar_type() == at::kLong)),
-              "hydra_draft: the hidden state, embeddings, tree or heads do not fit");
-  for (const at::Tensor& t : drafting)
-    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(),
-                "hydra_draft: the drafting order is contiguous int64 tensors");
+              "hydra_draft: the tree, heads, top_k or root do not fit (", N, " nodes of depth ",
+              width, ", ", D, " depths, top_k ", top_k, " of ", V, " columns, root ", root, ")");
+  check_weight("hydra_draft", lm_packed, lm_scales, nullptr, 32, V, C);
+  const int64_t* up = ancestors.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < N * width; i++)
+    TORCH_CHECK(up[i] >= 0 && up[i] < N, "hydra_draft: an ancestor index ", up[i],
+                " outside the tree's ", N, " nodes");
+  if (ids.numel() != 0) {
+    const int64_t* id = ids.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < V; i++)
+      TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "hydra_draft: a draft vocabulary id ", id[i],
+                  " outside the embeddings' ", vocab);
+  } else {
+    TORCH_CHECK(V <= vocab, "hydra_draft: ", V, " columns of logits, ", vocab, " embeddings");
+  }
+  for (int64_t d = 1; d <= D; d++) {
+    const at::TensorList depth = drafting.slice(4 * (d - 1), 4);
+    for (const at::Tensor& t : depth)
+      TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1,
+                  "hydra_draft: the drafting order is contiguous 1-D int64 tensors");
+    const int64_t M = depth[0].numel(), children = depth[1].numel();
+    TORCH_CHECK(depth[2].numel() == children && depth[3].numel() == children,
+                "hydra_draft: depth ", d, "'s children, slots and ranks differ in number");
+    const int64_t *p = depth[0].const_data_ptr<int64_t>(), *child = depth[1].const_data_ptr<int64_t>();
+    const int64_t *slot = depth[2].const_data_ptr<int64_t>(), *rank = depth[3].const_data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; m++)
+      TORCH_CHECK(p[m] >= 0 && p[m] < N, "hydra_draft: depth ", d, "'s parent ", p[m],
+                  " outside the tree's ", N, " nodes");
+    for (int64_t c = 0; c < children; c++)
+      TORCH_CHECK(child[c] >= 0 && child[c] < N && slot[c] >= 0 && slot[c] < M &&
+                      rank[c] >= 0 && rank[c] < top_k,
+                  "hydra_draft: depth ", d, "'s child ", child[c], ", parent slot ", slot[c],
+                  " or rank ", rank[c], " outside the tree");
+    const int64_t at = (d - 1) * per_head;
+    check_weight("hydra_draft", heads[at], heads[at + 1], nullptr, 32, C, d * C);
+    for (int64_t l = 0; l < layers; l++) {
+      const int64_t w = at + 2 + 3 * l;
+      check_weight("hydra_draft", heads[w], heads[w + 1], nullptr, 32, C, C);
+      TORCH_CHECK(heads[w + 2].scalar_type() == dtype && heads[w + 2].numel() == C &&
+                      heads[w + 2].is_contiguous(),
+                  "hydra_draft: a block's bias is contiguous (C,) in the heads' dtype");
+    }
+  }
 }
 
 /* hidden (C,) in the heads' dtype E (float32 or bfloat16), the root token, the tree's ancestors
@@ -592,7 +759,8 @@ at::Tensor hydra_draft_op(const at::Tensor& hidden_, int64_t root, const at::Ten
                           const at::Tensor& lm_scales, const at::Tensor& ids_, int64_t top_k) {
   const at::Tensor hidden = hidden_.contiguous(), ancestors = ancestors_.contiguous();
   const at::Tensor embed = embed_.contiguous(), ids = ids_.contiguous();
-  check_draft(hidden, ancestors, drafting, embed, heads, layers, lm_scales, ids, top_k);
+  check_draft(hidden, root, ancestors, drafting, embed, heads, layers, lm_packed, lm_scales, ids,
+              top_k);
   if (hidden.scalar_type() == at::kFloat)
     return draft_tokens<float>(hidden, root, ancestors, drafting, embed, heads, layers,
                                lm_packed, lm_scales, ids, top_k);
@@ -608,14 +776,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hydra_draw_op(
     const at::Tensor& embed, at::TensorList heads, int64_t layers, const at::Tensor& lm_packed,
     const at::Tensor& lm_scales, const at::Tensor& ids, int64_t top_k, const at::Tensor& noise_,
     double temperature) {
-  const at::Tensor noise = noise_.contiguous();
+  const at::Tensor h = hidden.contiguous(), up = ancestors.contiguous(), e = embed.contiguous();
+  const at::Tensor i = ids.contiguous(), noise = noise_.contiguous();
+  check_draft(h, root, up, drafting, e, heads, layers, lm_packed, lm_scales, i, top_k);
   const int64_t V = lm_scales.size(0) * 16;
   TORCH_CHECK(noise.scalar_type() == at::kFloat && noise.dim() == 2 &&
                   noise.size(0) == ancestors.size(0) && noise.size(1) == V && temperature > 0,
               "hydra_draw: the noise is float32 (N, V') and the temperature positive");
-  const at::Tensor h = hidden.contiguous(), up = ancestors.contiguous(), e = embed.contiguous();
-  const at::Tensor i = ids.contiguous();
-  check_draft(h, up, drafting, e, heads, layers, lm_scales, i, top_k);
   at::Tensor logits = at::zeros({ancestors.size(0), V}, hidden.options());
   at::Tensor draws = at::zeros({ancestors.size(0), top_k}, ancestors.options());
   int64_t* d = draws.data_ptr<int64_t>();

@@ -25,6 +25,10 @@ from minimedusa.errors import UserError
 
 VARIABLE = "MINIMEDUSA_SANITIZE"
 RUNTIMES = {"address": "libasan.so", "undefined": "libubsan.so"}  # sanitizer -> its library
+# note: AddressSanitizer finds C++'s __cxa_throw when it starts, in the libraries loaded then;
+# the interpreter links no libstdc++, so it is preloaded after the runtime (without it, the
+# first C++ exception, an operator's one-line refusal, aborts the process)
+CXX_RUNTIME = "libstdc++.so.6"
 # detect_leaks=0: CPython and torch free little at exit, which LeakSanitizer would report as
 # leaks of the kernels' callers; halt_on_error: the first bad access stops the process
 # (the test run fails, naming AddressSanitizer), a later one could be the first's echo
@@ -59,22 +63,26 @@ def folder_suffix() -> str:
 
 
 def runtime_libraries(compiler: str) -> list[str]:
-    """The runtime libraries of the sanitizers asked for, as the compiler ships them."""
+    """The runtime libraries of the sanitizers asked for, as the compiler ships them, and
+    libstdc++ where AddressSanitizer is one (CXX_RUNTIME)."""
+    names = [RUNTIMES[name] for name in sanitizers()]
+    names += [CXX_RUNTIME] if "address" in sanitizers() else []
     paths = []
-    for name in sanitizers():
-        found = subprocess.run([compiler, f"-print-file-name={RUNTIMES[name]}"],
-                               capture_output=True, text=True).stdout.strip()
+    for name in names:
+        found = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True,
+                               text=True).stdout.strip()
         if not os.path.isabs(found):  # the compiler echoes the bare name when it has none
-            raise UserError(f"{VARIABLE}: {compiler} has no {RUNTIMES[name]} (install its "
-                            f"sanitizer runtime, e.g. Debian's libasan8 / libubsan1)")
+            raise UserError(f"{VARIABLE}: {compiler} has no {name} (install its sanitizer "
+                            "runtime, e.g. Debian's libasan8 / libubsan1)")
         paths.append(os.path.realpath(found))
     return paths
 
 
-def ensure_runtime() -> None:
+def ensure_runtime(more_arguments: tuple[str, ...] = ()) -> None:
     """Where sanitizers are asked for and their runtime is not in this process, re-execute the
-    process (the same interpreter and arguments) with it preloaded. Nothing when none are asked
-    for, or when the runtime is in place already (its children inherit it)."""
+    process (the same interpreter and arguments, and `more_arguments`) with it preloaded.
+    Nothing when none are asked for, or when the runtime is in place already (its children
+    inherit it)."""
     chosen = sanitizers()
     if not chosen or all(runtime_loaded(name) for name in chosen):
         return
@@ -85,7 +93,7 @@ def ensure_runtime() -> None:
         env.setdefault(name, value)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:], *more_arguments], env)
 
 
 def runtime_loaded(name: str) -> bool:
