@@ -21,6 +21,8 @@ from minimedusa.speed.machine import cpu_features
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask, exact_attention
 
+pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
+
 attend = torch.ops.minimedusa.step_attention  # the C kernel's operator (operators.cpp)
 
 

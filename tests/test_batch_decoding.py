@@ -308,6 +308,7 @@ def test_a_draft_the_batch_cannot_run_is_one_line(wrap, needle):
                                                                      greedy()), set(), 2))
 
 
+@pytest.mark.kernels
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,
                     reason="the fused step runs group_kernel.c's products")
 @pytest.mark.parametrize("batch", [2, 5])
@@ -330,6 +331,7 @@ def test_the_fused_steps_batches_answer_as_its_batch_1_steps(batch):
         assert torch.equal(logits[b:b + 1], decode_step(model, alone, tokens[b:b + 1])[0])
 
 
+@pytest.mark.kernels
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,
                     reason="the fused step runs group_kernel.c's products")
 def test_the_fused_steps_batched_trees_give_each_row_its_batch_1_tree_logits():
@@ -349,6 +351,7 @@ def test_the_fused_steps_batched_trees_give_each_row_its_batch_1_tree_logits():
         assert torch.equal(logits[b], tree_forward(model, alone, tree, tokens[b])[0])
 
 
+@pytest.mark.kernels
 def test_the_compiled_steps_batches_answer_as_its_batch_1_steps():
     """The compiled step (float32, prepacked products) takes a batch's step too."""
     problem = compiler_problem()
@@ -411,6 +414,7 @@ def test_a_stopped_batched_run_keeps_the_answers_it_finished_in_order(tmp_path, 
         "What is 2 + 2?", "Name a colour."]
 
 
+@pytest.mark.kernels
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,
                     reason="the fused step runs group_kernel.c's products")
 def test_self_distillation_answers_in_the_fused_step_as_generate_does_alone():

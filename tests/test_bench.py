@@ -39,6 +39,7 @@ def tiny_folder(tmp_path, default_model_dir):
     return folder
 
 
+@pytest.mark.kernels
 def test_quick_bench_reports_every_engine_per_category(tmp_path, tiny_folder):
     """--quick times every engine on each category's question; eager (--no-compile): the
     compiled step's own tests compile, and its ~15 s warm-up would be most of this test's."""
@@ -64,6 +65,7 @@ QUICK_GREEDY = ["--quick", "--heads", "untrained-shared:3", "--tree", "chain3", 
                 "--no-compile", "--no-sampling"]
 
 
+@pytest.mark.kernels
 def test_every_greedy_engine_is_held_to_the_reference_text(tmp_path, tiny_folder, capsys):
     bench.main(QUICK_GREEDY + ["--model", str(tiny_folder), "--out", str(tmp_path / "b.json")])
     result = json.loads((tmp_path / "b.json").read_text())
@@ -73,6 +75,7 @@ def test_every_greedy_engine_is_held_to_the_reference_text(tmp_path, tiny_folder
     assert "| same as plain | same as the reference |" in out
 
 
+@pytest.mark.kernels
 def test_a_broken_step_fails_the_reference_column_though_it_equals_plain(tmp_path, tiny_folder,
                                                                          monkeypatch, capsys):
     """A step broken in both engines alike: "same as plain" passes, the reference fails it, and
@@ -94,6 +97,7 @@ def test_a_broken_step_fails_the_reference_column_though_it_equals_plain(tmp_pat
     assert capsys.readouterr().out.startswith("REFERENCE CHECK FAILED: plain (")
 
 
+@pytest.mark.kernels
 def test_draft_engines_write_float32_plains_text(tmp_path, tiny_folder):
     """--draft int8: float32 plain, float32 verifying its int8 rounding's drafts, drafted
     plainly and with the heads: the same answers as float32 plain, and the reference's."""
@@ -107,6 +111,7 @@ def test_draft_engines_write_float32_plains_text(tmp_path, tiny_folder):
         assert totals[name]["acceleration_rate"] > 1.0  # drafts were kept
 
 
+@pytest.mark.kernels
 def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, capsys):
     bench.main(["--profile", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
                 "--tree", "chain3", "--threads", "1"])
@@ -117,6 +122,7 @@ def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, c
     assert "\nsteps by tree size: the heads have no calibration.json" in out  # untrained heads
 
 
+@pytest.mark.kernels
 def test_profile_times_a_whole_step_and_its_draft_at_each_tree_size(tiny_folder, tmp_path,
                                                                     capsys):
     """With calibrated heads, --profile also times a step at each size grown from them, 8- and
@@ -142,6 +148,7 @@ def test_bad_tree_is_one_line_not_a_traceback(tiny_folder):
                     "--tree", "bogus", "--threads", "1"])
 
 
+@pytest.mark.kernels
 def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path, tiny_folder):
     """Without --tree the Medusa engines decode as generate.py does, the budget choosing each
     step's size; still lossless, and the report says which sizes ran how often."""
@@ -182,6 +189,7 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     assert totals["identical"] == "1/1"  # float32 both ways: greedy Medusa is plain greedy
 
 
+@pytest.mark.kernels
 def test_formats_are_timed_side_by_side_each_lossless_against_its_own_plain(tmp_path, tiny_folder):
     """--formats: '[int8] plain' and '[int8] medusa greedy' beside the main format's engines,
     each Medusa engine identical to plain decoding in its own format; every engine's bytes of

@@ -14,8 +14,9 @@ import pytest
 from minimedusa.speed import c_kernels, cache_folder
 from minimedusa.speed.c_kernels import digest_path, load_library
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
-                                reason="no C compiler")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+                                 reason="no C compiler")]
 
 
 @pytest.fixture
@@ -84,7 +85,8 @@ def test_a_cut_group_kernel_is_rebuilt_and_multiplies(built_kernels, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(built_kernels, cache / built_kernels.name)
     built = c_kernels.compile_kernel(group_kernel.SOURCE, os.environ.get("CC", "cc"))
-    library = cache / built_kernels.name / built.name  # this source's build (older ones may lie beside)
+    # this source's build (older ones may lie beside it)
+    library = cache / built_kernels.name / built.name
     whole = library.read_bytes()
     with open(library, "r+b") as f:
         f.truncate(40000)

@@ -91,6 +91,8 @@ from minimedusa.batch_decoding import batch_step
 from minimedusa.kv_cache import KVCache
 from minimedusa.speed.compiled_step import compile_blocks
 from minimedusa.speed.weight_formats import apply_format
+
+pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
 model = apply_format(tiny_model(3, dtype=torch.float32, hidden_size=96, intermediate_size=200),
                      "float32")
 compile_blocks(model)

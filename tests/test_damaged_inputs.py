@@ -109,6 +109,7 @@ def test_weights_that_load_but_cannot_decode_are_one_line_naming_the_tensor(chan
     assert said.startswith("error: tensor ") and needle in said
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_heads_holding_nan_or_inf_are_one_line(value, shared_heads, tmp_path):
     copy = tmp_path / "heads"
@@ -144,6 +145,7 @@ def test_a_head_of_odd_dims_is_one_line(sizes, needle, tiny_folder, tmp_path):
     assert said.startswith("error: ") and needle in said
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "intermediate_size",
                                  "num_hidden_layers", "num_attention_heads",
                                  "num_key_value_heads", "max_position_embeddings", "rope_theta",
@@ -196,6 +198,7 @@ def test_a_pickle_with_code_is_never_run_and_said_so(tiny_folder, tmp_path):
                     "medusa_lm_head.safetensors")
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("key", ["medusa_num_heads", "medusa_num_layers", "hidden_size",
                                  "vocab_size", "shared_lm_head", "head_kind", "draft_vocab_size"])
 def test_a_heads_config_value_of_another_kind_is_one_line_or_an_answer(key, tiny_folder,

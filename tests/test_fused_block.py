@@ -21,8 +21,9 @@ from minimedusa.tree import build_tree
 from test_medusa_decoding import flat
 from test_weight_formats import four_bit_model
 
-pytestmark = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
-                                reason="the fused step runs group_kernel.c's products")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                                 reason="the fused step runs group_kernel.c's products")]
 DTYPES = [torch.float32, torch.bfloat16]
 
 

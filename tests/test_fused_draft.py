@@ -25,8 +25,9 @@ from test_medusa_decoding import flat
 from test_tree import trees
 from test_weight_formats import four_bit_model
 
-pytestmark = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
-                                reason="the fused draft runs group_kernel.c's products")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                                 reason="the fused draft runs group_kernel.c's products")]
 
 
 def setup(seed: int, dtype: torch.dtype, vocabulary: int = 0, scale: float = 0.5):

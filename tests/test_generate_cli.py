@@ -160,6 +160,7 @@ def test_generate_peak_memory_beyond_torch_stays_below_1_3_gb(default_model_dir)
 # test_compiled_step.py; the default flags: the tests around these): each process then skips
 # its ~5 s of torch.compile start-up and warm-up
 
+@pytest.mark.kernels
 def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder, capsys):
     out, _ = main_output(capsys, "--model", str(tiny_folder), "--prompt", "Hi",
                          "--max-new-tokens", "12", "--heads", "untrained:3", "--tree", "chain3",
@@ -171,6 +172,7 @@ def test_medusa_json_reports_steps_acceleration_and_histogram(tiny_folder, capsy
     assert result["acceleration_rate"] == pytest.approx(12 / result["steps"], abs=1e-3)
 
 
+@pytest.mark.kernels
 def test_medusa_greedy_cli_output_equals_baseline(tiny_folder, capsys):
     args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "10", "--json",
             "--no-compile"]
@@ -180,6 +182,7 @@ def test_medusa_greedy_cli_output_equals_baseline(tiny_folder, capsys):
     assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
 
 
+@pytest.mark.kernels
 def test_the_step_is_compiled_where_it_can_be_and_eager_otherwise(tiny_folder, tmp_path,
                                                                   capsys):
     """By default the decoding step is compiled where torch.compile works (in float32: a
@@ -201,6 +204,7 @@ def test_the_step_is_compiled_where_it_can_be_and_eager_otherwise(tiny_folder, t
     assert "torch.compile does not work here, decoding eagerly" in broken.stderr
 
 
+@pytest.mark.kernels
 def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder, capsys):
     """Without --tree the budget picks each step's size (plain included) from latencies it
     measured here at load time, which is reported apart from the decoding's seconds; the
@@ -218,6 +222,7 @@ def test_default_tree_size_adapts_and_the_summary_says_which_and_why(tiny_folder
     assert "latencies cached" in again["mode"]
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("tree", ["ranked:5", "ranked"])
 def test_confidence_ranked_trees_decode_as_the_baseline(tiny_folder, tree, capsys):
     """ranked:N, each step's N most probable nodes; ranked, N chosen by the budget."""
@@ -287,6 +292,7 @@ def test_heads_for_another_model_give_one_clear_line(tiny_folder, tmp_path, caps
                       "hidden_size is 48 but the model's is 32")
 
 
+@pytest.mark.kernels
 def test_a_kernel_that_cannot_be_built_is_named_in_one_line(tiny_folder, monkeypatch, capsys):
     """With a C compiler that fails, the compiled step attends in PyTorch, and the summary
     line says so and why."""
@@ -338,6 +344,7 @@ def test_the_cpu_formats_run_on_the_cpu_where_auto_would_pick_a_gpu(tiny_folder,
         device_and_format(Namespace(device="cuda", **flags), tiny_folder)
 
 
+@pytest.mark.kernels
 def test_an_unwritable_latency_cache_still_decodes_and_says_so(tiny_folder, tmp_path,
                                                                 monkeypatch, capsys):
     (tmp_path / "cache").write_text("a file where the cache folder should be")

@@ -21,9 +21,11 @@ from test_w4a8 import w4a8_reference
 from test_weight_formats import eight_bit_weight, four_bit_weight
 
 COMPILER = os.environ.get("CC", "cc")
-pytestmark = pytest.mark.skipif(
-    not {"avx2", "fma"} <= set(cpu_features().split("+")) or shutil.which(COMPILER) is None,
-    reason="needs a CPU with AVX2 and FMA, and a C compiler")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(
+                  not {"avx2", "fma"} <= set(cpu_features().split("+"))
+                  or shutil.which(COMPILER) is None,
+                  reason="needs a CPU with AVX2 and FMA, and a C compiler")]
 
 
 def products_of(tmp_path_factory, flags: tuple) -> dict:

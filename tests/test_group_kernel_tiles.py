@@ -14,9 +14,10 @@ from minimedusa.speed.grids import eight_bit_groups
 from minimedusa.speed.quantized import Int4KernelLinear, Int8GroupLinear
 from test_weight_formats import eight_bit_weight, four_bit_model, four_bit_weight
 
-pytestmark = pytest.mark.skipif(
-    not group_kernel.uses_tiles(),
-    reason="no AMX tiles here (an Intel CPU with AMX, whose Linux kernel grants their state)")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(
+                  not group_kernel.uses_tiles(), reason="no AMX tiles here (an Intel CPU with "
+                  "AMX, whose Linux kernel grants their state)")]
 
 
 def int4_layer(N: int, K: int, seed: int) -> Int4KernelLinear:

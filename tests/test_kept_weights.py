@@ -16,6 +16,8 @@ from minimedusa.speed.kept_weights import (kept_file, layer_tensors,
 from minimedusa.model import causal_mask
 from minimedusa.speed import group_kernel, kept_weights
 
+pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
+
 FORMATS = ["int8", "int4"] + (["w4a8"] if group_kernel.kernel_problem() is None else [])
 CPU = torch.device("cpu")
 

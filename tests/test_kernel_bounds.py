@@ -17,8 +17,9 @@ from minimedusa.speed.grids import GROUP, dequantize_int8_groups, eight_bit_grou
 from minimedusa.speed.quantized import BF16KernelLinear, Int4KernelLinear, Int8GroupLinear
 from test_weight_formats import eight_bit_weight, four_bit_weight
 
-pytestmark = pytest.mark.skipif(group_kernel.kernel_problem() is not None,
-                                reason="group_kernel.c does not multiply on this CPU")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                                 reason="group_kernel.c does not multiply on this CPU")]
 
 U = 2.0 ** -24  # float32's unit roundoff
 LAMBDA = 10.0

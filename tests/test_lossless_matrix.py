@@ -27,6 +27,8 @@ from minimedusa.speed.plug_in import plug_in
 from minimedusa.speed.weight_formats import apply_format
 from minimedusa.tree import build_tree
 
+pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
+
 TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 NEW = 40
 NODES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (2,)]

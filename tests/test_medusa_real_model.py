@@ -23,6 +23,8 @@ from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR
 from minimedusa.tree import build_tree
 
+pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
+
 NEW = 32
 
 

@@ -1,4 +1,4 @@
-"""Every C kernel's torch operator (speed/operators.cpp) at the edges of its shapes, against its
+"""Every C kernel's torch operator (speed/operators.cpp and its siblings) at the edges of its shapes, against its
 reference (hypothesis): products of 0 to 20 rows, of 16 to 80 outputs and 32 to 224 inputs (a
 tail of blocks and groups past any vector or task width), rows laid out as inductor may pass
 them; the attention of 1 to 3 sequences, 1 to 9 rows, 1 slot to a full cache, head dims the

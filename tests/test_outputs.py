@@ -83,6 +83,7 @@ def test_an_out_that_cannot_be_written_is_said_before_the_loading(where, answers
         generate_main(["--prompts", str(prompts), "--out", str(out)])
 
 
+@pytest.mark.kernels
 def test_a_stopped_run_keeps_the_answers_it_finished(answers, monkeypatch):
     """Ctrl-C during the second prompt: the first one's answer is in --out, whole."""
     prompts, out = answers

@@ -120,6 +120,7 @@ def assert_keeps_the_reference(logits: list, reference_logits: list, cases: list
                 assert case["top2_margin"][i] < bound, (case["kind"], i)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("device, fmt, step", PATHS)
 def test_each_paths_plain_step_keeps_the_reference_at_every_position(paths, reference_logits,
                                                                      device, fmt, step):
@@ -153,6 +154,7 @@ TREE_PATHS = [path for path in PATHS
               if path[2] != "eager" or path[1] == "float32" or path[0] == "cuda"]
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("device, fmt, step", TREE_PATHS)
 def test_each_paths_medusa_and_batch_write_the_reference_text(paths, device, fmt, step):
     """Medusa's tree step (the shipped heads) and a batch of the chats' rows (plain steps of 3
@@ -226,6 +228,7 @@ def test_a_step_that_fails_the_check_falls_back_to_the_eager_step(float32_model,
     assert torch.equal(probe_logits(model, ids), eager)  # the eager step's, to the bit
 
 
+@pytest.mark.kernels
 def test_a_fast_step_that_passes_the_check_is_kept(paths, reference):
     model = paths.model(("cpu", "int4", "fused"))
     ids = reference["greedy"]["cases"][0]["prompt_ids"]

@@ -159,6 +159,7 @@ def default_path_law() -> dict[tuple, float]:
             for b, pb in next_law(PROMPT + [a]).items()}
 
 
+@pytest.mark.kernels
 def test_sampling_through_the_default_path_emits_the_plain_law():
     counts, per_step = default_path_samples(rejection(TEMPERATURE, TOP_P), DEFAULT_RUNS, 0)
     p = goodness_of_fit(counts, default_path_law())
@@ -166,6 +167,7 @@ def test_sampling_through_the_default_path_emits_the_plain_law():
     assert per_step > 1.1  # candidates were accepted
 
 
+@pytest.mark.kernels
 def test_drawn_drafts_through_the_default_path_emit_the_plain_law():
     counts, per_step = default_path_samples(None, DEFAULT_RUNS, 0)
     p = goodness_of_fit(counts, default_path_law())
@@ -173,6 +175,7 @@ def test_drawn_drafts_through_the_default_path_emit_the_plain_law():
     assert per_step > 1.1  # candidates were accepted
 
 
+@pytest.mark.kernels
 def test_a_biased_draw_in_the_default_path_fails_the_same_test():
     """The control: the draws take the backbone's argmax a quarter of the time."""
     broken = Acceptance("biased", on_device(argmax_a_quarter_of_the_time(TEMPERATURE, TOP_P)),

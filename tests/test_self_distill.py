@@ -1,6 +1,7 @@
 """Self-distillation data: batched answers equal each prompt decoded alone,
 and the saved hidden states are the ones a plain forward computes; the seed prompts are many,
 diverse and deterministic."""
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -52,6 +53,7 @@ def test_a_finished_run_may_grow_only_by_whole_batches_with_the_same_settings():
     assert not same_settings(meta, {**meta, "prompts": 4096, "seed": 1})
 
 
+@pytest.mark.kernels
 def test_model_written_prompts_are_finished_distinct_and_resume_to_the_same_turns(
         smollm2_packed, default_model_dir, tmp_path):
     if smollm2_packed.embed.weight.device.type != "cpu":

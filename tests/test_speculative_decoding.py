@@ -214,6 +214,7 @@ def test_sampling_end_to_end_follows_plain_samplings_law():
 
 # --- the real default model: float32 verifying its own int4 rounding -----------------------
 
+@pytest.mark.kernels
 def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default_model_dir,
                                                                          reference):
     """Two fixture chats, 32 tokens each, one drafted plainly, one by the draft decoding with
@@ -290,6 +291,7 @@ def test_a_draft_folder_with_another_tokenizer_is_one_line(tiny_folder, tmp_path
     assert "is not the target's" in str(end.value.code)
 
 
+@pytest.mark.kernels
 def test_a_draft_folder_with_the_targets_tokenizer_drafts(tiny_folder, tmp_path, capsys):
     """--draft DIR: another model folder of the same tokenizer (here the model itself, copied,
     in its machine's default format) drafts for the target."""

@@ -63,6 +63,7 @@ def interrupt_on_call(monkeypatch, module, name: str, call: int, signal_after: b
     monkeypatch.setattr(module, name, wrapped)
 
 
+@pytest.mark.kernels
 def test_ctrl_c_in_any_stage_then_the_same_command_loses_no_finished_work(
         chat_model, tmp_path, monkeypatch, capsys):
     from_model(chat_model, tmp_path / "once")
@@ -135,6 +136,7 @@ def test_a_model_it_cannot_run_or_prompt_is_one_line_before_any_work(
     pytest.param("w4a8", ["--quantize", "w4a8"], marks=pytest.mark.skipif(
         group_kernel.kernel_problem() is not None, reason="w4a8 needs group_kernel.c")),
 ])
+@pytest.mark.kernels
 def test_the_one_command_training_finishes_in_every_format_and_its_heads_decode_losslessly(
         chat_model, tmp_path, capsys, fmt, flags):
     """Stage 3 calibrates and times the heads in the format generate.py decodes in (forced by
@@ -154,6 +156,7 @@ def test_the_one_command_training_finishes_in_every_format_and_its_heads_decode_
     assert medusa["output_ids"] == plain["output_ids"] and plain["mode"] == "plain"
 
 
+@pytest.mark.kernels
 def test_a_cpu_format_is_calibrated_on_the_cpu_after_training_on_a_gpu(chat_model, tmp_path):
     """Stage 3 in int4 runs where generate.py will decode in it, the CPU, whatever device
     trained the heads: given the GPU, it never touches it (on a machine without one, a model
@@ -166,6 +169,7 @@ def test_a_cpu_format_is_calibrated_on_the_cpu_after_training_on_a_gpu(chat_mode
     assert (out / CALIBRATION).is_file()
 
 
+@pytest.mark.kernels
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,
                     reason="the fused step runs group_kernel.c's products")
 def test_stage_3_times_int4_on_the_step_generate_py_decodes_with(chat_model, tmp_path, capsys):

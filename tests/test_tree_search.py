@@ -147,6 +147,7 @@ def test_uncalibrated_heads_get_the_default_tree_cut_to_their_depth_or_plain(tmp
     assert name == "dense:2,1" and tree.size == 5
 
 
+@pytest.mark.kernels
 def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     model = tiny_model(7, dtype=torch.float32)

@@ -26,7 +26,7 @@ from minimedusa.tree import build_tree
 from test_medusa_decoding import flat
 from test_weight_formats import four_bit_model, four_bit_weight, needs_group_kernel
 
-pytestmark = needs_group_kernel
+pytestmark = [pytest.mark.kernels, needs_group_kernel]
 
 
 def quantized_rows(x: torch.Tensor, largest: int) -> torch.Tensor:

@@ -73,6 +73,7 @@ def test_int4_finds_a_four_bit_files_grid_again_to_the_bit():
     assert not on_four_bit_grid(torch.randn(48, 96))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("layer", int4_layers())
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 20), bias=st.booleans())
@@ -91,6 +92,7 @@ def test_int4_product_equals_dequantize_then_matmul(layer, seed, rows, bias):
     torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("layer", int4_layers())
 def test_an_int4_rows_product_has_the_same_bits_whatever_rows_beside_it(layer):
     """As packed_linear's test: a plain step's row equals, to the bit, the same row multiplied in
@@ -129,6 +131,7 @@ needs_group_kernel = pytest.mark.skipif(group_kernel.kernel_problem() is not Non
                                         reason="group_kernel.c does not multiply on this CPU")
 
 
+@pytest.mark.kernels
 @needs_group_kernel
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
@@ -142,6 +145,7 @@ def test_int8_group_product_equals_dequantize_then_matmul(seed, rows):
     torch.testing.assert_close(layer(x).float(), x.float() @ weight.T, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.kernels
 @needs_group_kernel
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
@@ -158,6 +162,7 @@ def test_a_wide_eight_bit_product_gives_float32_sums_that_round_to_the_narrow_on
     torch.testing.assert_close(logits.double(), reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.kernels
 @needs_group_kernel
 def test_an_eight_bit_lm_heads_row_has_the_same_bits_whatever_rows_beside_it():
     head = Int8GroupLinear(*eight_bit_groups(eight_bit_weight(160, 576)))
@@ -227,6 +232,7 @@ def test_bfloat16_packed_linear_equals_bfloat16_linear(rows):
                                    rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "int8", "int4"])
 def test_a_model_in_a_format_stays_close_to_float32(name):
     """The whole model swapped (tied LM head included): its logits near float32's (the largest
@@ -254,6 +260,7 @@ def four_bit_model(seed: int, **overrides):
     return model
 
 
+@pytest.mark.kernels
 @needs_group_kernel
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(1, 20))
@@ -272,6 +279,7 @@ def test_int8_group_product_with_a_bias_equals_dequantize_then_matmul_plus_bias(
     torch.testing.assert_close(layer.to(dtype)(x).float(), expected, **tolerance)
 
 
+@pytest.mark.kernels
 @needs_group_kernel
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_int4_rounds_the_heads_layers_to_eight_bit_groups_and_keeps_their_guesses(kind):
@@ -309,6 +317,7 @@ def test_int4_rounds_the_heads_layers_to_eight_bit_groups_and_keeps_their_guesse
     assert torch.equal(after.argmax(-1), before.argmax(-1))  # the same first guesses here
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ["bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -328,6 +337,7 @@ def test_medusa_greedy_equals_the_formats_plain_greedy(name, kind, seed):
     assert medusa == plain
 
 
+@pytest.mark.kernels
 @needs_group_kernel
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("kind", ["hydra", "hydra++"])
@@ -346,6 +356,7 @@ def test_medusa_greedy_equals_int4s_plain_greedy_with_an_eight_bit_lm_head(seed,
     assert flat(medusa_decode(model, *fixed(heads, tree), greedy(), prompt, 40, set())) == plain
 
 
+@pytest.mark.kernels
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,
                     reason="group_kernel.c does not multiply here")
 @pytest.mark.parametrize("tied", [False, True], ids=["own LM head", "tied to the embedding"])

@@ -26,6 +26,7 @@ def held_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("weight_format", ["int4", "int8"])
 def test_the_size_said_is_the_size_held(weight_format, tmp_path):
     save_model(tiny_model(0, dtype=torch.float32, hidden_size=128, intermediate_size=256,

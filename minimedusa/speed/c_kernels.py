@@ -1,6 +1,7 @@
 """Building this project's C kernels (attention_kernel.c, group_kernel.c) on the machine that
-runs them, once, and loading them: with ctypes, and as torch operators (operators.cpp, linked
-with both kernels' libraries, loaded into torch by load_operators).
+runs them, once, and loading them: with ctypes, and as torch operators (operators.cpp,
+blocks_operator.cpp and draft_operator.cpp in one library, linked with both kernels' libraries,
+loaded into torch by load_operators).
 
 The C compiler is the one torch.compile already needs (cc, or $CC), with -O3 -march=native:
 a kernel is built for this CPU's vector units, into the user's cache folder, under a name that
@@ -36,8 +37,11 @@ def flags() -> list[str]:
     return ["-O3", march, "-ffp-contract=off", "-shared", "-fPIC", *sanitizer.build_flags()]
 
 HERE = Path(__file__).parent
-KERNELS = (HERE / "group_kernel.c", HERE / "attention_kernel.c")  # what operators.cpp calls
-OPERATORS = HERE / "operators.cpp"
+KERNELS = (HERE / "group_kernel.c", HERE / "attention_kernel.c")  # what the operators call
+# the operators' sources, built into one library: the products and the attention, the fused
+# blocks, the Hydra draft (each includes operators.h)
+OPERATORS = tuple(HERE / name for name in ("operators.cpp", "blocks_operator.cpp",
+                                           "draft_operator.cpp"))
 
 
 def kernels_folder() -> Path:
@@ -50,7 +54,7 @@ def sources_digest() -> str:
     """12 hex digits of the kernels' and operators' sources: beside the machine, what a step's
     speed depends on (cli/latency_cache.py keys its cached latencies with it, through
     plug_in.kernels_version: a changed kernel is timed anew)."""
-    text = "\n".join(source_text(source) for source in (*KERNELS, OPERATORS))
+    text = "\n".join(source_text(source) for source in (*KERNELS, *OPERATORS))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -140,7 +144,7 @@ _operators: dict = {}
 
 
 def load_operators() -> str | None:
-    """Load operators.cpp's torch operators (built, with both kernels, at the first call of
+    """Load the operators' library (OPERATORS: built, with both kernels, at the first call of
     the process); None if they run, else why not in one line. The operators' schemas are
     Python's (group_kernel.py, attention_kernel.py): the library registers what they run."""
     if not _operators:
@@ -153,8 +157,8 @@ def load_operators() -> str | None:
 
 
 def compile_operators() -> Path:
-    """operators.cpp built against this torch and linked with the kernels' libraries, found
-    beside it by name (their names hold their hashes: one built from other sources is another
+    """The operators (OPERATORS) built against this torch and linked with the kernels'
+    libraries, found beside it by name (their names hold their hashes: one built from other sources is another
     file), or the copy built before. The kernels are loaded first (load_library: a damaged one
     is built again, not linked)."""
     kernels = [Path(load_library(source)._name) for source in KERNELS]  # CDLL._name: its path
@@ -168,11 +172,12 @@ def compile_operators() -> Path:
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     links = [f"-L{torch_folder / 'lib'}", "-ltorch_cpu", "-lc10", f"-L{kernels_folder()}",
              *(f"-l:{kernel.name}" for kernel in kernels), "-Wl,-rpath,$ORIGIN"]
-    key = hashlib.sha256("\n".join([OPERATORS.read_text(), compiler, *options, torch.__version__,
+    key = hashlib.sha256("\n".join([*map(source_text, OPERATORS), compiler, *options,
+                                    torch.__version__,
                                     *(kernel.name for kernel in kernels)]).encode()
                          ).hexdigest()[:16]
     return built(kernels_folder() / f"operators-{key}.so", lambda out: run_compiler(
-        [compiler, *options, str(OPERATORS), *links, "-o", str(out)], compiler))
+        [compiler, *options, *map(str, OPERATORS), *links, "-o", str(out)], compiler))
 
 
 def run_compiler(command: list[str], compiler: str) -> None:

@@ -59,8 +59,8 @@ def compiler_problem(device="cpu") -> str | None:
     """None if torch.compile works on this device, else why not in one line (no C++ compiler on
     a CPU, most often; no Triton on CUDA): a tiny function is compiled and run (cached after the
     first time)."""
-    key_graphs_by_vector_width()
     try:
+        key_graphs_by_vector_width()  # inductor's choice of width compiles a test: in the try
         torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(4, device=device))
         return None
     except Exception as e:  # whatever the toolchain raises: the step then stays eager

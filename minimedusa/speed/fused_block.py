@@ -1,5 +1,5 @@
 """A fused decoding step: all the transformer blocks of an int4 (or w4a8, or bfloat16) model in
-ONE call of a C++ operator (operators.cpp's blocks_step), instead of a compiled graph.
+ONE call of a C++ operator (blocks_operator.cpp's blocks_step), instead of a compiled graph.
 
 Why: on a 2-core CPU a compiled block spends about as long in Python as in its products. A
 plain int4 step of ~21 ms on the 2-core AVX2 EPYC (Zen 3) was ~44% Python and dispatch on the
@@ -55,7 +55,7 @@ OPERATORS.define("blocks_step(Tensor x, Tensor cos, Tensor sin, Tensor mask, "
 # the layers a fused block multiplies with, and the bits each rounds its rows to inside the
 # kernel (0: float rows as they are)
 ROW_BITS = {Int4KernelLinear: 0, Int4A8KernelLinear: 8, Int4A16KernelLinear: 16,
-            BF16KernelLinear: 1}  # 1: operators.cpp's BF16_WEIGHTS, bfloat16 weights
+            BF16KernelLinear: 1}  # 1: blocks_operator.cpp's BF16_WEIGHTS, bfloat16 weights
 
 
 def products(block: Block) -> list[nn.Module]:

@@ -1,4 +1,4 @@
-"""The Hydra heads' draft in ONE call of a C++ operator (operators.cpp's hydra_draft), instead of
+"""The Hydra heads' draft in ONE call of a C++ operator (draft_operator.cpp's hydra_draft), instead of
 ~25 operators a depth: heads.hydra_candidates is the reference, and stays what training,
 calibration and any other heads run.
 
