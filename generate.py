@@ -16,6 +16,7 @@ and the one-time loading time apart. A chat does the same turn by turn, in one K
 the conversation; a file of prompts pays the loading once for all of them, and is answered
 several prompts at a time by plain batched decoding (--batch, batch_decoding.py).
 """
+import contextlib
 import dataclasses
 import json
 import sys
@@ -43,6 +44,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.speculative_decoding import MedusaDraft
     from minimedusa.speed.weight_formats import QUANTIZED, describe_weights, format_of
     from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, largest_id
+    from minimedusa.files.weights import read_config
 
 
 PROBE = "What is the capital of France?"  # the reference check's prompt, without --prompt
@@ -74,6 +76,8 @@ def load(args):
     folder = args.model if args.model is not None else ensure_default_model()
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist")
+    tokenizer = Tokenizer.from_folder(folder)
+    probe = probe_ids(args, tokenizer, read_config(folder))  # a prompt too big: refused here
     device, weight_format = device_and_format(args, folder)  # the machine's: speed/defaults.py
     draft = None
     if args.draft is not None:
@@ -85,12 +89,11 @@ def load(args):
         # not on top of them (the peak resident memory: weights/HISTORY.md, session 29)
         draft_llama, draft_step = draft_model(args.draft, folder, device, args.compile)
         draft = draft_llama, draft_step, drafting_heads(args, folder, draft_llama)  # its heads
-    tokenizer = Tokenizer.from_folder(folder)
     recipe = recipe_of(args, folder, device, weight_format)
     # checked in seconds, before the speed's warm-up; the fast step's logits held to the eager
     # step's on the prompt's first tokens (eager where they part: speed/reference_check.py)
     model, step = decoding_model(recipe, lambda model: check_flags(args, model, tokenizer),
-                                 probe_ids(args, tokenizer))
+                                 probe)
     rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
                                           and not four_bit_checkpoint(folder))
     return (model, step, describe_weights(model.config, weight_format, rounded, device),
@@ -106,11 +109,12 @@ def recipe_of(args, folder, device, weight_format: str) -> Recipe:
                   args.eps, args.delta, args.seed)
 
 
-def probe_ids(args, tokenizer) -> list[int]:
+def probe_ids(args, tokenizer, config) -> list[int]:
     """The tokens the reference check feeds the step: the prompt's (--prompt), else a
-    question's, rendered as the run renders its prompts."""
+    question's, rendered as the run renders its prompts (before the model is read: a prompt
+    too big for its context, config's, is refused by its size first)."""
     return prompt_ids(args.prompt if args.prompt is not None else PROBE, tokenizer, args.raw,
-                      args.system)
+                      args.system, config.max_position_embeddings)
 
 
 def check_flags(args, model, tokenizer) -> None:
@@ -134,7 +138,8 @@ def check_flags(args, model, tokenizer) -> None:
         elif args.tree not in (None, "ranked"):
             decoding_tree(args.tree, heads, model)
     if args.prompts is None and args.prompt is not None:  # one prompt (input_mode)
-        ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system)
+        ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system,
+                         model.config.max_position_embeddings)
         check_context(model, len(ids), args.max_new_tokens)
 
 
@@ -187,7 +192,8 @@ def run(args) -> dict:
     model, step, weights, tokenizer, draft, recipe = load(args)
     decode = decoder(args, model, recipe, draft)
     loaded, start = time.perf_counter() - start, time.perf_counter()
-    ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system)  # timed from here
+    ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system,  # timed from here
+                     model.config.max_position_embeddings)
     answer = decode_answer(decode, ids, Answer(), None if args.json else StreamDecoder(tokenizer),
                            start=start)
     output, stats, seconds = answer.ids, answer.stats, answer.seconds
@@ -219,16 +225,19 @@ def run_chat(args) -> None:
 
 def run_prompts(args) -> None:
     prompts = read_prompts(args.prompts)  # a bad file or --out said before the loading
-    out = open_out(args.out, args.prompts)
-    try:
-        if batch_size(args, len(prompts)) > 1:
-            return run_batched(args, prompts, sys.stdout if out is None else out.file)
-        model, tokenizer, decode, where = load_once(args)
-        answers = answer_prompts(args, prompts, model, tokenizer, decode,
-                                 sys.stdout if out is None else out.file)
-    finally:
-        if out is not None:
-            out.close()  # into place if it holds an answer; else the old --out stays
+    out = open_out(args.out, args.prompts, prompts)
+    with out or contextlib.nullcontext():  # --out: into place at the end, else kept to resume
+        todo = prompts[out.kept:] if out is not None else prompts
+        if todo:
+            answer_all(args, todo, sys.stdout if out is None else out)
+
+
+def answer_all(args, prompts: list, out) -> None:
+    """Answer the prompts into `out`, one at a time or args.batch at a time; the summary."""
+    if batch_size(args, len(prompts)) > 1:
+        return run_batched(args, prompts, out)
+    model, tokenizer, decode, where = load_once(args)
+    answers = answer_prompts(args, prompts, model, tokenizer, decode, out)
     print(prompts_summary(decode.describe(), answers, f"({where}, not counted)"),
           file=sys.stderr)
 

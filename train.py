@@ -44,7 +44,8 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.training.medusa1 import (Rows, add_flags as add_medusa1_flags, cosine_lr,
                                              distill_loss, draft_columns, head_logits,
                                              head_metrics, medusa1_heads, medusa_loss,
-                                             read_answers, read_rows, split_validation,
+                                             read_answers, read_meta, read_rows,
+                                             split_validation,
                                              teacher_states)
     from minimedusa.training.loop import (Losses, accuracy_line, batch_rows, distributed,
                                           setup_distributed, total_steps)
@@ -309,6 +310,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.data is None:
         return pipeline.from_model(args, medusa1, train_loop)
+    read_meta(args.data)  # a folder that is not self-distilled data: one line, before loading
     if os.environ.get("RANK", "0") == "0":  # under torchrun, the first process holds it
         lock_folder(args.out, "train.py")
     rank, world, device = setup_distributed(args.device)

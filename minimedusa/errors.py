@@ -58,6 +58,18 @@ def out_of_memory(e: BaseException) -> bool:
             or "Cannot allocate memory" in str(e) or "can't allocate memory" in str(e))
 
 
+def disk_full(e: BaseException) -> str | None:
+    """The cause, where an exception says a write found no room (ENOSPC, EDQUOT, or a
+    library's message of them: safetensors' "No space left on device (os error 28)"); else
+    None. The file written is then fine: the disk is not."""
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return os.strerror(e.errno)
+    for words in ("No space left on device", "Disk quota exceeded"):
+        if words in str(e):
+            return words
+    return None
+
+
 def memory_advice() -> str:
     """What to do when memory runs out, naming the process's address-space limit if it has one
     (ulimit -v, prlimit --as, a batch scheduler's): that limit, not the file, is then the cause."""

@@ -369,7 +369,7 @@ def test_a_gguf_that_is_no_llama_is_one_line_and_leaves_the_folder(content, tmp_
     else:
         another_models_gguf(gguf_file)
     out.mkdir()
-    (out / "kept.txt").write_text("a user's")
+    (out / "config.json").write_text("an earlier conversion's")
     monkeypatch.setattr(sys, "argv", ["default_model", "--gguf", str(gguf_file), "--out",
                                       str(out)])
     with pytest.raises(SystemExit) as end:
@@ -378,5 +378,5 @@ def test_a_gguf_that_is_no_llama_is_one_line_and_leaves_the_folder(content, tmp_
     assert message.startswith(f"error: cannot convert {gguf_file}") and "\n" not in message
     if not gguf_file.read_bytes().startswith(b"GGUF"):
         assert capsys.readouterr().err == ""
-    assert (out / "kept.txt").read_text() == "a user's"
+    assert (out / "config.json").read_text() == "an earlier conversion's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "out"]

@@ -84,9 +84,14 @@ def test_an_out_that_cannot_be_written_is_said_before_the_loading(where, answers
 
 
 @pytest.mark.kernels
-def test_a_stopped_run_keeps_the_answers_it_finished(answers, monkeypatch):
-    """Ctrl-C during the second prompt: the first one's answer is in --out, whole."""
+def test_a_stopped_run_keeps_the_answers_it_finished_and_the_same_command_resumes(answers,
+                                                                                  monkeypatch,
+                                                                                  capsys):
+    """Ctrl-C during the second prompt: --out as it was, the first answer kept beside it
+    (.partial); the same command then answers the second alone, and --out holds both, in
+    order, each once."""
     prompts, out = answers
+    before = out.read_bytes()
     from minimedusa.cli import prompts as prompts_module
     real, calls = prompts_module.decode_answer, []
 
@@ -96,12 +101,43 @@ def test_a_stopped_run_keeps_the_answers_it_finished(answers, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
     monkeypatch.setattr(prompts_module, "decode_answer", stopped_at_the_second)
+    command = ["--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4",
+               "--baseline", "--no-compile", "--batch", "1"]
     with pytest.raises(SystemExit, match="interrupted"):
-        generate_main(["--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4",
-                       "--baseline", "--no-compile", "--batch", "1"])
-    [line] = out.read_text().splitlines()
+        generate_main(command)
+    partial = out.with_name(out.name + ".partial")
+    assert out.read_bytes() == before
+    [line] = partial.read_text().splitlines()
     assert json.loads(line)["prompt"] == "What is 2 + 2?"
+    calls.clear()
+    monkeypatch.setattr(prompts_module, "decode_answer", real)
+    generate_main(command)
+    assert "resuming after the 1 of 2 answers kept" in capsys.readouterr().err
+    assert [json.loads(x)["prompt"] for x in out.read_text().splitlines()] == [
+        "What is 2 + 2?", "Name a colour."]
     assert sorted(os.listdir(out.parent)) == sorted([prompts.name, out.name])
+
+
+def test_a_cut_line_or_other_prompts_answers_are_not_kept(tmp_path):
+    """What .partial holds is kept only as far as it is whole and answers the run's prompts,
+    in order."""
+    path = tmp_path / "answers.jsonl"
+    partial = path.with_name(path.name + ".partial")
+    line = lambda p: json.dumps({"prompt": p, "answer": "x"}) + "\n"  # noqa: E731
+    for held, kept in ((line("a") + line("b") + '{"prompt": "c", "ans', 2),
+                       (line("a") + line("z"), 1), (line("z"), 0), ("not json\n", 0)):
+        partial.write_text(held)
+        with outputs.KeptLines(path, "--out", ["a", "b", "c"]) as out:
+            assert out.kept == kept
+        assert path.read_text() == "".join(line(p) for p in "abc"[:kept])
+
+
+def test_two_runs_writing_one_out_at_once_the_second_is_refused(tmp_path):
+    """(Two opens of the file hold two locks, as two processes would: flock's.)"""
+    path = tmp_path / "answers.jsonl"
+    with outputs.KeptLines(path, "--out", ["a"]):
+        with pytest.raises(UserError, match="is being written by another run"):
+            outputs.KeptLines(path, "--out", ["a"])
 
 
 @pytest.mark.parametrize("content", [

@@ -109,8 +109,14 @@ class Chat:
     def fit(self, messages: list[dict]):
         """(messages, their ids) with room for an answer in the model's context: as they are,
         or (said in one line) with the oldest exchanges dropped or the last message alone kept,
-        as --when-full asks; None where the last message alone does not fit."""
-        room, ids = self.context - self.max_new_tokens, self.render(messages)
+        as --when-full asks; None where the last message alone does not fit (by its size alone
+        where that tells: Tokenizer.fewest_tokens, before the template renders it)."""
+        room = self.context - self.max_new_tokens
+        if self.tokenizer.fewest_tokens(messages[-1]["content"]) > room:
+            say(f"your message ({len(messages[-1]['content']):,} characters) does not fit the "
+                f"model's context of {self.context} tokens; not sent")
+            return None
+        ids = self.render(messages)
         if len(ids) <= room:
             return messages, ids
         total, system = len(ids), int(messages[0]["role"] == "system")

@@ -14,8 +14,10 @@ from safetensors.torch import save_file
 from minimedusa.cli.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
 from minimedusa.files.outputs import write_atomically
-from minimedusa.files.weights import load_model, read_tensor, safetensors_files, tensor_files
+from minimedusa.files.weights import (load_model, read_config, read_tensor, safetensors_files,
+                                      tensor_files)
 from minimedusa.speed import group_kernel
+from minimedusa.speed.cache_folder import one_at_a_time, remove_leftovers
 from minimedusa.speed.defaults import default_format
 from minimedusa.speed.grids import on_four_bit_grid
 from minimedusa.speed.kept_weights import (KEPT_FORMATS, KeptBlocksError, kept_file, kept_state,
@@ -86,25 +88,45 @@ def formatted_model(folder: Path, device, weight_format: str) -> nn.Module:
     """The model, each block in the format as it is read: a dtype's weights read straight into
     it, int8's and int4's rounded from the weights as stored, so that the model is never held
     whole in another dtype beside its format's bytes (peak memory). A large model's rounded
-    blocks are kept after the first run and read back by later ones (speed/kept_weights.py)."""
+    blocks are kept after the first run and read back by later ones (speed/kept_weights.py);
+    of runs started together, one rounds and keeps them, the others wait and read them."""
     device = torch.device(device)
-    dtype, convert = DTYPE_FORMATS.get(weight_format), block_format(weight_format)
-    head = head_format(weight_format)
-    kept = key = None
-    if device.type == "cpu" and weight_format in KEPT_FORMATS:  # the formats that round
-        key = weights_key([Path(folder) / "config.json", *safetensors_files(folder)],
-                          weight_format)
-        kept = read_kept(folder, weight_format, key)
-    if kept is not None:
-        try:
-            return load_model(folder, device, dtype, convert, kept, head)
-        except KeptBlocksError as e:
-            print(f"minimedusa: the kept weights were damaged ({e}); rounding again",
-                  file=sys.stderr)
-    model = load_model(folder, device, dtype, convert, convert_head=head)
-    if key is not None and worth_keeping(model.config, weight_format):
-        keep(folder, weight_format, model, key)
+    if device.type != "cpu" or weight_format not in KEPT_FORMATS:  # the formats that round
+        return read_formatted(folder, device, weight_format)
+    key = weights_key([Path(folder) / "config.json", *safetensors_files(folder)], weight_format)
+    model = read_kept_model(folder, weight_format, key)
+    if model is not None or not worth_keeping(read_config(folder), weight_format):
+        return model if model is not None else read_formatted(folder, device, weight_format)
+    # rounded and kept by one process: others started with it wait, then read what it kept
+    where = kept_file(folder, weight_format).parent
+    with one_at_a_time(where, f"rounding {Path(folder).name}'s blocks to {weight_format}"):
+        remove_leftovers(where, ("*.tmp",))  # what a killed run was writing
+        model = read_kept_model(folder, weight_format, key)
+        if model is None:
+            model = read_formatted(folder, device, weight_format)
+            keep(folder, weight_format, model, key)
     return model
+
+
+def read_formatted(folder: Path, device, weight_format: str) -> nn.Module:
+    """The model, its blocks rounded to the format from its stored weights as they are read."""
+    return load_model(folder, device, DTYPE_FORMATS.get(weight_format),
+                      block_format(weight_format), convert_head=head_format(weight_format))
+
+
+def read_kept_model(folder: Path, weight_format: str, key: str) -> nn.Module | None:
+    """The model on the CPU, its blocks those kept under `key` (kept_weights.py), or None
+    where there are none, or they are damaged (said in a line)."""
+    kept = read_kept(folder, weight_format, key)
+    if kept is None:
+        return None
+    try:
+        return load_model(folder, torch.device("cpu"), DTYPE_FORMATS.get(weight_format),
+                          block_format(weight_format), kept, head_format(weight_format))
+    except KeptBlocksError as e:
+        print(f"minimedusa: the kept weights were damaged ({e}); rounding again",
+              file=sys.stderr)
+        return None
 
 
 def keep(folder: Path, weight_format: str, model, key: str) -> None:

@@ -17,10 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 from minimedusa.batch_decoding import batch_decode
-from minimedusa.decoding import StepStats, check_context
+from minimedusa.decoding import PromptTooLongError, StepStats, check_context
 from minimedusa.errors import UserError
 from minimedusa.files.default_model import ensure_default_model
-from minimedusa.files.outputs import WrittenAside
+from minimedusa.files.outputs import KeptLines
 from minimedusa.acceptance import Sampling
 from minimedusa.speed.defaults import default_batch
 from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
@@ -91,9 +91,13 @@ def check_prompt(prompt, where: str) -> None:
                         f"{{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}")
 
 
-def prompt_ids(prompt, tokenizer: Tokenizer, raw: bool, system: str | None) -> list[int]:
+def prompt_ids(prompt, tokenizer: Tokenizer, raw: bool, system: str | None,
+               context: int) -> list[int]:
     """A prompt's token ids: a user message (with `system` first, if given) through the model's
-    chat template, a list of messages through it as they are, or (raw) a string as it is."""
+    chat template, a list of messages through it as they are, or (raw) a string as it is. One
+    whose size alone puts it past the model's `context` is refused first (check_size)."""
+    check_size(prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt),
+               tokenizer, context)
     if raw:
         if not isinstance(prompt, str):
             raise UserError("--raw feeds text as it is: a conversation needs the chat template")
@@ -108,13 +112,25 @@ def prompt_ids(prompt, tokenizer: Tokenizer, raw: bool, system: str | None) -> l
     return ids
 
 
+def check_size(text: str, tokenizer: Tokenizer, context: int) -> None:
+    """Refuse, in one line, a prompt whose characters alone bound its tokens past the model's
+    context (Tokenizer.fewest_tokens), before any work on it: the chat template's rendering,
+    the tokenizer's pass (50 MB took minutes and 7.9 GB)."""
+    fewest = tokenizer.fewest_tokens(text)
+    if fewest > context:
+        raise PromptTooLongError(f"the prompt ({len(text):,} characters) has at least "
+                                 f"{fewest:,} tokens, but the model's context is {context} "
+                                 "tokens: give a shorter one")
+
+
 def encoded(args, prompts: list, model, tokenizer: Tokenizer) -> list[list[int]]:
     """Every prompt's ids, each checked against the context first (a bad one ends the run
     before any is decoded)."""
     all_ids = []
     for line, prompt in prompts:
         try:
-            all_ids.append(prompt_ids(prompt, tokenizer, args.raw, args.system))
+            all_ids.append(prompt_ids(prompt, tokenizer, args.raw, args.system,
+                                      model.config.max_position_embeddings))
             check_context(model, len(all_ids[-1]), args.max_new_tokens)
         except UserError as e:
             raise UserError(f"--prompts {args.prompts} line {line}: {e}") from None
@@ -201,13 +217,14 @@ def prompts_summary(mode: str, answers: list[Answer], tail: str) -> str:
                         histogram, tail)
 
 
-def open_out(path: Path | None, prompts: Path) -> WrittenAside | None:
-    """Where the answers go: None for stdout, or --out FILE, written beside it as they come and
-    renamed over it at the end (outputs.WrittenAside: a run that fails first leaves it as it
-    was). Never the prompts file itself, which the answers would replace."""
+def open_out(path: Path | None, prompts_file: Path, prompts: list) -> KeptLines | None:
+    """Where the answers go: None for stdout, or --out FILE, written beside it as they come
+    (FILE.partial) and renamed over it at the end (outputs.KeptLines: a run stopped keeps its
+    answers there, and the same command resumes after them; FILE stays as it was until the
+    end). Never the prompts file itself, which the answers would replace."""
     if path is None:
         return None
-    if path.exists() and prompts.exists() and os.path.samefile(path, prompts):
+    if path.exists() and prompts_file.exists() and os.path.samefile(path, prompts_file):
         raise UserError(f"--out {path} is the --prompts file: the answers would replace the "
                         "questions; give another file")
-    return WrittenAside(path, "--out")
+    return KeptLines(path, "--out", [prompt for _, prompt in prompts])

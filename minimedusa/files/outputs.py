@@ -10,6 +10,7 @@ should not find at its end that it cannot keep its result.
 import json
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import IO
 
@@ -55,24 +56,91 @@ def check_writable(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path} cannot be written ({e.strerror or e})") from None
 
 
-class WrittenAside:
-    """An output file written as a run goes (a JSON line per answer), into a file beside it;
-    close() renames that into place where it holds something, else removes it: a run that fails
-    before its first line leaves the user's file as it was, and one stopped later keeps the
-    lines it finished."""
+class KeptLines:
+    """An output file of JSON lines written as a run goes, each line flushed as it is done,
+    into PATH.partial beside it, and renamed over PATH when the run ends well. A run stopped
+    however it stops (Ctrl-C, a full disk, a kill) leaves PATH as it was and PATH.partial
+    holding every line it finished: the same command then resumes after them (`kept`, the
+    lines whose "prompt" are the run's first `keys`, in order; a line cut short by the kill is
+    dropped). Two runs writing one PATH at once: the second is refused in one line. A context
+    manager: finished where its block ends well, stopped (the lines kept) where it raises."""
 
-    def __init__(self, path: Path, flag: str):
+    def __init__(self, path: Path, flag: str, keys: list):
         check_writable(path, flag)
-        self.path, self.tmp = Path(path), aside(Path(path))
-        self.file = open(self.tmp, "w", encoding="utf-8")
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.file = open(self.partial, "a+", encoding="utf-8")
+        if not lock_file(self.file):
+            self.file.close()
+            raise UserError(f"{flag} {path} is being written by another run ({self.partial}): "
+                            "wait for it to end, or give another file")
+        self.kept = keep_matching_lines(self.partial, keys)  # appended after
+        if self.kept:
+            print(f"minimedusa: resuming after the {self.kept} of {len(keys)} answers kept in "
+                  f"{self.partial}", file=sys.stderr)
 
-    def close(self) -> None:
-        kept = self.file.tell() > 0
-        self.file.close()
-        if kept:
-            os.replace(self.tmp, self.path)
+    def write(self, text: str) -> None:
+        """Write, as print() does to a file; a failed write names the file (a full disk)."""
+        try:
+            self.file.write(text)
+        except OSError as e:
+            raise UserError(f"cannot write {self.partial}: {e.strerror or e}") from None
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as e:
+            raise UserError(f"cannot write {self.partial}: {e.strerror or e}") from None
+
+    def __enter__(self) -> "KeptLines":
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        try:
+            self.file.close()
+        except OSError:  # the full disk's error is the one raised already
+            pass
+        lines = self.partial.stat().st_size > 0
+        if kind is None:
+            os.replace(self.partial, self.path)
+        elif lines:
+            print(f"minimedusa: the answers finished are kept in {self.partial}: the same "
+                  "command resumes after them", file=sys.stderr)
         else:
-            self.tmp.unlink(missing_ok=True)
+            self.partial.unlink(missing_ok=True)
+
+
+def keep_matching_lines(path: Path, keys: list) -> int:
+    """How many of the file's first lines are whole JSON objects whose "prompt" is keys[0],
+    keys[1], ... in order; the file cut after them (a line cut short, or of other prompts, is
+    not kept)."""
+    kept, end = 0, 0
+    for line in path.read_bytes().splitlines(keepends=True):
+        if kept == len(keys) or not line.endswith(b"\n"):
+            break
+        try:
+            value = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(value, dict) or value.get("prompt") != keys[kept]:
+            break
+        kept, end = kept + 1, end + len(line)
+    os.truncate(path, end)
+    return kept
+
+
+def lock_file(file: IO) -> bool:
+    """Take the open file's lock, without waiting: False if another process holds it. The
+    operating system drops it when its process ends, however it ends."""
+    try:
+        import fcntl  # POSIX; elsewhere the file is not locked
+    except ImportError:
+        return True
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 _locks: dict[Path, IO] = {}  # folder -> its lock file, held open for the process's life

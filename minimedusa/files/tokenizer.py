@@ -197,6 +197,14 @@ def largest_id(tk: HFTokenizer) -> int:
     return max(tk.get_vocab(with_added_tokens=True).values())
 
 
+@functools.lru_cache(maxsize=8)
+def longest_token(tk: HFTokenizer) -> int:
+    """The most UTF-8 bytes a token's string holds, added tokens included: no token covers
+    more of a text's characters (a byte-level token's string is a character a byte; others'
+    are their text, or less)."""
+    return max(len(token.encode("utf-8")) for token in tk.get_vocab(with_added_tokens=True))
+
+
 class Tokenizer:
     def __init__(self, tk: HFTokenizer, chat_template: str | None, special_tokens: dict):
         self.tk = tk
@@ -222,6 +230,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         check_unicode(text)
         return self.tk.encode(text, add_special_tokens=False).ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """A bound from below on the tokens `text` encodes to, from its length alone (no pass
+        over it): each token covers at most longest_token characters, twice that where a
+        normalizer composes two characters into one."""
+        return len(text) // (2 * longest_token(self.tk))
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special)

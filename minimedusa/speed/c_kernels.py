@@ -11,7 +11,9 @@ loads its library at first use and keeps, for the process, the library or why th
 A cache folder's accidents cost a build, never the kernel or the run: beside each library the
 build writes, last, its size and sha256; a library that does not match them (cut short by a
 full disk or an interrupted copy: it may still load, then fault on its first call) is never
-loaded but built again, once, and a failed build leaves nothing behind.
+loaded but built again, once, and a failed build leaves nothing behind. Processes that build
+at once wait for the first (built: the folder's lock), and what a killed build left, the next
+one removes.
 The operators are C++ against torch's headers, with the kernels' flags (the C++ compiler
 torch.compile needs too: c++, or $CXX): ~18 s to build on a 2-core CPU, once per machine, torch
 version and kernels' sources.
@@ -20,13 +22,14 @@ import ctypes
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import torch
 
 from minimedusa.speed import sanitizer
-from minimedusa.speed.cache_folder import cache_folder
+from minimedusa.speed.cache_folder import cache_folder, one_at_a_time, remove_leftovers
 from minimedusa.speed.machine import cpu_features, cpu_model, forced_avx2
 
 def flags() -> list[str]:
@@ -76,20 +79,26 @@ def compile_kernel(source: Path, compiler: str) -> Path:
 
 
 def built(path: Path, build_into) -> Path:
-    """`path`, built by build_into(a file) unless a whole copy is there (is_whole). Written
-    beside its final name under a name of this process's own, then renamed (processes
-    building it at once never read half a file), then its digest; a failed build leaves
-    nothing behind."""
-    if not is_whole(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            build_into(tmp)
-            digest = file_digest(tmp)
-            os.replace(tmp, path)
-            write_digest(path, digest)
-        finally:
-            tmp.unlink(missing_ok=True)
+    """`path`, built by build_into(a file) unless a whole copy is there (is_whole). Built under
+    the kernels folder's lock (cache_folder.one_at_a_time: processes that build at once wait for
+    the first, then load what it built), in a folder of this build's own inside it, where the
+    compiler's temporary files go too (run_compiler); renamed into place, then its digest. The
+    next build removes what a killed one left there (its folder: an orphaned compiler's output
+    then has nowhere to go)."""
+    if is_whole(path):
+        return path
+    with one_at_a_time(path.parent, f"building {path.name}"):
+        remove_leftovers(path.parent, (".build-*", "*.tmp"))
+        if not is_whole(path):
+            work = path.parent / f".build-{os.getpid()}"
+            work.mkdir()
+            try:
+                build_into(work / path.name)
+                digest = file_digest(work / path.name)
+                os.replace(work / path.name, path)
+                write_digest(path, digest)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
     return path
 
 
@@ -181,7 +190,11 @@ def compile_operators() -> Path:
 
 
 def run_compiler(command: list[str], compiler: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True)
+    """Run the compiler; its temporary files beside its output (command's -o), not in the
+    system's temporary folder, where a killed compile would leave them."""
+    output = Path(command[command.index("-o") + 1])
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(output.parent)})
     if done.returncode != 0:
         said = done.stderr.strip()[:300]
         raise RuntimeError(f"{compiler} failed (exit status {done.returncode})"

@@ -14,7 +14,6 @@ backbone too), is train.py's, and what both share around it loop.py's.
 
 Shapes: M rows (answer positions), C model dim, K heads, V vocab, B batch rows.
 """
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from minimedusa.errors import UserError, unreadable
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, with_draft_layer
 from minimedusa.files.heads_files import load_heads
 from minimedusa.files.outputs import check_out_is_not
+from minimedusa.files.tokenizer import read_json_object
 from minimedusa.cli.flags import non_negative, non_negative_int, positive_int
 from minimedusa.heads import HydraHeads, MedusaHeads, as_features, drafting_lm_head, token_ids
 
@@ -70,7 +70,7 @@ def read_meta(folder: Path) -> dict:
     path = folder / "meta.json"
     if not path.is_file():
         raise DataError(f"no meta.json in {folder}: not a self-distillation data folder")
-    return json.loads(path.read_text())
+    return read_json_object(path)  # one line where it is not a JSON object
 
 
 def read_answers(folder: Path, tokenizer_fingerprint: str, vocab_size: int,

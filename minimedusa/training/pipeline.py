@@ -8,7 +8,6 @@ and resumes where it stopped, or is skipped when done: Ctrl-C, then the same com
 nothing finished. The defaults are the shipped heads' recipe. Left out: Medusa-2 (it trains on
 data made beforehand).
 """
-import json
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from minimedusa.errors import UserError
 from minimedusa.training.self_distill import (Settings, answering_model, batch_seconds, distill,
                                               open_folder, pending_batches)
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.files.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer, read_json_object
 from minimedusa.training.loop import batch_rows, total_steps
 from minimedusa.training.tree_search import (MAX_NODES, calibrate_on, held_out_rows,
                                              search_seconds, size_trees, time_sizes)
@@ -87,7 +86,7 @@ def check_recipe(args) -> None:
              "warmup", "weight_decay", "clip", "grad_accum", "seed", "prompts")
     recipe = {n: getattr(args, n) for n in names}
     path = args.out / "recipe.json"
-    if path.is_file() and (old := json.loads(path.read_text())) != recipe:
+    if path.is_file() and (old := read_json_object(path)) != recipe:
         changed = ", ".join(f"--{n.replace('_', '-')} {old.get(n)} -> {recipe[n]}"
                             for n in names if old.get(n) != recipe[n])
         raise UserError(f"{args.out} was started with other settings ({changed}); run it with "

@@ -47,7 +47,7 @@ from minimedusa.errors import UserError, entry_point
 from minimedusa.kv_cache import KVCache
 from minimedusa.acceptance import Sampling, make_generator
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.files.tokenizer import Tokenizer
+from minimedusa.files.tokenizer import Tokenizer, read_json_object
 
 
 @torch.inference_mode()
@@ -173,7 +173,7 @@ def open_folder(out: Path, folder: Path, settings: Settings, n_prompts: int, dty
             "dtype": str(dtype).removeprefix("torch.")}
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
-    if meta_path.is_file() and not same_settings(json.loads(meta_path.read_text()), meta):
+    if meta_path.is_file() and not same_settings(read_json_object(meta_path), meta):
         raise UserError(f"{out} holds data made with other settings; use another --out")
     write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
 
