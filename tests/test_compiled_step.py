@@ -22,6 +22,8 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.tree import build_tree
 from minimedusa.speed.weight_formats import apply_format
 
+pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
+
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
@@ -91,8 +93,6 @@ from minimedusa.batch_decoding import batch_step
 from minimedusa.kv_cache import KVCache
 from minimedusa.speed.compiled_step import compile_blocks
 from minimedusa.speed.weight_formats import apply_format
-
-pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
 model = apply_format(tiny_model(3, dtype=torch.float32, hidden_size=96, intermediate_size=200),
                      "float32")
 compile_blocks(model)
@@ -105,7 +105,6 @@ print((logits[0] - logits[1]).abs().max().item())
 """
 
 
-@pytest.mark.kernels
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
                     reason="a CPU whose torch kernels are AVX-512's: on others every process "
                     "generates for one vector width")
