@@ -13,10 +13,14 @@ everywhere (RoPE sees only relative positions); keys kept in another block's lay
 (each block still reads what it wrote). CUDA's paths (bfloat16 eager, and in CUDA graphs of the
 compiled blocks, the default there) run where a GPU is (bench/gpu_session.py's first step).
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import BROKEN, LastBlockSkipped, broken
+from conftest import BROKEN, REPO, LastBlockSkipped, broken
 from generate import main as generate_main
 from minimedusa.batch_decoding import batch_decode
 from minimedusa.budget import fixed, grow_tree
@@ -32,6 +36,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.cli.load import formatted_model
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.speed.fused_block import fusable, fuse_blocks
+from minimedusa.speed.machine import AVX2_ENVIRONMENT, cpu_features
 from minimedusa.speed.plug_in import eager_step
 from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.speed.reference_check import (FORMAT_ERROR, checked_step, largest_shift,
@@ -276,3 +281,17 @@ def test_generate_falls_back_to_eager_where_its_step_fails(monkeypatch, capsys):
     notices = [line for line in err.splitlines() if line.startswith("minimedusa:")]
     assert len(notices) == 1 and "decoding eagerly" in notices[0]
     assert "(the fast step failed the reference check) step" in err  # the summary says so
+
+
+def test_the_avx2_paths_keep_the_reference_run_as_an_avx2_cpu():
+    """This file's plain-step checks of the AVX2 CPU's paths (float32 compiled, whose every
+    logit was NaN there: inductor's cache handed it code of another vector width; w4a8 fused,
+    its default) in a process run as one (machine.AVX2_ENVIRONMENT: the C kernels built for
+    Haswell, torch's own held to AVX2), as a user's AVX2 laptop runs them."""
+    if not {"avx2", "fma"} <= set(cpu_features().split("+")):
+        pytest.skip("this CPU has no AVX2 and FMA")
+    selection = "plain_step and (float32-compiled or w4a8-fused)"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           __file__, "-k", selection], capture_output=True, text=True,
+                          env={**os.environ, **AVX2_ENVIRONMENT}, cwd=REPO, timeout=900)
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:]

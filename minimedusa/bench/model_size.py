@@ -41,7 +41,7 @@ from minimedusa.files.weights import hf_parts
 from minimedusa.cli.flags import Parser, format_list, positive_int
 from minimedusa.model import Llama, LlamaConfig
 from minimedusa.speed.cache_folder import cache_root
-from minimedusa.speed.machine import machine_key
+from minimedusa.speed.machine import AVX2_ENVIRONMENT, machine_key
 from minimedusa.speed.weight_formats import FORMATS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,10 +57,6 @@ SHAPES = {
                      num_attention_heads=32, num_key_value_heads=32),
 }
 PROMPT = "Write a short story about a lighthouse keeper."
-# --isa avx2: this project's kernels (MINIMEDUSA_ISA) and torch's (ATen's and oneDNN's) held to
-# AVX2, in every process the bench starts
-AVX2_ENVIRONMENT = {"MINIMEDUSA_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
-                    "ONEDNN_MAX_CPU_ISA": "AVX2"}
 ROWS = (1, 2, 4, 8)
 
 

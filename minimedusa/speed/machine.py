@@ -17,6 +17,10 @@ from minimedusa.errors import UserError
 
 ISA_VARIABLE = "MINIMEDUSA_ISA"
 AVX2_ONLY = ("avx2", "fma")  # what MINIMEDUSA_ISA=avx2 keeps of the CPU's vector features
+# a process run as an AVX2 CPU: this project's kernels (MINIMEDUSA_ISA) and torch's (ATen's and
+# oneDNN's, read as torch starts: for a process to come) held to AVX2
+AVX2_ENVIRONMENT = {ISA_VARIABLE: "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                    "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def cpu_model() -> str:
