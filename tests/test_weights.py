@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
-from minimedusa.files.default_model import unpermute_qk
+from minimedusa.files.gguf_import import unpermute_qk
 from minimedusa.model import LlamaConfig, causal_mask
 from minimedusa.files.hf_config import ConfigError, config_from_hf, config_to_hf
 from minimedusa.files.weights import WeightsError, load_model, save_model
