@@ -28,12 +28,18 @@ settings.load_profile("replayable")
 
 
 def pytest_configure(config):
-    """The `kernels` marker; and under MINIMEDUSA_SANITIZE, the run re-executed with the
-    sanitizers' runtime loaded first (speed/sanitizer.py), here, where pytest is not holding
-    the standard output in a file yet: `MINIMEDUSA_SANITIZE=address python -m pytest -q -m
-    kernels` runs every test of a C kernel or operator instrumented."""
+    """The markers: `kernels` (under MINIMEDUSA_SANITIZE, the run is re-executed with the
+    sanitizers' runtime loaded first, speed/sanitizer.py, here, where pytest is not holding the
+    standard output in a file yet: `MINIMEDUSA_SANITIZE=address python -m pytest -q -m kernels`
+    runs every test of a C kernel or operator instrumented) and `slow` (processes started,
+    killed and started again: left out of a run that selects nothing, `-m slow` runs them;
+    CI does both)."""
     config.addinivalue_line("markers", "kernels: runs a C kernel or operator (built by "
                             "speed/c_kernels.py): the tests MINIMEDUSA_SANITIZE checks")
+    config.addinivalue_line("markers", "slow: starts, kills and restarts processes; run with "
+                            "-m slow")
+    if not config.option.markexpr:
+        config.option.markexpr = "not slow"
     # --capture=sys: a sanitizer's report, written to the process's stderr as it stops it,
     # then reaches the terminal, not a file of pytest's that the stop loses
     sanitizer.ensure_runtime(("--capture=sys",))

