@@ -32,12 +32,12 @@ def pytest_configure(config):
     sanitizers' runtime loaded first, speed/sanitizer.py, here, where pytest is not holding the
     standard output in a file yet: `MINIMEDUSA_SANITIZE=address python -m pytest -q -m kernels`
     runs every test of a C kernel or operator instrumented) and `slow` (processes started,
-    killed and started again: left out of a run that selects nothing, `-m slow` runs them;
-    CI does both)."""
+    killed and started again, or run as another CPU: left out of a run that selects nothing,
+    `-m slow` runs them; CI does both)."""
     config.addinivalue_line("markers", "kernels: runs a C kernel or operator (built by "
                             "speed/c_kernels.py): the tests MINIMEDUSA_SANITIZE checks")
-    config.addinivalue_line("markers", "slow: starts, kills and restarts processes; run with "
-                            "-m slow")
+    config.addinivalue_line("markers", "slow: starts, kills and restarts processes, or runs "
+                            "one as another CPU; run with -m slow")
     if not config.option.markexpr:
         config.option.markexpr = "not slow"
     # --capture=sys: a sanitizer's report, written to the process's stderr as it stops it,

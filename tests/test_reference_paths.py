@@ -283,6 +283,7 @@ def test_generate_falls_back_to_eager_where_its_step_fails(monkeypatch, capsys):
     assert "(the fast step failed the reference check) step" in err  # the summary says so
 
 
+@pytest.mark.slow
 def test_the_avx2_paths_keep_the_reference_run_as_an_avx2_cpu():
     """This file's plain-step checks of the AVX2 CPU's paths (float32 compiled, whose every
     logit was NaN there: inductor's cache handed it code of another vector width; w4a8 fused,
