@@ -26,22 +26,21 @@ from pathlib import Path
 from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
-    from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
+    from minimedusa.cli.answer import Answer, decode_answer, summary_line
     from minimedusa.cli.chat import chat
     from minimedusa.cli.draft_heads import read_heads
-    from minimedusa.cli.draft_model import draft_model, speculative_decoder
     from minimedusa.cli.generate_flags import parse_args
     from minimedusa.cli.acceptance_rule import acceptance_kind
     from minimedusa.cli.load import device_and_format, four_bit_checkpoint
     from minimedusa.cli.prompts import (answer_prompts, answer_prompts_batched, batch_size,
                                         batched_summary, open_out, prompt_from_stdin,
                                         prompt_ids, prompts_summary, read_prompts)
-    from minimedusa.cli.recipe import Recipe, build, decoding_heads, decoding_model
+    from minimedusa.cli.recipe import (Decoding, Recipe, build, decoding_heads, decoding_model,
+                                       draft_model)
     from minimedusa.cli.trees import decoding_tree, ranked_size
     from minimedusa.decoding import check_context
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
-    from minimedusa.speculative_decoding import MedusaDraft
     from minimedusa.speed.weight_formats import QUANTIZED, describe_weights, format_of
     from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, largest_id
     from minimedusa.files.weights import read_config
@@ -68,28 +67,28 @@ def input_mode(args) -> str:
 
 
 def load(args):
-    """(model, how its step runs, its weights in words, tokenizer, draft, recipe), as gpt-fast's
-    _load_model: the flags' recipe (cli/recipe.py), the model read as it says, the flags that
-    must fit it checked, its speed plugged in and held to the eager step; draft: --draft's (its
-    model, how its step runs, its heads' MedusaDraft or None), loaded first, or None. The heads
-    and the acceptance follow in decoder()."""
+    """(model, how its step runs, its weights in words, tokenizer, drafter, recipe), as
+    gpt-fast's _load_model: the flags' recipe (cli/recipe.py), the model read as it says, the
+    flags that must fit it checked, its speed plugged in and held to the eager step; drafter:
+    --draft's draft model, loaded first, or None. The heads, the draft and the acceptance
+    follow in decoder()."""
     folder = args.model if args.model is not None else ensure_default_model()
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist")
     tokenizer = Tokenizer.from_folder(folder)
     probe = probe_ids(args, tokenizer, read_config(folder))  # a prompt too big: refused here
     device, weight_format = device_and_format(args, folder)  # the machine's: speed/defaults.py
-    draft = None
+    drafter = None
     if args.draft is not None:
         if args.chat:  # its two caches are a run's, not a conversation's
             raise UserError("--draft decodes a prompt or a file of them, not a chat")
         if args.dtype == "auto":
             weight_format = "float32"  # the model's own text: its float32 weights verify
+    recipe = recipe_of(args, folder, device, weight_format)
+    if args.draft is not None:
         # first: what its loading holds for a while comes before the target's weights are in,
         # not on top of them (the peak resident memory: weights/HISTORY.md, session 29)
-        draft_llama, draft_step = draft_model(args.draft, folder, device, args.compile)
-        draft = draft_llama, draft_step, drafting_heads(args, folder, draft_llama)  # its heads
-    recipe = recipe_of(args, folder, device, weight_format)
+        drafter, _ = draft_model(recipe)
     # checked in seconds, before the speed's warm-up; the fast step's logits held to the eager
     # step's on the prompt's first tokens (eager where they part: speed/reference_check.py)
     model, step = decoding_model(recipe, lambda model: check_flags(args, model, tokenizer),
@@ -97,16 +96,19 @@ def load(args):
     rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
                                           and not four_bit_checkpoint(folder))
     return (model, step, describe_weights(model.config, weight_format, rounded, device),
-            tokenizer, draft, recipe)
+            tokenizer, drafter, recipe)
 
 
 def recipe_of(args, folder, device, weight_format: str) -> Recipe:
-    """The flags' recipe: context candidates with the adapted trees only."""
+    """The flags' recipe: context candidates with the adapted trees only; --draft's chains
+    verified by greedy acceptance, or by speculative sampling above temperature 0."""
     heads = heads_spec(args)
+    rule = acceptance_kind(args) if heads else "greedy"
+    if args.draft is not None and args.temperature > 0:
+        rule = "speculative"
     return Recipe(folder, device, weight_format, args.compile, heads, args.draft_vocab, args.tree,
-                  args.context and args.tree in (None, "ranked"),
-                  acceptance_kind(args) if heads else "greedy", args.temperature, args.top_p,
-                  args.eps, args.delta, args.seed)
+                  args.context and args.tree in (None, "ranked"), rule, args.temperature,
+                  args.top_p, args.eps, args.delta, args.seed, args.draft, drafting_heads(args))
 
 
 def probe_ids(args, tokenizer, config) -> list[int]:
@@ -153,48 +155,41 @@ def heads_spec(args) -> str | None:
     return args.heads
 
 
-def decoder(args, model, recipe: Recipe, draft=None) -> Decoder:
-    """What the flags ask to decode with (answer.Decoder): decode(prompt ids, cache) iterates
-    over the tokens each step yields, describe() names the mode (after the run: which tree sizes
-    the budget used). The one-time work, the heads and the tree budget (its step latencies timed
-    here at first use), is the recipe's build (cli/recipe.py). draft: load()'s (--draft)."""
-    if draft is not None:
-        return speculative_decoder(args, model, *draft)
+def decoder(args, model, recipe: Recipe, drafter=None) -> Decoding:
+    """What the flags ask to decode with (recipe.Decoding): decode(prompt ids, n, stops, cache)
+    iterates over the tokens each step yields, describe() names the mode (after the run: which
+    tree sizes the budget used). The one-time work, the heads or the draft model's draft and the
+    tree budget (its step latencies timed here at first use), is the recipe's build
+    (cli/recipe.py). drafter: load()'s (--draft)."""
     heads = None
     if recipe.heads is not None:
         heads = decoding_heads(recipe.heads, model, recipe.draft_vocab)
         if args.chat and isinstance(heads, HydraPlusPlusHeads):
             raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
                             "cache is not kept between turns): use other heads or --baseline")
-    decoding, n, stops = build(recipe, model, heads), args.max_new_tokens, model.config.stop_ids
-    return Decoder(lambda ids, cache=None: decoding.decode(ids, n, stops, cache),
-                   decoding.describe,
-                   0 if decoding.budget is None else max(decoding.budget.sizes) + 1)
+    return build(recipe, model, heads, drafter)
 
 
-def drafting_heads(args, folder, draft) -> MedusaDraft | None:
-    """--draft's proposer where it decodes with heads (Medusa inside the draft: several drafts a
+def drafting_heads(args) -> str | None:
+    """The heads --draft's model drafts with (Medusa inside the draft: several drafts a
     forward of it): --heads, else the default model's trained heads where the model drafts for
     itself rounded; greedy only (sampling needs each draft's law), and not with --baseline."""
-    own = args.model is None and args.draft in QUANTIZED and DEFAULT_HEADS_DIR.is_dir()
-    spec = args.heads if args.heads is not None else str(DEFAULT_HEADS_DIR) if own else None
-    if spec is None or args.baseline or args.temperature > 0:
+    if args.draft is None or args.baseline or args.temperature > 0:
         return None
-    weight, where = draft.embed.weight, folder if args.draft in QUANTIZED else Path(args.draft)
-    decoding = build(Recipe(where, weight.device, format_of(draft), heads=spec,
-                            draft_vocab=args.draft_vocab), draft)  # its own trees' Budget
-    return MedusaDraft(draft, decoding.draft, decoding.budget, decoding.rule)
+    own = args.model is None and args.draft in QUANTIZED and DEFAULT_HEADS_DIR.is_dir()
+    return args.heads if args.heads is not None else str(DEFAULT_HEADS_DIR) if own else None
 
 
 def run(args) -> dict:
     """One prompt (--prompt or standard input), streamed unless --json: the result's numbers."""
     start = time.perf_counter()
-    model, step, weights, tokenizer, draft, recipe = load(args)
-    decode = decoder(args, model, recipe, draft)
+    model, step, weights, tokenizer, drafter, recipe = load(args)
+    decode = decoder(args, model, recipe, drafter)
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system,  # timed from here
                      model.config.max_position_embeddings)
-    answer = decode_answer(decode, ids, Answer(), None if args.json else StreamDecoder(tokenizer),
+    steps = decode.decode(ids, args.max_new_tokens, model.config.stop_ids)
+    answer = decode_answer(steps, Answer(), None if args.json else StreamDecoder(tokenizer),
                            start=start)
     output, stats, seconds = answer.ids, answer.stats, answer.seconds
     weight = model.embed.weight
@@ -205,15 +200,15 @@ def run(args) -> dict:
             "seconds": round(seconds, 4), "tokens_per_s": round(len(output) / seconds, 2),
             "load_seconds": round(loaded, 3), "mode": decode.describe(),
             "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
-            "format": format_of(model), "weights": weights, "step": step}
+            "format": recipe.weight_format, "weights": weights, "step": step}
 
 
 def load_once(args):
     """(model, tokenizer, decoder, where and how it runs in words): for a chat or a file of
     prompts, the model, heads and tree budget loaded once for all their answers."""
     start = time.perf_counter()
-    model, step, weights, tokenizer, draft, recipe = load(args)
-    decode = decoder(args, model, recipe, draft)
+    model, step, weights, tokenizer, drafter, recipe = load(args)
+    decode = decoder(args, model, recipe, drafter)
     return model, tokenizer, decode, (f"{model.embed.weight.device}, {weights}, {step} step; "
                                       f"loaded once in {time.perf_counter() - start:.1f} s")
 
@@ -248,7 +243,8 @@ def run_batched(args, prompts: list, out) -> None:
     model, step, weights, tokenizer, _, recipe = load(args)  # --batch decodes plainly
     where = (f"{model.embed.weight.device}, {weights}, {step} step; loaded in "
              f"{time.perf_counter() - start:.1f} s")
-    sampling = build(dataclasses.replace(recipe, heads=None), model).rule  # plain's Sampling
+    sampling = build(dataclasses.replace(recipe, heads=None, draft_model=None),
+                     model).sampling  # plain decoding's
     answers, seconds = answer_prompts_batched(args, prompts, model, tokenizer, sampling, out)
     print(batched_summary(answers, seconds, args.batch, f"({where}, not counted)"),
           file=sys.stderr)

@@ -1,181 +1,140 @@
 """Speculative decoding with a draft model (Leviathan et al. 2023; Chen et al. 2023), the method
-Medusa starts from: a cheap model drafts k tokens, the target verifies them in ONE forward of
-k + 1 rows and keeps the prefix it agrees with, plus one token of its own. The text is the
-target's: exactly its greedy text, or (sampling) its law.
+Medusa starts from, as a draft of Medusa's own loop (decoding.medusa_decode): a cheap model
+proposes k tokens after the text so far, d_1..d_k, a chain from the root; the chain is the tree
+(0,), (0, 0), ... of k nodes, and the target verifies it as it verifies any tree, in ONE forward
+of k + 1 rows. Greedy acceptance keeps d_i while it is the target's argmax; speculative sampling
+(speculative_sampling.verify_drawn: a chain is the tree of one child a node) keeps d_i with
+probability min(1, p_i(d_i) / q_i(d_i)), q_i the law the draft drew it from (the chain's
+Proposal), and closes at the first rejection with a draw from norm(max(0, p_i - q_i)). The text
+is the target's: exactly its greedy text, or (sampling) its law. k is each step's tree size,
+chosen by the Budget (budget.py) from each size's timed step and kept drafts (0: a plain step).
 
-A round, after the text so far (its last token, the root, not yet in the target's cache):
-1. the draft proposes d_1..d_k, and when sampling the laws q_1..q_k it drew them from;
-2. the target runs [root, d_1, ..., d_k] at the next k + 1 positions, causally: row i's
-   logits give p_i, the target's next token after d_1..d_i;
-3. greedy: d_{i+1} is kept while it is p_i's argmax; the first disagreement's argmax (all kept:
-   p_k's, the bonus token) closes the round. Sampling: d_{i+1} is kept with probability
-   min(1, p_i(d) / q_i(d)); at the first rejection the round closes with a draw from
-   norm(max(0, p_i - q_i)); all kept, with the bonus drawn from p_k. (speculative_sampling.py
-   proves the law for trees of drawn candidates; a chain is the tree of one child a node.)
-4. the target's cache keeps the root and the kept drafts (the other rows are forgotten, later
-   rounds write over them); the draft's keeps what it holds of the text so far.
-k: each round's, chosen by a budget (budget.py's Budget, as it chooses tree sizes: from each
-size's measured round time and tokens; the chain of k drafts is the tree (0,), (0, 0), ... of k
-nodes, and k = 0 a plain step of the target).
-The draft (ModelDraft): any model sharing the target's tokenizer; the same model rounded to 4
-bits is an almost perfect one (cli/draft_model.py makes it), and it may decode with its own
-Medusa heads (MedusaDraft: Medusa inside the draft). Left out: several drafts a position (a
-tree of the draft's guesses), and batches of prompts.
+ModelDraft: any model sharing the target's tokenizer, with a cache of its own; the same model
+rounded to 4 bits is an almost perfect one (cli/draft_model.py reads it). MedusaDraft: the draft
+decoding with its own Medusa heads (medusa_decode on its cache: several drafts a forward of it).
+Left out: several drafts a position (a tree of the draft's guesses), batches of prompts.
 
-Shapes: k drafted tokens, T = k + 1 rows, V vocab.
+Shapes: k drafted tokens, V vocab.
 """
-from typing import Iterator
-
 import torch
 
-from minimedusa.acceptance import (Acceptance, Sampling, draw, greedy_tokens, make_generator,
-                                   probabilities)
-from minimedusa.decoding import cut_at_stop, medusa_decode, new_cache, prefill
+from minimedusa.acceptance import Acceptance, draw, greedy_tokens, make_generator, probabilities
+from minimedusa.context_candidates import merged_tree
+from minimedusa.decoding import medusa_decode, prefill
+from minimedusa.draft import Candidates
 from minimedusa.kv_cache import KVCache
-from minimedusa.model import Llama, at_least_float32, causal_mask
+from minimedusa.model import Llama
+from minimedusa.speculative_sampling import Proposal
+
+
+def chain_paths(k: int) -> tuple[tuple, ...]:
+    """The node paths of a chain of k drafts: (0,), (0, 0), ..., each the first child of the
+    last."""
+    return tuple((0,) * depth for depth in range(1, k + 1))
+
+
+def chain_proposal(drafts: list[int], laws: list[torch.Tensor]) -> Proposal:
+    """What a chain's drafts were drawn from, as speculative sampling verifies them: at each
+    parent (the root, d_1, ...) its one child, drawn from q (V,), a column of the vocabulary."""
+    parents = [(0,) * depth for depth in range(len(drafts))]
+    return Proposal(q=dict(zip(parents, laws)), columns={p: [d] for p, d in zip(parents, drafts)},
+                    draws={p: [d] for p, d in zip(parents, drafts)})
 
 
 class ModelDraft:
-    """A draft model with a cache of its own: it proposes k tokens after the text so far,
-    greedily, or drawn at the target's temperature and top-p (returning the laws it drew them
-    from), and counts what it proposed and what the target kept."""
+    """A draft model (draft.py's five verbs): each step's candidates are k tokens it proposes
+    after the text so far, greedily (temperature 0) or drawn at the target's temperature and
+    top-p, with the laws they were drawn from. It keeps the text (the prompt, each step's root
+    and accepted drafts) and a cache of its own, and counts what it proposed and what was
+    kept in the run."""
 
-    def __init__(self, model: Llama, sampling: Sampling):
-        self.model, self.sampling = model, sampling
+    def __init__(self, model: Llama, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None):
+        self.model, self.temperature, self.top_p = model, temperature, top_p
         # its own draws, apart from the verifier's coins (seeded one on, as DrawnDraft's)
-        seed = None if sampling.seed is None else sampling.seed + 1
-        self.generator = make_generator(model.embed.weight.device, seed)
+        self.generator = make_generator(model.embed.weight.device,
+                                        None if seed is None else seed + 1)
+        self.text: list[int] = []
         self.cache: KVCache | None = None
         self.proposed = self.kept = 0
 
-    def start(self, capacity: int) -> None:
-        """A fresh cache for a run whose text reaches `capacity` tokens."""
-        self.cache = KVCache.for_model(self.model, capacity)
+    def start(self, prompt_ids: list[int], cache) -> None:
+        """A fresh cache of the target's capacity, the text so far (the prompt), and the run's
+        counts from 0 (a step timed before it proposes too: cli/step_latency.py)."""
+        self.text, self.cache = list(prompt_ids), KVCache.for_model(self.model, cache.capacity)
+        self.proposed = self.kept = 0
 
-    def feed(self, ids: list[int]) -> torch.Tensor:
-        """Run ids after the cached tokens: the next token's logits (V,) in float32."""
-        logits, _ = prefill(self.model, self.cache,
-                            torch.tensor([ids], device=self.cache.device))  # (1, V)
-        return logits[0]
+    def read(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[-1]  # the draft reads its own model, not the target's states
 
-    def propose(self, text: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        """(k tokens after text, their laws (k, V) when sampling, else None). The draft feeds
-        what of text it has not cached (the last round's close, a kept draft), then its own
-        tokens but the last."""
-        logits = self.feed(text[self.cache.length:])
+    def match(self, root: int) -> int:
+        self.text.append(root)  # the last token emitted: the text the draft continues
+        return 0  # every step in the budget's one group
+
+    def tree(self, model, n: int, root: int, features: torch.Tensor) -> Candidates:
+        """The chain of n drafts after the text, its tokens [root, d_1, .., d_n] on the target's
+        device, each path's rank its depth; drawn drafts with their laws (the Proposal)."""
+        drafts, laws = self.propose(n)
+        self.proposed += n
+        paths = chain_paths(n)
+        tokens = torch.tensor([root, *drafts], device=features.device)  # (n + 1,)
+        proposal = None if laws is None else chain_proposal(drafts, laws)
+        return Candidates(merged_tree(paths, features.device), tokens,
+                          {p: len(p) for p in paths}, proposal)
+
+    def propose(self, k: int) -> tuple[list[int], list[torch.Tensor] | None]:
+        """(k tokens after the text, the laws (V,) they were drawn from, or None: greedy).
+        note: the cache holds what the draft fed the last time (the text then, its drafts but
+        the last); of it, what agrees with the text now (all but its last token: the last gives
+        the first draft's logits) is kept, the rejected drafts forgotten."""
+        self.forget_rejected()
+        logits = self.feed(self.text[self.cache.length:])
         tokens, laws = [], []
         for i in range(k):
-            if self.sampling.greedy:
+            if self.temperature == 0:
                 token = greedy_tokens(logits).item()
             else:
-                laws.append(probabilities(logits, self.sampling.temperature,
-                                          self.sampling.top_p))
+                laws.append(probabilities(logits, self.temperature, self.top_p))
                 token = draw(laws[-1], self.generator).item()
             tokens.append(token)
             if i < k - 1:
                 logits = self.feed([token])
-        self.proposed += k
-        return tokens, torch.stack(laws) if laws else None
+        return tokens, laws or None
 
-    def keep(self, length: int, kept: int) -> None:
-        """The text now agrees with what the draft fed for its first `length` tokens: the rest
-        of its cache (rejected drafts) is forgotten. kept: the drafts the target kept."""
-        self.cache.rewind(length)
-        self.kept += kept
+    def forget_rejected(self) -> None:
+        """Cut the cache to what agrees with the text: all of it but its last token."""
+        self.cache.rewind(len(self.text) - 1)
+
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        """Run ids after the cached tokens: the next token's logits (V,) in float32."""
+        logits, _ = prefill(self.model, self.cache, torch.tensor([ids], device=self.cache.device))
+        return logits[0]
+
+    def extend(self, tokens: list[int]) -> None:
+        """The step's accepted drafts join the text (the draft's cache is cut to them at its
+        next proposal)."""
+        self.text += tokens
+        self.kept += len(tokens)
 
 
 class MedusaDraft(ModelDraft):
-    """A draft model decoding with its own heads: each round's k drafts come from
+    """A draft model decoding with its own heads: each step's k drafts come from
     decoding.medusa_decode on the draft's cache (several tokens a forward where its heads guess
-    right; its trees' sizes chosen by its own budget, round after round). Greedy only: the
-    target's speculative sampling needs the law each draft was drawn from."""
+    right; its trees' sizes chosen by its own budget, step after step). Greedy only: speculative
+    sampling needs the law each draft was drawn from."""
 
     def __init__(self, model: Llama, heads_draft, budget, acceptance: Acceptance):
-        super().__init__(model, Sampling())
+        super().__init__(model)
         self.heads_draft, self.budget, self.acceptance = heads_draft, budget, acceptance
 
-    def start(self, capacity: int) -> None:
-        super().start(capacity + max(self.budget.sizes) + 1)  # room for a step's tree
+    def start(self, prompt_ids: list[int], cache) -> None:
+        super().start(prompt_ids, cache)
+        self.cache = KVCache.for_model(self.model, cache.capacity + max(self.budget.sizes) + 1)
 
-    def propose(self, text: list[int], k: int) -> tuple[list[int], None]:
-        """k tokens after text: medusa_decode prefills what of text the cache lacks, and leaves
-        it holding text and the drafts but the last, as ModelDraft.propose does."""
-        steps = medusa_decode(self.model, self.heads_draft, self.budget, self.acceptance, text,
-                              k, set(), self.cache)
-        self.proposed += k
+    def propose(self, k: int) -> tuple[list[int], None]:
+        """k tokens after the text: medusa_decode feeds what of the text the cache lacks, and
+        leaves it holding the text and the drafts but the last, as ModelDraft.propose does."""
+        self.forget_rejected()
+        steps = medusa_decode(self.model, self.heads_draft, self.budget, self.acceptance,
+                              self.text, k, set(), self.cache)
         return [token for step in steps for token in step], None
-
-
-@torch.inference_mode()
-def verify(target: Llama, cache: KVCache, root: int, drafted: list[int],
-           laws: torch.Tensor | None, sampling: Sampling, generator) -> list[int]:
-    """One forward of [root, *drafted] (T rows) after the target's cache: the kept drafts, then
-    the target's own token. The cache keeps the root and the kept drafts."""
-    n, T = cache.length, len(drafted) + 1
-    device = cache.device
-    tokens = torch.tensor([[root, *drafted]], device=device)  # (1, T)
-    positions = torch.arange(n, n + T, device=device)[None]  # (1, T)
-    logits, _ = target(tokens, positions, causal_mask(n, T, device), cache,
-                       cache.next_slots(T))  # (1, T, V)
-    logits = at_least_float32(logits[0])  # (T, V)
-    if sampling.greedy:
-        kept, last = greedy_kept(logits, drafted)
-    else:
-        p = probabilities(logits, sampling.temperature, sampling.top_p)  # (T, V)
-        kept, last = sampled_kept(p, drafted, laws, generator)
-    cache.advance(1 + kept)  # the root and the kept drafts; the rejected rows are forgotten
-    return drafted[:kept] + [last]
-
-
-def greedy_kept(logits: torch.Tensor, drafted: list[int]) -> tuple[int, int]:
-    """(how many drafts the target's argmax keeps, its token after them); logits (T, V)."""
-    picks = greedy_tokens(logits).tolist()  # (T,): the one host sync of a greedy round
-    kept = 0
-    while kept < len(drafted) and drafted[kept] == picks[kept]:
-        kept += 1
-    return kept, picks[kept]
-
-
-def sampled_kept(p: torch.Tensor, drafted: list[int], laws: torch.Tensor,
-                 generator) -> tuple[int, int]:
-    """(drafts kept, the closing token) by speculative sampling: draft i kept with probability
-    min(1, p_i(d) / q_i(d)); the first rejected one replaced by a draw from
-    norm(max(0, p_i - q_i)); all kept, a bonus drawn from p's last row. p (T, V), laws (k, V)."""
-    for i, token in enumerate(drafted):
-        coin = torch.rand((), generator=generator, device=p.device)
-        if coin * laws[i, token] >= p[i, token]:  # rejected: u >= p / q
-            residual = (p[i] - laws[i]).clamp(min=0)  # draw() normalises it
-            return i, draw(residual, generator).item()
-    return len(drafted), draw(p[-1], generator).item()
-
-
-def speculative_decode(target: Llama, draft: ModelDraft, budget, sampling: Sampling,
-                       prompt_ids: list[int], max_new_tokens: int,
-                       stop_ids: set[int]) -> Iterator[list[int]]:
-    """Yield the new tokens round by round, until a stop id (yielded) or max_new_tokens: first
-    the prefill's token, then each round's kept drafts and its closing token. Each round's k
-    is budget.choose()'s (0: a plain step of the target); its time and kept drafts go back to
-    the budget. Greedy: exactly the target's plain greedy tokens, whatever the draft."""
-    device = target.embed.weight.device
-    generator = sampling.generator(device)
-    margin = max(budget.sizes) + 1  # a round writes its k + 1 rows before keeping some
-    cache = new_cache(target, len(prompt_ids), max_new_tokens, margin)
-    draft.start(cache.capacity)
-    logits, _ = prefill(target, cache, torch.tensor([prompt_ids], device=device))
-    text, new, produced = list(prompt_ids), [sampling.pick(logits, generator).item()], 0
-    while True:
-        new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
-        produced += len(new)
-        text += new
-        yield new
-        if stop or produced == max_new_tokens:
-            return
-        start = budget.clock()
-        k = budget.choose()
-        drafted, laws = draft.propose(text, k) if k else ([], None)
-        new = verify(target, cache, text[-1], drafted, laws, sampling, generator)
-        kept = len(new) - 1
-        draft.keep(len(text) + kept, kept)  # it fed the text, then its drafts but the last
-        # the chain's i-th draft is the node (0,) * i, held by every k >= i: its rank is i
-        accepted = [(0,) * (i + 1) for i in range(kept)]
-        budget.record(k, budget.clock() - start, accepted, {path: len(path) for path in accepted})

@@ -146,11 +146,11 @@ def runs(monkeypatch):
         chosen = real_decoder(args, model, recipe, draft)
         real_decode = chosen.decode
 
-        def decode(ids, cache=None):
+        def decode(ids, n, stop_ids, cache=None):
             run = {"prompt": list(ids), "answer": [], "prefilled": 0,
                    "kept": 0 if cache is None else cache.length}
             runs.append(run)
-            for new in real_decode(ids, cache):
+            for new in real_decode(ids, n, stop_ids, cache):
                 run["answer"] += new
                 yield new
         chosen.decode = decode

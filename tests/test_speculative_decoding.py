@@ -1,10 +1,11 @@
-"""Speculative decoding with a draft model (speculative_decoding.py) is lossless: greedy, the
-target's plain greedy tokens exactly, with drafts kept and rejected (random tiny models, the
-draft a perturbed copy of the target, over k, prompts and the Budget's changes of k; and the
-real default model, float32 verifying its own int4 rounding, on the fixture's chats);
-sampling, the target's exact law (a chi-square on a Markov chain, and end to end on a tiny
-model). Negative controls: a draft kept where the target disagreed, a draft whose cache is
-not rewound, a rejection that draws from p instead of the residual: each fails here."""
+"""Speculative decoding with a draft model (speculative_decoding.py), a draft of the one loop
+(decoding.medusa_decode), is lossless: greedy, the target's plain greedy tokens exactly, with
+drafts kept and rejected (random tiny models, the draft a perturbed copy of the target, over k,
+prompts and the Budget's changes of k; and the real default model, float32 verifying its own
+int4 rounding, on the fixture's chats); sampling, the target's exact law (a chi-square on a
+Markov chain through the loop's verifier, speculative_sampling.verify_drawn, and end to end on a
+tiny model). Negative controls: a draft kept where the target disagreed, a draft whose cache is
+not cut to the text, a rejection that draws from p instead of the residual: each fails here."""
 import json
 import math
 import shutil
@@ -17,18 +18,20 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import perturbed, tiny_model
 from generate import main as generate_main
-from minimedusa import speculative_decoding
-from minimedusa.acceptance import Sampling, greedy, probabilities
+from dataclasses import replace
+
+from minimedusa.acceptance import Acceptance, Sampling, greedy, probabilities
 from minimedusa.budget import Budget, FixedSize
-from minimedusa.cli.recipe import Recipe, build, decoding_model
-from minimedusa.cli.draft_model import draft_budget, draft_model
+from minimedusa.cli.recipe import Recipe, build, decoding_model, draft_model
+from minimedusa.context_candidates import merged_tree
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR
-from minimedusa.decoding import plain_decode
+from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.files.weights import save_model
 from minimedusa.draft import TreeDraft
 from minimedusa.heads import MedusaHeads
-from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, sampled_kept,
-                                             speculative_decode)
+from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, chain_paths,
+                                             chain_proposal)
+from minimedusa.speculative_sampling import speculative, verify_drawn
 from minimedusa.tree import build_tree
 from test_rejection_exact import goodness_of_fit
 
@@ -50,10 +53,18 @@ def tokens_of(steps) -> list[int]:
     return [t for step in steps for t in step]
 
 
-def speculative_tokens(target, draft, budget, prompt, n, sampling=Sampling()):
-    proposer = ModelDraft(draft, sampling)
-    rounds = list(speculative_decode(target, proposer, budget, sampling, prompt, n, set()))
-    return tokens_of(rounds), proposer
+def rule_of(sampling: Sampling) -> Acceptance:
+    """The loop's acceptance for a draft model's chains: greedy, or speculative sampling."""
+    if sampling.greedy:
+        return greedy()
+    return speculative(sampling.temperature, sampling.top_p, sampling.seed)
+
+
+def speculative_tokens(target, draft, budget, prompt, n, sampling=Sampling(), rule=None):
+    proposer = ModelDraft(draft, sampling.temperature, sampling.top_p, sampling.seed)
+    steps = list(medusa_decode(target, proposer, budget, rule or rule_of(sampling), prompt, n,
+                               set()))
+    return tokens_of(steps), proposer
 
 
 @settings(max_examples=15, deadline=None)
@@ -76,9 +87,8 @@ def test_a_draft_decoding_with_its_heads_drafts_the_targets_greedy_text(seed):
     heads = perturbed(MedusaHeads.for_model(draft, 3, shared_lm_head=True), seed, 0.01)
     tree = build_tree([[0], [0, 0], [1], [0, 0, 0]], 3)
     proposer = MedusaDraft(draft, TreeDraft(heads, {4: tree}), FixedSize(4), greedy())
-    rounds = list(speculative_decode(target, proposer, FixedSize(6), Sampling(), [5, 9, 11],
-                                     60, set()))
-    assert tokens_of(rounds) == tokens_of(plain_decode(target, [5, 9, 11], 60, Sampling(),
+    steps = list(medusa_decode(target, proposer, FixedSize(6), greedy(), [5, 9, 11], 60, set()))
+    assert tokens_of(steps) == tokens_of(plain_decode(target, [5, 9, 11], 60, Sampling(),
                                                        set()))
     assert 0 < proposer.kept <= proposer.proposed
 
@@ -105,28 +115,31 @@ def test_a_perfect_draft_is_kept_whole():
     assert got == tokens_of(plain_decode(target, [7, 8], 60, Sampling(), set()))
 
 
-def test_a_draft_whose_cache_is_not_rewound_cannot_run(monkeypatch):
-    """The negative control of the rewind: a draft that keeps its rejected drafts cached
-    holds more than the text after the first rejection, and has nothing left to feed."""
+def test_a_draft_whose_cache_is_not_cut_to_the_text_cannot_run(monkeypatch):
+    """The negative control of the cut: a draft that keeps its rejected drafts cached holds
+    more than the text after the first rejection, and has nothing left to feed."""
     target = tiny_model(3)
     draft = draft_of(target, 0.02, 3)
-    monkeypatch.setattr(ModelDraft, "keep", lambda self, length, kept: None)
+    monkeypatch.setattr(ModelDraft, "forget_rejected", lambda self: None)
     with pytest.raises(RuntimeError):
         speculative_tokens(target, draft, FixedSize(4), [5, 9, 11], 120)
 
 
-def test_a_draft_kept_where_the_target_disagreed_is_caught(monkeypatch):
+def test_a_draft_kept_where_the_target_disagreed_is_caught():
     """The negative control of the greedy test: keeping one draft too many changes the text."""
-    def one_too_many(logits, drafted):
-        picks = logits.argmax(-1).tolist()
-        kept = 0
-        while kept < len(drafted) and drafted[kept] == picks[kept]:
-            kept += 1
-        kept = min(kept + 1, len(drafted))
-        return kept, picks[kept]
-    monkeypatch.setattr(speculative_decoding, "greedy_kept", one_too_many)
+    exact = greedy()
+
+    def one_too_many(logits, candidates, generator):
+        nodes, new = exact.accept(logits, candidates, generator)
+        chain = candidates.tokens.tolist()
+        if len(nodes) < len(chain):  # the next draft too, then the argmax after it
+            nodes = nodes + [len(nodes)]
+            new = new[:-1] + [chain[nodes[-1]], int(logits[nodes[-1]].argmax())]
+        return nodes, new
+    rule = Acceptance("greedy, one too many", one_too_many, exact.first)
     target = tiny_model(3)
-    got, _ = speculative_tokens(target, draft_of(target, 0.05, 3), FixedSize(4), [5, 9], 60)
+    got, _ = speculative_tokens(target, draft_of(target, 0.05, 3), FixedSize(4), [5, 9], 60,
+                                rule=rule)
     assert got != tokens_of(plain_decode(target, [5, 9], 60, Sampling(), set()))
 
 
@@ -136,7 +149,16 @@ V, M = 4, 3  # a Markov chain's vocabulary; tokens in a sampled sequence
 N_SAMPLES = 20_000
 
 
-def chain_sample(p_table, q_table, k: int, n: int, seed: int, keep=sampled_kept) -> Counter:
+def chain_kept(rows: torch.Tensor, drafted: list[int], laws: torch.Tensor, g) -> tuple[int, int]:
+    """The one loop's verifier on the chain as ModelDraft hands it (its tree, its Proposal):
+    (drafts kept, the closing token); rows (k + 1, V) the target's p along the chain."""
+    tree = merged_tree(chain_paths(len(drafted)), torch.device("cpu"))
+    nodes, new = verify_drawn(lambda node: rows[node], tree, torch.tensor([0, *drafted]),
+                              chain_proposal(drafted, list(laws)), g)
+    return len(nodes) - 1, new[-1]
+
+
+def chain_sample(p_table, q_table, k: int, n: int, seed: int, keep=chain_kept) -> Counter:
     """n sequences of M tokens after token 0, each from rounds of k drafts drawn from the q
     chain and kept or replaced by `keep` against the p chain (rows: the next token's law)."""
     g = torch.Generator().manual_seed(seed)
@@ -221,20 +243,18 @@ def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default
     the shipped heads (as generate.py --draft int4 does): the float32 model's plain greedy
     tokens exactly, and most drafts kept (the system prompt's chat, of near-ties, fewest: a
     draft cache rewound wrong keeps few, its drafts following text the target never wrote)."""
-    target, _ = decoding_model(Recipe(default_model_dir, torch.device("cpu"), "float32", False))
-    draft, _ = draft_model("int4", default_model_dir, torch.device("cpu"), None)  # fused
-    heads = build(Recipe(default_model_dir, torch.device("cpu"), "int4",
-                         heads=str(DEFAULT_HEADS_DIR)), draft)  # as generate.py's
-    proposers = [ModelDraft(draft, Sampling()),
-                 MedusaDraft(draft, TreeDraft(heads.draft.heads, heads.draft.trees),
-                             heads.budget, greedy())]
-    budget = draft_budget(target, draft)
-    for proposer, case in zip(proposers, reference["greedy"]["cases"][::2]):
+    recipe = Recipe(default_model_dir, torch.device("cpu"), "float32", False, draft_model="int4")
+    target, _ = decoding_model(recipe)
+    drafter, _ = draft_model(recipe)  # fused
+    decodings = [build(recipe, target, drafter=drafter),  # as generate.py's, with its heads
+                 build(replace(recipe, draft_heads=str(DEFAULT_HEADS_DIR)), target,
+                       drafter=drafter)]
+    for decoding, case in zip(decodings, reference["greedy"]["cases"][::2]):
         prompt = case["prompt_ids"]
-        got = tokens_of(speculative_decode(target, proposer, budget, Sampling(), prompt, 32,
-                                           set()))
+        got = tokens_of(decoding.decode(prompt, 32, set()))
         assert got == tokens_of(plain_decode(target, prompt, 32, Sampling(), set()))
-        assert proposer.kept > 0.6 * proposer.proposed > 0  # 77-96% where measured
+        assert isinstance(decoding.draft, MedusaDraft) == (decoding is decodings[1])
+        assert decoding.draft.kept > 0.6 * decoding.draft.proposed > 0  # 77-96% where measured
 
 
 # --- generate.py --draft ----------------------------------------------------------------------

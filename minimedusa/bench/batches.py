@@ -42,7 +42,7 @@ def batch_engines(args, plain: Recipe, model, prompts: list[list[int]], usage: d
     """{name: (rows a step, run() -> {prompt index: answer})}; Medusa in a batch counts its
     row-steps by tree size into usage[name]."""
     n = args.max_new_tokens
-    sampling = build(plain, model).rule
+    sampling = build(plain, model).sampling
     # generate.py --batch 1's default: the heads, the adapted trees, context candidates
     medusa = engine(replace(plain, heads=args.heads[0], draft_vocab=args.draft_vocab[0],
                             context=True), model)
@@ -75,7 +75,7 @@ def batched_medusa(args, plain: Recipe, model, prompts: list[list[int]], B: int,
         def fresh(rows: int):
             budgets.append(for_rows(rows))
             return budgets[-1]
-        medusa = BatchMedusa(decoding.draft, fresh(B), decoding.rule, fresh)
+        medusa = BatchMedusa(decoding.draft, fresh(B), decoding.acceptance, fresh)
         answers = dict(batch_medusa_decode(model, prompts, args.max_new_tokens, medusa, set(), B))
         for budget in budgets:
             usage[name].update(budget.used)

@@ -22,7 +22,6 @@ from minimedusa.bench.llama_cpp_tools import llama_cpp_engines
 from minimedusa.budget import expected_length, expected_length_of, grow_tree
 from minimedusa.cli.recipe import Recipe, build, decoding_heads, decoding_model
 from minimedusa.cli.trees import decoding_tree
-from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.errors import UserError
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.heads import ranked_vocab_size
@@ -127,21 +126,21 @@ def timed(steps) -> tuple[list[int], float, int]:
     return out, time.perf_counter() - start, n
 
 
-def engine(recipe: Recipe, model, heads=None, usage: Counter | None = None):
-    """The recipe's decoding (recipe.build: its heads, trees, budget and rule) as an engine:
-    each question from a fresh copy of the budget (its priors, as each generate.py process
-    starts), the rule seeded by the question (each engine's sampling draws repeat question by
-    question); the steps run at each size go to `usage`."""
-    decoding = build(recipe, model, heads)
+def engine(recipe: Recipe, model, heads=None, usage: Counter | None = None, drafter=None):
+    """The recipe's decoding (recipe.build: its heads or draft model's draft, trees, budget and
+    rule; drafter: the draft model, loaded already) as an engine: each question from a fresh
+    copy of the budget (its priors, as each generate.py process starts), the rule seeded by the
+    question (each engine's sampling draws repeat question by question); the steps run at each
+    size go to `usage`."""
+    decoding = build(recipe, model, heads, drafter)
 
     def run(ids, n, seed):
-        rule = replace(decoding.rule, seed=seed)
-        if decoding.draft is None:
-            return timed(plain_decode(model, ids, n, rule, set()))
-        budget = copy.deepcopy(decoding.budget)
-        result = timed(medusa_decode(model, decoding.draft, budget, rule, ids, n, set()))
-        if usage is not None:
-            usage.update(budget.used)
+        seeded = decoding.seeded(seed)
+        if decoding.draft is not None:
+            seeded = replace(seeded, budget=copy.deepcopy(decoding.budget))
+        result = timed(seeded.decode(ids, n, set()))
+        if usage is not None and seeded.budget is not None:
+            usage.update(seeded.budget.used)
         return result
     return run
 

@@ -4,22 +4,10 @@ line each prints on stderr. The decoding itself is decoding.py's; this only driv
 """
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 from minimedusa.decoding import StepStats
-from minimedusa.kv_cache import KVCache
 from minimedusa.files.tokenizer import StreamDecoder
-
-
-@dataclass
-class Decoder:
-    """What the flags chose (generate.decoder), loaded once: decode(prompt ids, cache) iterates
-    over the tokens each step yields, in a new cache (None) or in a conversation's (chat.py);
-    describe() names the mode (after a run: the tree sizes the budget used); margin: the tree
-    tokens a step writes past the sequence, which a conversation's cache must have room for."""
-    decode: Callable[[list[int], KVCache | None], Iterator[list[int]]]
-    describe: Callable[[], str]
-    margin: int
 
 
 @dataclass
@@ -35,15 +23,14 @@ class Answer:
         return len(self.ids) / max(self.seconds, 1e-9)
 
 
-def decode_answer(decoder: Decoder, prompt_ids: list[int], answer: Answer,
-                  stream: StreamDecoder | None = None, cache: KVCache | None = None,
-                  start: float | None = None) -> Answer:
-    """Decode the answer to prompt_ids into `answer`, step by step, printing each step's text to
-    stdout as it is accepted if a `stream` is given. answer.seconds: from `start` (default:
-    now) to the last token, set even where Ctrl-C stops the answer."""
+def decode_answer(steps: Iterator[list[int]], answer: Answer,
+                  stream: StreamDecoder | None = None, start: float | None = None) -> Answer:
+    """Drive a decoding (recipe.Decoding.decode's steps) into `answer`, step by step, printing
+    each step's text to stdout as it is accepted if a `stream` is given. answer.seconds: from
+    `start` (default: now) to the last token, set even where Ctrl-C stops the answer."""
     start = time.perf_counter() if start is None else start
     try:
-        for new in decoder.decode(prompt_ids, cache):
+        for new in steps:
             answer.ids += new
             answer.stats.record(len(new))
             if stream is not None:

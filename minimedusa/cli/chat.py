@@ -22,7 +22,8 @@ from pathlib import Path
 
 from minimedusa.errors import UserError
 from minimedusa.files.outputs import write_atomically
-from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
+from minimedusa.cli.answer import Answer, decode_answer, summary_line
+from minimedusa.cli.recipe import Decoding
 from minimedusa.cli.prompts import ROLES, is_conversation
 from minimedusa.kv_cache import KVCache
 from minimedusa.files.tokenizer import StreamDecoder, Tokenizer
@@ -91,15 +92,15 @@ class Conversation:
 class Chat:
     """A conversation with the model: its turns and the commands that edit it."""
 
-    def __init__(self, args, model, tokenizer: Tokenizer, decoder: Decoder):
-        self.tokenizer, self.decoder = tokenizer, decoder
+    def __init__(self, args, model, tokenizer: Tokenizer, decoding: Decoding):
+        self.tokenizer, self.decoding = tokenizer, decoding
         self.max_new_tokens, self.when_full = args.max_new_tokens, args.when_full
         self.context = model.config.max_position_embeddings
         if self.max_new_tokens >= self.context:
             raise UserError(f"--max-new-tokens {self.max_new_tokens} leaves no room for a "
                             f"conversation in the model's context of {self.context} tokens")
         # the whole context, plus the tree tokens a Medusa step writes before compaction
-        cache = KVCache.for_model(model, capacity=self.context + decoder.margin)
+        cache = KVCache.for_model(model, capacity=self.context + decoding.margin)
         self.conversation = Conversation(cache, args.system)
         self.warned = False  # the template's rendering left the cache: said once
 
@@ -155,8 +156,9 @@ class Chat:
             self.warned = True
         answer = Answer()
         try:
-            decode_answer(self.decoder, ids, answer, StreamDecoder(self.tokenizer),
-                          conversation.cache)
+            steps = self.decoding.decode(ids, self.max_new_tokens, self.decoding.model.config
+                                         .stop_ids, conversation.cache)
+            decode_answer(steps, answer, StreamDecoder(self.tokenizer))
             print(flush=True)
         except KeyboardInterrupt:
             print(flush=True)
@@ -165,7 +167,7 @@ class Chat:
         text = self.tokenizer.decode(answer.ids, skip_special=True)
         conversation.answered(messages, ids, answer.ids, text)
         prefilled = f"(prefilled {len(ids) - kept} new tokens, {kept} kept in the cache)"
-        print(summary_line(self.decoder.describe(), len(answer.ids), answer.seconds,
+        print(summary_line(self.decoding.describe(), len(answer.ids), answer.seconds,
                            answer.stats.steps, answer.stats.histogram, prefilled),
               file=sys.stderr, flush=True)
 
@@ -271,9 +273,9 @@ def read_line(stdin) -> str:
     return raw.decode("utf-8") if isinstance(raw, bytes) else raw
 
 
-def chat(args, model, tokenizer: Tokenizer, decoder: Decoder, loaded: str) -> None:
+def chat(args, model, tokenizer: Tokenizer, decoding: Decoding, loaded: str) -> None:
     """The chat loop: each line a message or a command, until /exit or the input's end."""
-    session = Chat(args, model, tokenizer, decoder)
+    session = Chat(args, model, tokenizer, decoding)
     interactive = sys.stdin.isatty()
     say(f"{loaded}; /help lists the commands, Ctrl-C stops an answer, Ctrl-D or /exit ends")
     for line in read_lines(interactive):

@@ -95,12 +95,8 @@ def probability(text: str) -> float:
 def add_device_arguments(parser, threads_default: int | None = None) -> None:
     """--device, --dtype and --threads, the same in every command line."""
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (default: float32 on CPU, "
-                        "bfloat16 on CUDA; decoding on a CPU, for a model whose weights came "
-                        "from a 4-bit file, as the default model's: w4a8 where the CPU has AVX2 "
-                        "and FMA but no avx512_bf16, int4 where it has avx512_bf16 or AMX; for "
-                        "other models bfloat16 where the CPU multiplies it natively, else "
-                        "float32), float32, bfloat16, float16")
+    parser.add_argument("--dtype", default="auto", help="auto (default: the machine's format, "
+                        "README's Flags), float32, bfloat16, float16")
     default = threads_default or "torch's choice, one per core"
     parser.add_argument("--threads", type=thread_count, default=threads_default,
                         help=f"CPU threads for torch, at most {THREADS_PER_CORE} a core "
@@ -109,61 +105,26 @@ def add_device_arguments(parser, threads_default: int | None = None) -> None:
 
 def add_quantize_argument(parser) -> None:
     parser.add_argument("--quantize", choices=("none", "int8", "int4", "w4a8"), default="none",
-                        help="int4: the blocks' weights in 4 bits, a scale and a minimum per 32 "
-                        "(as the GGUF's Q4_1), the heads' layers rounded to 8-bit groups where "
-                        "group_kernel.c multiplies, the LM head in 8-bit groups (as the GGUF's "
-                        "Q8_0) if its weights already lie on them or the model is of real size "
-                        "(0.3B weights in its blocks or more: rounded to them), else as stored; "
-                        "lossless for a model whose weights came from such files. "
-                        "w4a8: int4's weights times 8-bit activations (a scale per row and "
-                        "group of 32, as llama.cpp's Q4_1 decoding) in the attention's output "
-                        "and the MLP's input products, 16-bit ones in the other two: integer "
-                        "products, cheaper steps and tree rows, answers a little further from "
-                        "float32's (top-1 agreement 99.0%%; llama.cpp's 97.8%%). int8: "
-                        "weight-only int8 (a scale per output channel) for every linear layer, "
-                        "the LM head and the heads' included. All run on the CPU (--device auto "
-                        "picks it, also where a GPU is present), bfloat16 activations, but int4 "
-                        "and w4a8 float32 where the CPU has AVX2 and no avx512_bf16 "
-                        "(weight_formats.py). For a model of real size the 4-bit formats are "
-                        "the fastest on a CPU where group_kernel.c multiplies, in about 0.6 "
-                        "bytes a weight (bfloat16: 2; the summary line gives each run's size), "
-                        "the faster of them w4a8 on a CPU with AVX2 and no avx512_bf16 (its "
-                        "integer products beat AVX2's float ones: 1.2-1.3x int4 on a 1.1B "
-                        "model), else int4; a run keeps the rounded weights for the next (the "
-                        "cache folder's weights/). Default: none, the weights in --dtype (whose "
-                        "auto picks that 4-bit format for a model from a 4-bit file)")
+                        help="round the weights: int4 (Q4_1's groups), w4a8 (int4 times 8-bit "
+                        "activations), int8; on the CPU (default: none; README's Flags)")
 
 
 def add_compile_argument(parser) -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="compile the decoding step with torch.compile (compiled_step.py): "
-                        "~20 s the first time on a machine, a few seconds in later runs "
-                        "(cached on disk), then faster steps. Default: on a CPU where a C++ "
-                        "compiler works, except int4 and w4a8 where group_kernel.c multiplies "
-                        "(AVX2 or AVX-512 BF16 CPUs), whose blocks are each one C++ call "
-                        "(fused_block.py, faster, nothing to compile); --compile compiles those "
-                        "too. On CUDA the step and the heads' draft run in CUDA graphs "
-                        "(cuda_graphs.py), of compiled blocks where torch.compile works there "
-                        "(~15 s of compiling and capture the first time on an H200, less once "
-                        "inductor's cache holds the kernels; else of the eager blocks, ~1 s of "
-                        "capture). --no-compile: eager, the reading path")
+                        help="compile the decoding step (default: where faster: fused C++ "
+                        "blocks for int4/w4a8, CUDA graphs on a GPU); --no-compile: eager")
 
 
 def add_context_argument(parser) -> None:
     parser.add_argument("--context", action=argparse.BooleanOptionalAction, default=True,
-                        help="context candidates: each step's tree also holds a branch read from "
-                        "the prompt and the answer so far, where their last tokens occurred "
-                        "before (context_candidates.py; output unchanged). With the adapted "
-                        "trees only, not with a fixed --tree (default: on)")
+                        help="context candidates: a branch copied from the text so far joins "
+                        "the adapted trees (default: on)")
 
 
 def add_draft_vocab_argument(parser) -> None:
     parser.add_argument("--draft-vocab", type=non_negative_int, default=None, metavar="N",
-                        help="the heads rank only the N tokens most frequent in their training "
-                        "answers, reading N rows of the LM head instead of all (output "
-                        "unchanged: the model still verifies over the whole vocabulary); 0 = "
-                        "the whole vocabulary (default: the heads' draft_vocab_size, if their "
-                        "config.json sets one, at most 2048 on a CPU)")
+                        help="the heads rank only their N most frequent tokens; 0: all "
+                        "(default: the heads' own, at most 2048 on a CPU)")
 
 
 def size_list(text: str) -> list[int]:
@@ -176,10 +137,5 @@ def size_list(text: str) -> list[int]:
 
 def add_batch_argument(parser) -> None:
     parser.add_argument("--batch", type=positive_int, default=None, metavar="N",
-                        help="with --prompts: answer N prompts at once, plain decoding of N rows "
-                        "a step (continuous batching: a row that finishes takes the next "
-                        "prompt). All the answers come several times sooner, each one no "
-                        "sooner than alone (a step of N rows takes longer than one of a row), "
-                        "and each is the answer --batch 1 gives (greedy: token for token). 1: "
-                        "one prompt after another, with Medusa's heads. Default: a size for "
-                        "this machine (speed/defaults.py), said in the summary")
+                        help="with --prompts: N prompts at once, plain decoding (default: the "
+                        "machine's size); 1: one at a time, with the heads")

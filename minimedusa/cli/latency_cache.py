@@ -26,18 +26,30 @@ def cache_file() -> Path:
 def latency_key(model, draft, acceptance) -> str:
     """The machine, how the step runs (plug_in.how_it_runs: latencies cached by a version of
     this code that ran it otherwise are not reused; and the C kernels' sources: a faster kernel
-    is timed anew), the model's shapes and the heads' (their kind, their format, and how many
-    tokens they rank), and what the timing ran: the draft's kind (its heads' top-k, drawn
-    candidates, fused) and the acceptance rule (a drawn draft's rule costs more a step)."""
-    weight, heads = model.embed.weight, draft.heads
-    m, h = model.config, heads.config
-    vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
+    is timed anew), the model's shapes, what drafts (drafter_words) and what the timing ran:
+    the draft's kind (its heads' top-k, drawn candidates, fused, a draft model's chain) and the
+    acceptance rule (a drawn draft's rule costs more a step)."""
+    weight, m = model.embed.weight, model.config
     return (f"{machine_key(weight.device, weight.dtype)}{how_it_runs(model)} | kernels "
             f"{kernels_version()} | {type(draft).__name__}, {acceptance.name} acceptance"
-            f" | model {m.num_hidden_layers}x{m.hidden_size}"
-            f"x{m.intermediate_size}, vocab {m.vocab_size} | {h.head_kind} heads "
-            f"{h.medusa_num_heads}x{h.medusa_num_layers}{' shared' if h.shared_lm_head else ''}"
-            f"{vocab}, {format_of(heads)}")
+            f" | model {shape(m)} | {drafter_words(draft)}")
+
+
+def shape(config) -> str:
+    return (f"{config.num_hidden_layers}x{config.hidden_size}x{config.intermediate_size}, "
+            f"vocab {config.vocab_size}")
+
+
+def drafter_words(draft) -> str:
+    """What proposes the candidates: the heads (their kind, their format, how many tokens they
+    rank), or a draft model (its shapes and how its step runs)."""
+    if not hasattr(draft, "heads"):  # speculative_decoding's drafts: a model of their own
+        return f"draft model {shape(draft.model.config)}{how_it_runs(draft.model)}"
+    heads = draft.heads
+    h = heads.config
+    vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
+    return (f"{h.head_kind} heads {h.medusa_num_heads}x{h.medusa_num_layers}"
+            f"{' shared' if h.shared_lm_head else ''}{vocab}, {format_of(heads)}")
 
 
 def read_cache_file() -> tuple[dict, str | None]:

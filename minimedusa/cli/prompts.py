@@ -23,7 +23,8 @@ from minimedusa.files.default_model import ensure_default_model
 from minimedusa.files.outputs import KeptLines
 from minimedusa.acceptance import Sampling
 from minimedusa.speed.defaults import default_batch
-from minimedusa.cli.answer import Answer, Decoder, decode_answer, summary_line
+from minimedusa.cli.answer import Answer, decode_answer, summary_line
+from minimedusa.cli.recipe import Decoding
 from minimedusa.cli.load import device_and_format
 from minimedusa.files.tokenizer import Tokenizer
 
@@ -137,14 +138,15 @@ def encoded(args, prompts: list, model, tokenizer: Tokenizer) -> list[list[int]]
     return all_ids
 
 
-def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoder: Decoder,
+def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoding: Decoding,
                    out) -> list[Answer]:
     """Answer every prompt of read_prompts(args.prompts) one after another, writing one JSON
     line each to `out` (prompt, answer, tokens, steps, seconds) and a progress line to stderr."""
     answers = []
     for i, ((_, prompt), ids) in enumerate(zip(prompts, encoded(args, prompts, model,
                                                                 tokenizer)), 1):
-        answer = decode_answer(decoder, ids, Answer())
+        steps = decoding.decode(ids, args.max_new_tokens, model.config.stop_ids)
+        answer = decode_answer(steps, Answer())
         answers.append(answer)
         write_answer(out, prompt, answer, tokenizer)
         print(f"prompts: {i}/{len(prompts)}, {len(answer.ids)} tokens in "

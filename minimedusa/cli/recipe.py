@@ -12,17 +12,19 @@ heads in the model's format (plug_in_heads), their draft fused (fast_draft), gre
 the host on a CPU (greedy_for, sampling_for). Each object is built as the core defines it, and
 its speed swapped in after.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from minimedusa import acceptance
-from minimedusa.budget import FixedSize
+from minimedusa.acceptance import Acceptance, Sampling
+from minimedusa.budget import Budget, FixedSize
 from minimedusa.cli.draft_heads import read_heads
+from minimedusa.cli.draft_model import DRAFT_SIZES, check_draft, expected_tokens
 from minimedusa.cli.latency_cache import machine_latency
-from minimedusa.cli.load import formatted_model
+from minimedusa.cli.load import formatted_model, machine_format
 from minimedusa.cli.trees import decoding_tree, grown_size, grown_trees, ranked_size
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import medusa_decode, plain_decode
@@ -31,11 +33,13 @@ from minimedusa.errors import UserError
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.heads import ranked_vocab_size
 from minimedusa.model import Llama
+from minimedusa.speculative_decoding import MedusaDraft, ModelDraft
 from minimedusa.speculative_sampling import DrawnDraft, speculative
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.speed.host_greedy import greedy_for, sampling_for
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
 from minimedusa.speed.reference_check import checked_step
+from minimedusa.speed.weight_formats import QUANTIZED
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class Recipe:
     eps: float = 0.09  # typical acceptance's
     delta: float = 0.3
     seed: int | None = None
+    # speculative decoding with a draft model (speculative_decoding.py): this model's file in a
+    # format (int4, w4a8, int8) or another model folder; and the heads it drafts with (greedy)
+    draft_model: str | None = None
+    draft_heads: str | None = None
 
 
 def decoding_model(recipe: Recipe, check=None, probe: list[int] | None = None) -> tuple[Llama, str]:
@@ -80,37 +88,95 @@ def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
 
 @dataclass
 class Decoding:
-    """A recipe built on a loaded model: plain decoding (draft None: `rule` is its Sampling),
-    or medusa_decode's draft, budget and acceptance (`rule`); describe() names it in words
-    (after a run: the tree sizes the budget used)."""
+    """A recipe built on a loaded model: plain decoding (decoding.plain_decode, the reference:
+    its `sampling`), or the one loop's draft, budget and `acceptance` (decoding.medusa_decode:
+    the heads' trees, or a draft model's chains); describe() names it in words (after a run:
+    the tree sizes the budget used); margin: the tree tokens a step writes past the sequence,
+    which a conversation's cache must have room for."""
     model: Llama
-    draft: object | None
-    budget: object | None
-    rule: object
     describe: Callable[[], str]
+    sampling: Sampling | None = None
+    draft: object | None = None
+    budget: object | None = None
+    acceptance: Acceptance | None = None
 
     def decode(self, prompt_ids: list[int], n: int, stop_ids: set[int], cache=None):
         """The new tokens, step by step (decoding.py's loops)."""
         if self.draft is None:
-            return plain_decode(self.model, prompt_ids, n, self.rule, stop_ids, cache)
-        return medusa_decode(self.model, self.draft, self.budget, self.rule, prompt_ids, n,
+            return plain_decode(self.model, prompt_ids, n, self.sampling, stop_ids, cache)
+        return medusa_decode(self.model, self.draft, self.budget, self.acceptance, prompt_ids, n,
                              stop_ids, cache)
 
+    @property
+    def margin(self) -> int:
+        return 0 if self.budget is None else max(self.budget.sizes) + 1
 
-def build(recipe: Recipe, model: Llama, heads=None) -> Decoding:
+    def seeded(self, seed: int | None) -> "Decoding":
+        """The same decoding, its draws seeded so (bench: a question's seed)."""
+        if self.draft is None:
+            return replace(self, sampling=replace(self.sampling, seed=seed))
+        return replace(self, acceptance=replace(self.acceptance, seed=seed))
+
+
+def build(recipe: Recipe, model: Llama, heads=None, drafter: Llama | None = None) -> Decoding:
     """The recipe's decoding on `model` (decoding_model's), with `heads` where they are loaded
-    already (decoding_heads'), else the recipe's read here."""
+    already (decoding_heads'), else the recipe's read here; with a draft model, `drafter`
+    where it is loaded already (draft_model's), else read here."""
     device = model.embed.weight.device
+    if recipe.draft_model is not None:
+        return drafted(recipe, model, drafter if drafter is not None else draft_model(recipe)[0])
     if recipe.heads is None:
-        return Decoding(model, None, None, sampling_for(device, recipe.temperature, recipe.top_p,
-                                                        recipe.seed), lambda: "plain")
+        return Decoding(model, lambda: "plain", sampling_for(device, recipe.temperature,
+                                                             recipe.top_p, recipe.seed))
     heads = decoding_heads(recipe.heads, model, recipe.draft_vocab) if heads is None else heads
     rule = acceptance_of(recipe, device)
     draft, budget, tree = medusa_draft(recipe, heads, model, rule)
     kind = heads.config.head_kind + (f" heads (draft vocabulary {ranked_vocab_size(heads, model)})"
                                      if heads.vocabulary is not None else " heads")
-    return Decoding(model, wrapped(draft, heads, recipe.context), budget, rule,
-                    lambda: f"{kind}, {tree()}, {rule.name}")
+    return Decoding(model, lambda: f"{kind}, {tree()}, {rule.name}",
+                    draft=wrapped(draft, heads, recipe.context), budget=budget, acceptance=rule)
+
+
+def draft_recipe(recipe: Recipe) -> Recipe:
+    """The draft model's own recipe: this model's file in the format recipe.draft_model names
+    (on the CPU, where the formats' kernels are), or the folder it names in its machine
+    format; its step as recipe.compile asks; its heads recipe.draft_heads."""
+    spec = recipe.draft_model
+    check_draft(spec, recipe.folder)
+    if spec in QUANTIZED:
+        where, device, fmt = recipe.folder, torch.device("cpu"), spec
+    else:
+        where, device = Path(spec), recipe.device
+        fmt = machine_format(device, where)
+    return Recipe(where, device, fmt, recipe.compile, recipe.draft_heads, recipe.draft_vocab)
+
+
+def draft_model(recipe: Recipe) -> tuple[Llama, str]:
+    """(the draft model, how its step runs in words), read as its recipe says."""
+    return decoding_model(draft_recipe(recipe))
+
+
+def drafted(recipe: Recipe, model: Llama, drafter: Llama) -> Decoding:
+    """Speculative decoding (speculative_decoding.py) in the one loop: the draft model's chains
+    (a MedusaDraft where it drafts with heads), verified by greedy acceptance or speculative
+    sampling; each step's k chosen by a Budget over DRAFT_SIZES, its priors the chain steps'
+    latencies, timed with this draft and rule, and KEPT_PRIOR."""
+    rule = acceptance_of(recipe, model.embed.weight.device)
+    if recipe.draft_heads is not None and recipe.temperature == 0:
+        inner = build(draft_recipe(recipe), drafter)  # its own trees' Budget
+        draft = MedusaDraft(drafter, inner.draft, inner.budget, inner.acceptance)
+    else:
+        draft = ModelDraft(drafter, recipe.temperature, recipe.top_p, recipe.seed)
+    latency, source = machine_latency(model, draft, rule, [k for k in DRAFT_SIZES if k])
+    budget = Budget(DRAFT_SIZES, expected_tokens(), latency)
+
+    def describe() -> str:
+        heads = (f" with its heads ({draft.budget.summary()})"
+                 if isinstance(draft, MedusaDraft) else "")
+        kept = f"{draft.kept}/{draft.proposed}" if draft.proposed else "none"
+        return (f"speculative decoding, drafts by the {recipe.draft_model} model{heads} (chains "
+                f"of {budget.summary()}, latencies {source}; drafts kept: {kept}), {rule.name}")
+    return Decoding(model, describe, draft=draft, budget=budget, acceptance=rule)
 
 
 def acceptance_of(recipe: Recipe, device: torch.device) -> acceptance.Acceptance:

@@ -88,20 +88,3 @@ def time_forward(model, cache: KVCache, cached: int, M: int) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()  # the forward is queued, not done, until then
     return time.perf_counter() - start
-
-
-@torch.inference_mode()
-def round_latency(target, draft, sizes, cached: int = 128) -> dict[int, float]:
-    """Speculative decoding with a draft model (speculative_decoding.py): prior seconds of a
-    round drafting k tokens, for each k of sizes: k steps of the draft and the target's
-    forward of k + 1 rows (linear between 1 and the largest's rows), after `cached`
-    tokens; medians of a few of each, taking turns."""
-    rows = max(sizes) + 1
-    target_cache = KVCache.for_model(target, cached + rows)
-    draft_cache = KVCache.for_model(draft, cached + 1)
-    seconds = round_robin_medians({
-        "one": lambda: time_forward(target, target_cache, cached, 1),
-        "rows": lambda: time_forward(target, target_cache, cached, rows),
-        "draft": lambda: time_forward(draft, draft_cache, cached, 1)}, 3)
-    per_row = (seconds["rows"] - seconds["one"]) / (rows - 1)
-    return {k: k * seconds["draft"] + seconds["one"] + k * per_row for k in sizes}
