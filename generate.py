@@ -37,7 +37,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
                                         prompt_ids, prompts_summary, read_prompts)
     from minimedusa.cli.recipe import (Decoding, Recipe, build, decoding_heads, decoding_model,
                                        draft_model)
-    from minimedusa.cli.trees import decoding_tree, ranked_size
+    from minimedusa.cli.trees import decoding_tree, tree_spec
     from minimedusa.decoding import check_context
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
@@ -135,10 +135,9 @@ def check_flags(args, model, tokenizer) -> None:
     if spec is not None:
         acceptance_kind(args)
         heads = read_heads(spec, model, args.draft_vocab)
-        if args.tree is not None and args.tree.startswith("ranked:"):
-            ranked_size(args.tree)
-        elif args.tree not in (None, "ranked"):
-            decoding_tree(args.tree, heads, model)
+        tree = tree_spec(args.tree)  # the recipe's parser: a malformed --tree fails here
+        if tree.kind == "fixed":
+            decoding_tree(tree.name, heads, model)
     if args.prompts is None and args.prompt is not None:  # one prompt (input_mode)
         ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system,
                          model.config.max_position_embeddings)

@@ -132,8 +132,6 @@ class TreeDraft:
         pass  # the accepted tokens change nothing the heads keep
 
 
-# x
-#
 # A confidence-ranked tree (EAGLE-2's dynamic tree, here for both kinds of heads): each step
 # keeps the N nodes whose paths the heads themselves find most probable at this step.
 #

@@ -23,7 +23,6 @@ from pathlib import Path
 from minimedusa.errors import UserError
 from minimedusa.files.outputs import write_atomically
 from minimedusa.cli.answer import Answer, decode_answer, summary_line
-from minimedusa.cli.recipe import Decoding
 from minimedusa.cli.prompts import ROLES, is_conversation
 from minimedusa.kv_cache import KVCache
 from minimedusa.files.tokenizer import StreamDecoder, Tokenizer
@@ -92,7 +91,7 @@ class Conversation:
 class Chat:
     """A conversation with the model: its turns and the commands that edit it."""
 
-    def __init__(self, args, model, tokenizer: Tokenizer, decoding: Decoding):
+    def __init__(self, args, model, tokenizer: Tokenizer, decoding):
         self.tokenizer, self.decoding = tokenizer, decoding
         self.max_new_tokens, self.when_full = args.max_new_tokens, args.when_full
         self.context = model.config.max_position_embeddings
@@ -273,7 +272,7 @@ def read_line(stdin) -> str:
     return raw.decode("utf-8") if isinstance(raw, bytes) else raw
 
 
-def chat(args, model, tokenizer: Tokenizer, decoding: Decoding, loaded: str) -> None:
+def chat(args, model, tokenizer: Tokenizer, decoding, loaded: str) -> None:
     """The chat loop: each line a message or a command, until /exit or the input's end."""
     session = Chat(args, model, tokenizer, decoding)
     interactive = sys.stdin.isatty()

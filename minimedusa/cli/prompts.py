@@ -24,7 +24,6 @@ from minimedusa.files.outputs import KeptLines
 from minimedusa.acceptance import Sampling
 from minimedusa.speed.defaults import default_batch
 from minimedusa.cli.answer import Answer, decode_answer, summary_line
-from minimedusa.cli.recipe import Decoding
 from minimedusa.cli.load import device_and_format
 from minimedusa.files.tokenizer import Tokenizer
 
@@ -138,7 +137,7 @@ def encoded(args, prompts: list, model, tokenizer: Tokenizer) -> list[list[int]]
     return all_ids
 
 
-def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoding: Decoding,
+def answer_prompts(args, prompts: list, model, tokenizer: Tokenizer, decoding,
                    out) -> list[Answer]:
     """Answer every prompt of read_prompts(args.prompts) one after another, writing one JSON
     line each to `out` (prompt, answer, tokens, steps, seconds) and a progress line to stderr."""

@@ -25,7 +25,7 @@ from minimedusa.cli.draft_heads import read_heads
 from minimedusa.cli.draft_model import DRAFT_SIZES, check_draft, expected_tokens
 from minimedusa.cli.latency_cache import machine_latency
 from minimedusa.cli.load import formatted_model, machine_format
-from minimedusa.cli.trees import decoding_tree, grown_size, grown_trees, ranked_size
+from minimedusa.cli.trees import decoding_tree, grown_trees, tree_spec
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import RankedDraft, TreeDraft
@@ -199,27 +199,25 @@ def medusa_draft(recipe: Recipe, heads, model: Llama, rule):
     and the Budget that picks among them and plain steps, their latencies timed with this draft
     and `rule` (ranked with --tree ranked). Candidates drawn at the temperature where the rule
     is speculative sampling (DrawnDraft, its draws seeded apart from the acceptance's coins)."""
-    spec = recipe.tree
-    if spec is not None and spec.startswith("ranked:"):
-        size = ranked_size(spec)
-        return (RankedDraft(heads), FixedSize(size),
-                lambda: f"confidence-ranked tree of {size} nodes (--tree)")
-    if spec is not None and spec.startswith("grown:"):
-        size = grown_size(spec)
-        tree = grown_trees(heads, model, recipe.heads, [size]).trees[size]
-        return (heads_draft(recipe, heads, {size: tree}, model), FixedSize(size),
-                lambda: f"the grown tree of {size} nodes (--tree)")
-    if spec is not None and spec != "ranked":
-        name, tree = decoding_tree(spec, heads, model)
+    spec = tree_spec(recipe.tree)
+    if spec.kind == "ranked" and spec.size is not None:
+        return (RankedDraft(heads), FixedSize(spec.size),
+                lambda: f"confidence-ranked tree of {spec.size} nodes (--tree)")
+    if spec.kind == "grown":
+        tree = grown_trees(heads, model, recipe.heads, [spec.size]).trees[spec.size]
+        return (heads_draft(recipe, heads, {spec.size: tree}, model), FixedSize(spec.size),
+                lambda: f"the grown tree of {spec.size} nodes (--tree)")
+    if spec.kind == "fixed":
+        name, tree = decoding_tree(spec.name, heads, model)
         return (heads_draft(recipe, heads, {tree.size - 1: tree}, model), FixedSize(tree.size - 1),
                 lambda: f"tree {name} ({tree.size - 1} nodes, --tree)")
     grown = grown_trees(heads, model, recipe.heads)
-    draft = (RankedDraft(heads) if spec == "ranked" else
+    draft = (RankedDraft(heads) if spec.kind == "ranked" else
              heads_draft(recipe, heads, grown.trees, model, grown.rank))
     # timed: the run's draft and rule, without context chains (as timed_parts)
     latency, source = machine_latency(model, wrapped(draft, heads, False), rule, list(grown.trees))
     budget = grown.budget(latency, recipe.context)
-    shape = "confidence-ranked tree" if spec == "ranked" else "tree"
+    shape = "confidence-ranked tree" if spec.kind == "ranked" else "tree"
     joined = " and context candidates" if recipe.context else ""
     return (draft, budget,
             lambda: f"{shape} of {budget.summary()}{joined}: {grown.why}, latencies {source}")

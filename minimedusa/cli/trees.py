@@ -92,6 +92,29 @@ def grown_size(spec: str) -> int:
     return int(size)
 
 
+@dataclass(frozen=True)
+class TreeSpec:
+    """--tree's value, read once (tree_spec): "adapted" (the grown trees, each step's size
+    chosen by the Budget: the default), "ranked" (each step's most probable nodes: `size` of
+    them, or None: chosen step by step), "grown" (the first `size` nodes grown from the heads'
+    calibration), or "fixed" (`name`: a named tree, dense:s1,s2,..., a JSON file)."""
+    kind: str
+    size: int | None = None
+    name: str | None = None
+
+
+def tree_spec(text: str | None) -> TreeSpec:
+    """--tree's value as a TreeSpec; a malformed size is a TreeError (a fixed tree's file is
+    read by decoding_tree)."""
+    if text is None:
+        return TreeSpec("adapted")
+    if text == "ranked" or text.startswith("ranked:"):
+        return TreeSpec("ranked", ranked_size(text))
+    if text.startswith("grown:"):
+        return TreeSpec("grown", grown_size(text))
+    return TreeSpec("fixed", name=text)
+
+
 def decoding_tree(spec: str | None, heads, model: Llama) -> tuple[str, MedusaTree]:
     """(name, tree) for a --tree value, checked against the heads it will read and the
     vocabulary they rank; without one, the device's default named tree without the paths

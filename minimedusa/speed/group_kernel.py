@@ -14,10 +14,10 @@ AVX-512 path's bfloat16 products run on AMX tiles instead of VDPBF16PS (uses_til
 rows a tile product, so a tree's rows cost little more than a plain step's one; where the
 kernel refuses them, the dot products run, and nothing else changes.
 
-The int4 format's blocks (weight_formats.Int4KernelLinear: the GGUF's Q4_1) multiply through it
+The int4 format's blocks (quantized.Int4KernelLinear: the GGUF's Q4_1) multiply through it
 where this CPU has either, else through torch's _weight_int4pack_mm_for_cpu
-(weight_formats.Int4Linear); so does its LM head where it lies on an 8-bit grid
-(weight_formats.Int8GroupLinear: the GGUF's Q8_0), else it stays bfloat16.
+(quantized.Int4Linear); so does its LM head where it lies on an 8-bit grid
+(quantized.Int8GroupLinear: the GGUF's Q8_0), else it stays bfloat16.
 Measured side by side on the 2-core AVX-512 EPYC, the default model's 120 block products at
 1 / 4 / 5 / 8 / 9 / 16 rows: torch's kernel 4.6 / 7.3 / 12.4 / 12.6 / 18.3 / 22.8 ms, this
 file's first version 3.5 / 4.5 / 5.3 / 7.3 / 9.2 / 12.9; broadcasting the activations from

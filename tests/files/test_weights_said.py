@@ -1,0 +1,58 @@
+"""What the summary line says of the weights (weight_formats.describe_weights): the format's
+size, true to the bytes the loaded model holds; "rounded ... lossy" exactly where the file's
+weights were not on the format's grid; int4's size beside a float format for a model of real
+size, where group_kernel.c multiplies."""
+import pytest
+import torch
+
+from helpers import four_bit_model, tiny_model
+from minimedusa.files.weights import save_model
+from minimedusa.cli.recipe import Recipe, decoding_model
+from minimedusa.cli.load import four_bit_checkpoint
+from minimedusa.speed import group_kernel, weight_formats
+from minimedusa.speed.kept_weights import layer_tensors, quantized_layers
+from minimedusa.speed.weight_formats import describe_weights, weight_bytes
+
+CPU = torch.device("cpu")
+
+
+def held_bytes(model) -> int:
+    """The bytes of every tensor the model holds once (a tied LM head counted once)."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    for block in model.layers:
+        for layer in quantized_layers(block).values():
+            tensors |= {t.data_ptr(): t for t in layer_tensors(layer).values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("weight_format", ["int4", "int8"])
+def test_the_size_said_is_the_size_held(weight_format, tmp_path):
+    save_model(tiny_model(0, dtype=torch.float32, hidden_size=128, intermediate_size=256,
+                          vocab_size=256), tmp_path)
+    model, _ = decoding_model(Recipe(tmp_path, CPU, weight_format))
+    said = weight_bytes(model.config, weight_format)
+    assert abs(said - held_bytes(model)) <= 0.05 * said
+
+
+def test_rounded_weights_are_said_to_be_lossy_and_a_four_bit_files_are_not(tmp_path):
+    save_model(four_bit_model(0), tmp_path / "four bit")
+    save_model(tiny_model(0, dtype=torch.float32), tmp_path / "random")
+    assert four_bit_checkpoint(tmp_path / "four bit")
+    assert not four_bit_checkpoint(tmp_path / "random")
+    config = four_bit_model(0).config
+    assert "lossy" not in describe_weights(config, "int4", False, CPU)
+    assert describe_weights(config, "int4", True, CPU).startswith(
+        "int4 weights, 0.00 GB, rounded from the file's (lossy")
+
+
+@pytest.mark.skipif(group_kernel.kernel_problem() is not None,
+                    reason="int4 is said to be faster only where group_kernel.c multiplies")
+def test_a_large_model_in_a_float_format_is_told_int4s_size(monkeypatch):
+    config = tiny_model(0).config
+    assert "--quantize int4" not in describe_weights(config, "bfloat16", False, CPU)
+    monkeypatch.setattr(weight_formats, "LARGE", 0)  # as if of real size
+    said = describe_weights(config, "bfloat16", False, CPU)
+    assert said.endswith(f"; --quantize int4: {weight_bytes(config, 'int4') / 1e9:.2f} GB, "
+                         "faster here, lossy")
+    assert "--quantize" not in describe_weights(config, "bfloat16", False, torch.device("meta"))
