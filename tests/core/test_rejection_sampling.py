@@ -72,7 +72,7 @@ def default_path():
     fused step where group_kernel.c multiplies (else int4 in torch's kernel), Hydra heads that
     draft from a draft vocabulary (48 of 64 tokens), in the model's format; cycling_model with
     its LM head softened, so that a step's nucleus holds a likely token and a long tail."""
-    from conftest import cycling_heads, cycling_model
+    from helpers import cycling_heads, cycling_model
     model = cycling_model(1, hidden_size=64, intermediate_size=128)
     model.lm_head.weight.mul_(0.006)  # logits ~5, not ~750: a distribution to sample from
     heads = cycling_heads(model, "hydra", 1)
