@@ -21,7 +21,6 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
 from minimedusa.errors import UserError, entry_point, quiet_interrupt
 
@@ -35,13 +34,14 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.prompts import (answer_prompts, answer_prompts_batched, batch_size,
                                         batched_summary, open_out, prompt_from_stdin,
                                         prompt_ids, prompts_summary, read_prompts)
+    from minimedusa.cli.show import painted, watched
     from minimedusa.cli.recipe import (Decoding, Recipe, build, decoding_heads, decoding_model,
                                        draft_model)
     from minimedusa.cli.trees import decoding_tree, tree_spec
     from minimedusa.decoding import check_context
     from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
-    from minimedusa.speed.weight_formats import QUANTIZED, describe_weights, format_of
+    from minimedusa.speed.weight_formats import QUANTIZED, describe_weights
     from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, largest_id
     from minimedusa.files.weights import read_config
 
@@ -166,7 +166,8 @@ def decoder(args, model, recipe: Recipe, drafter=None) -> Decoding:
         if args.chat and isinstance(heads, HydraPlusPlusHeads):
             raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
                             "cache is not kept between turns): use other heads or --baseline")
-    return build(recipe, model, heads, drafter)
+    decoding = build(recipe, model, heads, drafter)
+    return watched(decoding) if args.show else decoding
 
 
 def drafting_heads(args) -> str | None:
@@ -188,8 +189,8 @@ def run(args) -> dict:
     ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system,  # timed from here
                      model.config.max_position_embeddings)
     steps = decode.decode(ids, args.max_new_tokens, model.config.stop_ids)
-    answer = decode_answer(steps, Answer(), None if args.json else StreamDecoder(tokenizer),
-                           start=start)
+    stream = None if args.json else painted(decode, StreamDecoder(tokenizer))
+    answer = decode_answer(steps, Answer(), stream, start=start)
     output, stats, seconds = answer.ids, answer.stats, answer.seconds
     weight = model.embed.weight
     return {"prompt_ids": ids, "output_ids": output,

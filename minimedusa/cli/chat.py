@@ -24,6 +24,7 @@ from minimedusa.errors import UserError
 from minimedusa.files.outputs import write_atomically
 from minimedusa.cli.answer import Answer, decode_answer, summary_line
 from minimedusa.cli.prompts import ROLES, is_conversation
+from minimedusa.cli.show import painted
 from minimedusa.kv_cache import KVCache
 from minimedusa.files.tokenizer import StreamDecoder, Tokenizer
 
@@ -157,7 +158,7 @@ class Chat:
         try:
             steps = self.decoding.decode(ids, self.max_new_tokens, self.decoding.model.config
                                          .stop_ids, conversation.cache)
-            decode_answer(steps, answer, StreamDecoder(self.tokenizer))
+            decode_answer(steps, answer, painted(self.decoding, StreamDecoder(self.tokenizer)))
             print(flush=True)
         except KeyboardInterrupt:
             print(flush=True)

@@ -79,6 +79,9 @@ def parse_args(argv=None):
     add_medusa_arguments(p)
     p.add_argument("--json", action="store_true",
                    help="one prompt's answer as a JSON object (ids, text, timing)")
+    p.add_argument("--show", action="store_true",
+                   help="colour each token by what guessed it: a head, a context candidate, "
+                   "the draft model (on a terminal)")
     args = p.parse_args(argv)
     if args.out is not None and args.prompts is None:
         p.error("--out writes the answers of --prompts FILE")
@@ -88,6 +91,8 @@ def parse_args(argv=None):
         if args.quantize != "none":
             p.error(f"--draft verifies with the model in --dtype (default float32) and drafts "
                     f"with it rounded; --quantize {args.quantize} would round the verifier too")
+    if args.show and (args.prompts is not None or args.json):
+        p.error("--show colours a streamed answer; --prompts and --json write JSON")
     if args.json and (args.prompts is not None or args.chat):
         p.error("--json prints one prompt's answer (--prompts writes JSON lines already)")
     return args

@@ -1,0 +1,119 @@
+"""--show: watch Medusa decode. Each token of the streamed answer is coloured by where it came
+from: the model's own token (the verifier's: each step's last, and every plain step's), a head's
+accepted guess (head k guesses depth k of the tree: a colour a depth), a context candidate
+(context_candidates.py), or a draft model's guess (speculative_decoding.py).
+
+Watching observes and never decodes: Watched wraps the run's draft and passes every verb through
+unchanged, noting each step's root, candidates and accepted tokens on the way (what the loop
+hands the draft anyway); Painted wraps the stream of text and colours each step's tokens by
+those notes. On a terminal only (and not under NO_COLOR): elsewhere the text is the same as
+without --show.
+"""
+import os
+import sys
+from dataclasses import replace
+
+from minimedusa.context_candidates import ContextDraft
+from minimedusa.speculative_decoding import ModelDraft
+
+RESET = "\x1b[0m"
+MODEL, CONTEXT, DRAFT = "model", "context", "draft"
+# head k's colour is HEAD_COLOURS[(k - 1) % 6]; the model's own tokens are left uncoloured
+HEAD_COLOURS = ("\x1b[32m", "\x1b[33m", "\x1b[34m", "\x1b[35m", "\x1b[36m", "\x1b[92m")
+COLOURS = {CONTEXT: "\x1b[4;31m", DRAFT: "\x1b[36m"}  # context: underlined red
+
+
+def showing() -> bool:
+    """Whether --show may colour: standard output a terminal, and NO_COLOR unset."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+class Watched:
+    """A draft (draft.py's five verbs) passed through unchanged, noting for each step the origin
+    of each token the loop will yield: (head depth k, CONTEXT, DRAFT or MODEL) a token."""
+
+    def __init__(self, draft):
+        self.draft, self.steps, self.chain = draft, [], []
+
+    def start(self, prompt_ids, cache) -> None:
+        self.steps = [[MODEL]]  # the prefill's token
+        self.draft.start(prompt_ids, cache)
+
+    def read(self, hidden):
+        return self.draft.read(hidden)
+
+    def match(self, root: int) -> int:
+        group = self.draft.match(root)
+        self.chain = list(self.draft.chain) if isinstance(self.draft, ContextDraft) else []
+        return group
+
+    def tree(self, model, n: int, root: int, features):
+        return self.draft.tree(model, n, root, features)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.steps.append([self.origin(tokens, depth) for depth in range(1, len(tokens) + 1)]
+                          + [MODEL])
+        self.draft.extend(tokens)
+
+    def origin(self, accepted: list[int], depth: int):
+        """What guessed the accepted token at this depth: the context chain (where the path so
+        far is the chain's), a draft model, or head `depth`."""
+        if self.chain[:depth] == accepted[:depth]:
+            return CONTEXT
+        return DRAFT if isinstance(self.draft, ModelDraft) else depth
+
+    def __getattr__(self, name):  # the draft's own state (a budget's, a summary's), as it is
+        return getattr(self.draft, name)
+
+
+def colour(origin) -> str:
+    if origin == MODEL:
+        return ""
+    return COLOURS[origin] if origin in COLOURS else HEAD_COLOURS[(origin - 1) % 6]
+
+
+class Painted:
+    """The answer's stream (files/tokenizer.StreamDecoder) with each token in its colour: a
+    step's tokens pushed one by one, each piece of text wrapped in its origin's colour."""
+
+    def __init__(self, stream, watched: Watched):
+        self.stream, self.watched = stream, watched
+
+    def push(self, ids: list[int]) -> str:
+        origins = self.watched.steps.pop(0) if self.watched.steps else [MODEL] * len(ids)
+        pieces = []
+        for token, origin in zip(ids, origins + [MODEL] * (len(ids) - len(origins))):
+            text = self.stream.push([token])
+            pieces.append(f"{colour(origin)}{text}{RESET}" if text and colour(origin) else text)
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        return self.stream.flush()
+
+
+def watched(decoding):
+    """The decoding with its draft Watched, and the legend said once on stderr, where --show
+    may colour (showing); else as it is (plain decoding has no draft: every token the model's)."""
+    if decoding.draft is None or not showing():
+        return decoding
+    print(legend(decoding.draft), file=sys.stderr)
+    return replace(decoding, draft=Watched(decoding.draft))
+
+
+def painted(decoding, stream):
+    """The stream the answer's text goes through: coloured where the decoding is watched."""
+    return Painted(stream, decoding.draft) if isinstance(decoding.draft, Watched) else stream
+
+
+def legend(draft) -> str:
+    """One line for stderr: each origin the draft can give, in its colour."""
+    parts = ["the model's own token"]
+    inner = draft.draft if isinstance(draft, ContextDraft) else draft
+    if isinstance(inner, ModelDraft):
+        parts.append(f"{COLOURS[DRAFT]}draft model{RESET}")
+    else:
+        heads = inner.heads.config.medusa_num_heads
+        parts += [f"{colour(k)}head {k}{RESET}" for k in range(1, heads + 1)]
+    if isinstance(draft, ContextDraft):
+        parts.append(f"{COLOURS[CONTEXT]}context candidate{RESET}")
+    return "minimedusa: --show: " + ", ".join(parts)

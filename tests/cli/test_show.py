@@ -1,0 +1,116 @@
+"""--show (cli/show.py): on a terminal, the answer streams with each token coloured by what
+guessed it (several colours where the heads' guesses are accepted); through a pipe, the same
+text as without --show, no escape codes; and watching never changes what is decoded, for every
+acceptance rule and seed."""
+import os
+import pty
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, cycling_heads, cycling_model
+from minimedusa.acceptance import greedy, rejection, typical
+from minimedusa.budget import fixed
+from minimedusa.cli.show import COLOURS, HEAD_COLOURS, Watched
+from minimedusa.context_candidates import ContextDraft
+from minimedusa.decoding import medusa_decode
+from minimedusa.speculative_sampling import DrawnDraft, speculative
+from minimedusa.tree import build_tree
+
+POEM = ["--prompt", "Write a short poem about the sea.", "--max-new-tokens", "48"]
+ESCAPES = [re.escape(c) for c in (*HEAD_COLOURS, *COLOURS.values())]
+
+
+def generate_output(flags: list[str], terminal: bool) -> str:
+    """generate.py's standard output, written to a pseudo-terminal or a pipe."""
+    command = [sys.executable, str(REPO / "generate.py"), *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("NO_COLOR", None)
+    if not terminal:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+    leader, follower = pty.openpty()
+    run = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal's other end closed: the run is done
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert run.wait(timeout=600) == 0, run.stderr.read()[-2000:]
+    os.close(leader)
+    return out.decode(errors="replace")
+
+
+def test_on_a_terminal_the_answer_streams_in_several_colours():
+    out = generate_output([*POEM, "--show"], terminal=True)
+    colours = {code for code in ESCAPES if re.search(code, out)}
+    assert len(colours) >= 2  # and the model's own tokens, uncoloured: three colours at least
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    assert plain.replace("\r\n", "\n") == generate_output(POEM, terminal=True).replace("\r\n",
+                                                                                       "\n")
+
+
+def test_through_a_pipe_show_writes_the_same_text_without_escape_codes():
+    shown = generate_output([*POEM, "--show"], terminal=False)
+    assert "\x1b[" not in shown and shown == generate_output(POEM, terminal=False)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection", "speculative"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_watching_never_changes_what_is_decoded(kind, rule, seed):
+    """The same tokens with the draft watched and without, for every rule and seed; and the
+    watch notes an origin for every token yielded."""
+    model = cycling_model(seed)
+    heads = cycling_heads(model, kind, seed)
+    tree = build_tree([[0], [1], [0, 0], [0, 0, 0], [1, 0]], heads.config.medusa_num_heads)
+    draft, budget = fixed(heads, tree)
+    if rule == "speculative":
+        draft = DrawnDraft(heads, {tree.size - 1: tree}, 0.8, seed)
+    rules = {"greedy": lambda: greedy(), "typical": lambda: typical(0.8),
+             "rejection": lambda: rejection(0.8, 1.0, seed),
+             "speculative": lambda: speculative(0.8, 1.0, seed)}
+
+    def decode(watch: bool):
+        inner = ContextDraft(draft) if rule == "greedy" else draft
+        if rule == "speculative":  # its draws from a fresh generator each run
+            inner.generator = None
+        chosen = Watched(inner) if watch else inner
+        steps = list(medusa_decode(model, chosen, budget, rules[rule](), [3, 5, 7], 40, set()))
+        return steps, chosen
+    plain_steps, _ = decode(False)
+    watched_steps, watched = decode(True)
+    assert watched_steps == plain_steps
+    assert len(watched.steps) == len(watched_steps)  # a step's origins, for what it yielded
+    assert all(len(o) >= len(s) for o, s in zip(watched.steps, watched_steps))  # (cut: fewer)
+    assert any(o != "model" for s in watched.steps for o in s)  # guesses were accepted
+
+
+def test_show_with_prompts_or_json_is_one_line(tmp_path):
+    from generate import main as generate_main
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hi\n")
+    for flags in (["--prompts", str(prompts)], ["--prompt", "Hi", "--json"]):
+        with pytest.raises(SystemExit) as end:
+            generate_main([*flags, "--show"])
+        assert end.value.code == 2
+
+
+@torch.inference_mode()
+def test_a_context_candidate_is_told_from_a_heads_guess():
+    """Watched.origin: a token on the step's context chain is the chain's; others the head of
+    their depth (or the draft model's)."""
+    watched = Watched(None)
+    watched.chain = [11, 12]
+    assert watched.origin([11, 12, 13], 2) == "context"
+    assert watched.origin([11, 99, 13], 2) == 2
