@@ -35,6 +35,8 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
                                         batched_summary, open_out, prompt_from_stdin,
                                         prompt_ids, prompts_summary, read_prompts)
     from minimedusa.cli.show import painted, watched
+    from minimedusa.cli.trace import traced
+    from minimedusa.cli.trace_page import header_of, page
     from minimedusa.cli.recipe import (Decoding, Recipe, build, decoding_heads, decoding_model,
                                        draft_model)
     from minimedusa.cli.trees import decoding_tree, tree_spec
@@ -43,6 +45,8 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
     from minimedusa.speed.weight_formats import QUANTIZED, describe_weights
     from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, largest_id
+    from minimedusa.files.outputs import check_writable, write_atomically
+    from minimedusa.speed.machine import device_name
     from minimedusa.files.weights import read_config
 
 
@@ -167,6 +171,8 @@ def decoder(args, model, recipe: Recipe, drafter=None) -> Decoding:
             raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
                             "cache is not kept between turns): use other heads or --baseline")
     decoding = build(recipe, model, heads, drafter)
+    if args.trace is not None:
+        decoding = traced(decoding, recipe)  # its draft a trace.TracedDraft
     return watched(decoding) if args.show else decoding
 
 
@@ -183,17 +189,20 @@ def drafting_heads(args) -> str | None:
 def run(args) -> dict:
     """One prompt (--prompt or standard input), streamed unless --json: the result's numbers."""
     start = time.perf_counter()
+    if args.trace is not None:
+        check_writable(args.trace, "--trace")  # before the loading, not after the answer
     model, step, weights, tokenizer, drafter, recipe = load(args)
     decode = decoder(args, model, recipe, drafter)
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system,  # timed from here
                      model.config.max_position_embeddings)
-    steps = decode.decode(ids, args.max_new_tokens, model.config.stop_ids)
+    yielded = []  # each step's tokens, for --trace's page
+    steps = noted(decode.decode(ids, args.max_new_tokens, model.config.stop_ids), yielded)
     stream = None if args.json else painted(decode, StreamDecoder(tokenizer))
     answer = decode_answer(steps, Answer(), stream, start=start)
     output, stats, seconds = answer.ids, answer.stats, answer.seconds
     weight = model.embed.weight
-    return {"prompt_ids": ids, "output_ids": output,
+    result = {"prompt_ids": ids, "output_ids": output,
             "text": tokenizer.decode(output, skip_special=True), "new_tokens": len(output),
             "steps": stats.steps, "acceleration_rate": round(stats.acceleration_rate, 3),
             "accepted_histogram": dict(sorted(stats.histogram.items())),
@@ -201,6 +210,19 @@ def run(args) -> dict:
             "load_seconds": round(loaded, 3), "mode": decode.describe(),
             "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
             "format": recipe.weight_format, "weights": weights, "step": step}
+    if args.trace is not None:
+        header = header_of(result, recipe, device_name(weight.device))
+        write_atomically(args.trace, lambda tmp: tmp.write_text(
+            page(decode.draft, yielded, tokenizer, header), encoding="utf-8"))
+        print(f"minimedusa: wrote {args.trace} ({len(yielded)} steps)", file=sys.stderr)
+    return result
+
+
+def noted(steps, into: list):
+    """The steps as they come, each one's tokens noted into `into` on the way."""
+    for new in steps:
+        into.append(new)
+        yield new
 
 
 def load_once(args):

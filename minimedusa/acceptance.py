@@ -138,10 +138,16 @@ def rejection_acceptance(logits, tree: MedusaTree, tokens, generator, temperatur
     return pick_by_draws(draws, tree, tokens)
 
 
+def typical_threshold(probs: torch.Tensor, eps: float, delta: float) -> torch.Tensor:
+    """The least p a candidate needs at each node, min(eps, delta * exp(-H(p))): (..., V) ->
+    (...,). A flat p (high entropy) lowers it: many continuations are plausible there."""
+    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # H(p); 0 log 0 = 0
+    return torch.minimum(torch.full_like(entropy, eps), delta * torch.exp(-entropy))
+
+
 def typical_acceptance(logits, tree: MedusaTree, tokens, generator, temperature, eps, delta):
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (N, V) p_original at T
-    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # (N,) H(p); 0 log 0 = 0
-    threshold = torch.minimum(torch.full_like(entropy, eps), delta * torch.exp(-entropy))  # (N,)
+    threshold = typical_threshold(probs, eps, delta)  # (N,)
     parents = tree.paths[:, :-1]  # (P, D)
     children = child_tokens(tree, tokens)  # (P, D)
     p_child = probs[parents, children.clamp(min=0)]  # (P, D): p(candidate | its context)

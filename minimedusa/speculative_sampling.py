@@ -169,11 +169,12 @@ def law_of(child_path: tuple, token: int, proposal: Proposal | None):
 
 
 def verify_drawn(p, tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal | None,
-                 generator) -> tuple[list[int], list[int]]:
+                 generator, notes: list | None = None) -> tuple[list[int], list[int]]:
     """Recursive rejection down the tree: p(i), the backbone's next-token distribution (V,) at
     node i (asked for at the nodes visited only); -> (the accepted nodes' indices, root
     first; the new tokens: the accepted candidates, then the next token), as every Acceptance
-    returns.
+    returns. notes, if given, gets (child, r(x), q_i(x), the coin) for each child judged, in
+    order (a trace's, cli/trace.py).
 
     The residual r is kept unnormalised, as weights w with a total (r = w / total): a
     rejection then changes w on q_i's support only, w <- max(0, w - total q_i) (the draft
@@ -188,8 +189,10 @@ def verify_drawn(p, tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal |
         for child in children.get(tree.nodes[node], []):
             x = token_list[child]
             support, q, q_x = law_of(tree.nodes[child], x, proposal)
-            r_x = weights[x].item()
-            if next(coins) * q_x * total < r_x:  # with probability min(1, r(x) / q_i(x))
+            r_x, coin = weights[x].item(), next(coins)
+            if notes is not None:
+                notes.append((child, r_x / total, q_x, coin))
+            if coin * q_x * total < r_x:  # with probability min(1, r(x) / q_i(x))
                 accepted = child
                 break
             if not own:

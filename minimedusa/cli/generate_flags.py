@@ -82,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--show", action="store_true",
                    help="colour each token by what guessed it: a head, a context candidate, "
                    "the draft model (on a terminal)")
+    p.add_argument("--trace", type=Path, metavar="FILE.html",
+                   help="write a page of every step's tree, candidates and verdict (one prompt)")
     args = p.parse_args(argv)
     if args.out is not None and args.prompts is None:
         p.error("--out writes the answers of --prompts FILE")
@@ -93,6 +95,8 @@ def parse_args(argv=None):
                     f"with it rounded; --quantize {args.quantize} would round the verifier too")
     if args.show and (args.prompts is not None or args.json):
         p.error("--show colours a streamed answer; --prompts and --json write JSON")
+    if args.trace is not None and (args.prompts is not None or args.chat or args.baseline):
+        p.error("--trace draws one prompt's Medusa steps: give --prompt TEXT, without --baseline")
     if args.json and (args.prompts is not None or args.chat):
         p.error("--json prints one prompt's answer (--prompts writes JSON lines already)")
     return args

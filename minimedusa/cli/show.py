@@ -30,10 +30,11 @@ def showing() -> bool:
 
 class Watched:
     """A draft (draft.py's five verbs) passed through unchanged, noting for each step the origin
-    of each token the loop will yield: (head depth k, CONTEXT, DRAFT or MODEL) a token."""
+    of each token the loop will yield: (head depth k, CONTEXT, DRAFT or MODEL) a token;
+    shown: whether the answer's stream is coloured by them (--show; a trace watches too)."""
 
-    def __init__(self, draft):
-        self.draft, self.steps, self.chain = draft, [], []
+    def __init__(self, draft, shown: bool = True):
+        self.draft, self.steps, self.chain, self.shown = draft, [], [], shown
 
     def start(self, prompt_ids, cache) -> None:
         self.steps = [[MODEL]]  # the prefill's token
@@ -72,42 +73,55 @@ def colour(origin) -> str:
     return COLOURS[origin] if origin in COLOURS else HEAD_COLOURS[(origin - 1) % 6]
 
 
-class Painted:
-    """The answer's stream (files/tokenizer.StreamDecoder) with each token in its colour: a
-    step's tokens pushed one by one, each piece of text wrapped in its origin's colour."""
+def ansi(text: str, origin) -> str:
+    """A piece of text in its origin's terminal colour (the model's own: as it is)."""
+    return f"{colour(origin)}{text}{RESET}" if text and colour(origin) else text
 
-    def __init__(self, stream, watched: Watched):
-        self.stream, self.watched = stream, watched
+
+class Painted:
+    """The answer's stream (files/tokenizer.StreamDecoder) with each token painted by its
+    origin (ansi; the trace's page paints in HTML): a step's tokens pushed one by one, the
+    watch's notes read step by step (never consumed: a trace reads them again)."""
+
+    def __init__(self, stream, watched: Watched, paint=ansi):
+        self.stream, self.watched, self.paint, self.step = stream, watched, paint, 0
 
     def push(self, ids: list[int]) -> str:
-        origins = self.watched.steps.pop(0) if self.watched.steps else [MODEL] * len(ids)
-        pieces = []
-        for token, origin in zip(ids, origins + [MODEL] * (len(ids) - len(origins))):
-            text = self.stream.push([token])
-            pieces.append(f"{colour(origin)}{text}{RESET}" if text and colour(origin) else text)
-        return "".join(pieces)
+        steps = self.watched.steps
+        origins = steps[self.step] if self.step < len(steps) else []
+        self.step += 1
+        origins = origins + [MODEL] * (len(ids) - len(origins))
+        return "".join(self.paint(self.stream.push([token]), origin)
+                       for token, origin in zip(ids, origins))
 
     def flush(self) -> str:
         return self.stream.flush()
 
 
 def watched(decoding):
-    """The decoding with its draft Watched, and the legend said once on stderr, where --show
-    may colour (showing); else as it is (plain decoding has no draft: every token the model's)."""
+    """The decoding with its draft Watched (already so where a trace watches it), and the
+    legend said once on stderr, where --show may colour (showing); else as it is (plain
+    decoding has no draft: every token is the model's)."""
     if decoding.draft is None or not showing():
         return decoding
     print(legend(decoding.draft), file=sys.stderr)
+    if isinstance(decoding.draft, Watched):
+        decoding.draft.shown = True
+        return decoding
     return replace(decoding, draft=Watched(decoding.draft))
 
 
 def painted(decoding, stream):
-    """The stream the answer's text goes through: coloured where the decoding is watched."""
-    return Painted(stream, decoding.draft) if isinstance(decoding.draft, Watched) else stream
+    """The stream the answer's text goes through: coloured where --show may colour."""
+    if isinstance(decoding.draft, Watched) and decoding.draft.shown and showing():
+        return Painted(stream, decoding.draft)
+    return stream
 
 
 def legend(draft) -> str:
     """One line for stderr: each origin the draft can give, in its colour."""
     parts = ["the model's own token"]
+    draft = draft.draft if isinstance(draft, Watched) else draft
     inner = draft.draft if isinstance(draft, ContextDraft) else draft
     if isinstance(inner, ModelDraft):
         parts.append(f"{COLOURS[DRAFT]}draft model{RESET}")
