@@ -12,7 +12,9 @@ accept, then reads its numbers off the same logits. A rule that draws is replaye
 of its generator, so the draws it reads are the ones the step made and the run's own
 generator is not touched; the heads' probabilities are read by running the heads' reference
 draft again (tree_tokens), never the one the run drafts with. A test holds a traced run's
-tokens to an untraced one's for every rule and seed.
+tokens to an untraced one's for every rule and seed. What tracing cannot hide is its own time:
+it counts in the step times an adapted Budget learns from, which may then pick other tree
+sizes (the same greedy text whatever the tree; a sampled run compares with a fixed --tree).
 
 Shapes: N tree nodes, V vocab.
 """
