@@ -24,7 +24,7 @@ from minimedusa.speed.memory_bandwidth import streaming_bandwidth, weight_bytes
 from minimedusa.speed.defaults import largest_grown_tree
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
-from minimedusa.speed.weight_formats import format_of
+from minimedusa.speed.weight_formats import weight_format
 
 
 def profile_steps(recipe: Recipe, model, heads, prompt_ids: list[int], steps: int = 8) -> str:
@@ -80,9 +80,9 @@ def kernel_paths(model) -> tuple[str, ...]:
     """The paths product_times compares side by side: AMX tiles against AVX-512 BF16's dot
     products (int4's bfloat16 rows), AVX-512 VNNI against the AVX2 code (w4a8's quantized rows)
     where this process uses the first; else one, unnamed."""
-    if uses_tiles() and format_of(model) == "int4":
+    if uses_tiles() and weight_format(model) == "int4":
         return ("AMX tiles", "dot products")
-    if uses_vnni() and format_of(model) == "w4a8":
+    if uses_vnni() and weight_format(model) == "w4a8":
         return ("VNNI", "AVX2 code")
     return ("",)
 

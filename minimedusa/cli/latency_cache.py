@@ -14,8 +14,8 @@ from pathlib import Path
 from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import machine_key
 from minimedusa.speed.plug_in import how_it_runs, kernels_version
+from minimedusa.speed.weight_formats import weight_format
 from minimedusa.cli.step_latency import step_latency
-from minimedusa.speed.weight_formats import format_of
 
 
 def cache_file() -> Path:
@@ -49,7 +49,7 @@ def drafter_words(draft) -> str:
     h = heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     return (f"{h.head_kind} heads {h.medusa_num_heads}x{h.medusa_num_layers}"
-            f"{' shared' if h.shared_lm_head else ''}{vocab}, {format_of(heads)}")
+            f"{' shared' if h.shared_lm_head else ''}{vocab}, {weight_format(heads)}")
 
 
 def read_cache_file() -> tuple[dict, str | None]:

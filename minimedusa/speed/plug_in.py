@@ -34,7 +34,7 @@ from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
 from minimedusa.speed.quantized import (BF16KernelLinear, Int4A8KernelLinear,
                                         Int4A16KernelLinear, Int4KernelLinear, Int4Linear,
                                         Int8A16GroupLinear, Int8GroupLinear, Int8Linear)
-from minimedusa.speed.weight_formats import QUANTIZED, apply_format, format_of
+from minimedusa.speed.weight_formats import QUANTIZED, apply_format, weight_format
 
 
 def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
@@ -88,9 +88,9 @@ def unplug_step(model: Llama) -> None:
 
 
 def plug_in_heads(heads: nn.Module, model: Llama) -> nn.Module:
-    """The heads (float32, as loaded) in the model's weight format (their draft, one C++ call
-    where fused_draft.fusable_draft lets it, is fused_draft.fast_draft's)."""
-    return apply_format(heads, format_of(model))
+    """The heads (float32, as loaded) in the weight format plug_in put the model in (their
+    draft, one C++ call where fused_draft.fusable_draft lets it, is fused_draft.fast_draft's)."""
+    return apply_format(heads, weight_format(model))
 
 
 def how_it_runs(model: Llama) -> str:
@@ -98,7 +98,7 @@ def how_it_runs(model: Llama) -> str:
     kernel multiplies it), whether the step is compiled (and its attention the C kernel), how a
     block runs its products (how many, at least how many rows)."""
     block = model.layers[0]
-    fmt = format_of(model)
+    fmt = weight_format(model)
     weights = f" | {fmt} weights" if fmt in QUANTIZED else ""  # the dtype says the rest
     if any(isinstance(layer, BF16KernelLinear) for layer in block.modules()):
         weights = " | bfloat16 weights (group_kernel.c)"

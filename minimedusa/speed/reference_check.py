@@ -27,7 +27,7 @@ import torch
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama, at_least_float32, causal_mask
 from minimedusa.speed.plug_in import eager_step, unplug_step
-from minimedusa.speed.weight_formats import format_of
+from minimedusa.speed.weight_formats import weight_format
 
 # The most a format moves any token's logit against the reference's top token (largest_shift
 # against eager float32), for every step of the format: the largest measured, times 1.5,
@@ -136,7 +136,7 @@ def checked_step(model: Llama, step: str, ids: list[int]) -> str:
     the rest of the run, said in one line on stderr. Returns how the step runs, in words."""
     if step.startswith("eager"):
         return step
-    fmt = format_of(model)
+    fmt = weight_format(model)  # plug_in's
     bound = SAME_FORMAT * FORMAT_ERROR[fmt]
     shift = step_disagreement(model, ids)
     if shift <= bound:

@@ -67,8 +67,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.speed.grids import GROUP, quantize_int8_groups
 from minimedusa.speed.machine import forced_avx2
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR, can_pack, pack_linear_layers
-from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4KernelLinear, Int4Linear,
-                                        Int8A16GroupLinear, Int8GroupLinear, Int8Linear,
+from minimedusa.speed.quantized import (Int8A16GroupLinear, Int8GroupLinear,
                                         bfloat16_layers, eight_bit_head_layers,
                                         eight_bit_lm_heads, four_bit_layers, int4_layer,
                                         quantize_linear_layers)
@@ -113,6 +112,9 @@ def apply_format(module: nn.Module, name: str) -> nn.Module:
     module = module.to(dtype)
     if can_pack(next(module.parameters()).device, dtype):
         pack_linear_layers(module)  # int4: the heads, and an LM head off the 8-bit grid
+    # the format, decided once (the recipe's) and carried: what reads it later (the heads'
+    # format, the step's words, the reference check's bound) reads this, never the layers' types
+    module.weight_format = name
     return module
 
 
@@ -190,16 +192,11 @@ def give_back_freed_memory() -> None:
         pass
 
 
-def format_of(model: nn.Module) -> str:
-    """The format a loaded model (or heads) runs in: "int8", "int4", "w4a8", or its dtype's
-    name."""
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
-        return "int8"
-    if any(isinstance(m, Int4A8KernelLinear) for m in model.modules()):
-        return "w4a8"
-    if any(isinstance(m, (Int4Linear, Int4KernelLinear, Int8GroupLinear)) for m in model.modules()):
-        return "int4"
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+def weight_format(module: nn.Module) -> str:
+    """The format apply_format put the model (or heads) in, as it carries it; one it never
+    formatted (a model loaded as it is stored, for training) runs in its dtype."""
+    return getattr(module, "weight_format", None) or str(
+        next(module.parameters()).dtype).removeprefix("torch.")
 
 
 # a model of this many weights in its blocks is one of real size: its format's memory and speed

@@ -41,7 +41,6 @@ from minimedusa.speed.plug_in import eager_step
 from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.speed.reference_check import (FORMAT_ERROR, checked_step, largest_shift,
                                               parting, probe_logits, step_error)
-from minimedusa.speed.weight_formats import format_of
 from minimedusa.tree import build_tree
 
 FORMATS = ("float32", "bfloat16", "int8", "int4", "w4a8")
@@ -260,7 +259,7 @@ def test_a_step_that_fails_the_check_falls_back_to_the_eager_step(float32_model,
 def test_a_fast_step_that_passes_the_check_is_kept(paths, reference):
     model = paths.model(("cpu", "int4", "fused"))
     ids = reference["greedy"]["cases"][0]["prompt_ids"]
-    assert checked_step(model, "fused", ids) == "fused" and format_of(model) == "int4"
+    assert checked_step(model, "fused", ids) == "fused" and model.weight_format == "int4"
 
 
 def test_generate_falls_back_to_eager_where_its_step_fails(monkeypatch, capsys):

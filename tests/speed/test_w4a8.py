@@ -21,7 +21,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.speed.grids import dequantize_int8_groups, quantize_int8_groups
 from minimedusa.speed.quantized import Int4A8KernelLinear, Int4A16KernelLinear, Int8A16GroupLinear
 from minimedusa.speed.plug_in import how_it_runs
-from minimedusa.speed.weight_formats import apply_format, format_of
+from minimedusa.speed.weight_formats import apply_format
 from minimedusa.tree import build_tree
 
 pytestmark = [pytest.mark.kernels, needs_group_kernel]
@@ -131,7 +131,7 @@ def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():
         reference, _ = model(tokens, positions, mask)
         w4a8 = apply_format(model, "w4a8")
         logits, _ = w4a8(tokens, positions, mask)
-    assert format_of(w4a8) == "w4a8" and type(w4a8.lm_head) is Int8A16GroupLinear
+    assert w4a8.weight_format == "w4a8" and type(w4a8.lm_head) is Int8A16GroupLinear
     assert all(isinstance(block.attn.wo, Int4A8KernelLinear) and
                isinstance(block.mlp.gate_up, Int4A8KernelLinear) for block in w4a8.layers)
     assert all(type(layer) is Int4A16KernelLinear for block in w4a8.layers

@@ -21,8 +21,7 @@ from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8,
                                     dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
                                     quantize_int4, quantize_int8, quantize_int8_groups)
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
-from minimedusa.speed.weight_formats import (activation_dtype, apply_format, bf16_is_native,
-                                            format_of)
+from minimedusa.speed.weight_formats import activation_dtype, apply_format, bf16_is_native
 from minimedusa.files.weights import save_model
 
 
@@ -217,7 +216,7 @@ def test_a_model_in_a_format_stays_close_to_float32(name):
         reference, _ = model(tokens, positions, mask)
         formatted = apply_format(model, name)
         logits, _ = formatted(tokens, positions, mask)
-    assert format_of(formatted) == name
+    assert formatted.weight_format == name
     error = (logits.float() - reference).abs().max() / reference.abs().max()
     assert error <= {"float32": 1e-6, "bfloat16": 2e-2, "int8": 2e-2, "int4": 2e-2}[name]
 
