@@ -41,7 +41,6 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
                                        draft_model)
     from minimedusa.cli.trees import decoding_tree, tree_spec
     from minimedusa.decoding import check_context
-    from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
     from minimedusa.speed.weight_formats import QUANTIZED, describe_weights
     from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, largest_id
@@ -164,13 +163,10 @@ def decoder(args, model, recipe: Recipe, drafter=None) -> Decoding:
     tree sizes the budget used). The one-time work, the heads or the draft model's draft and the
     tree budget (its step latencies timed here at first use), is the recipe's build
     (cli/recipe.py). drafter: load()'s (--draft)."""
-    heads = None
-    if recipe.heads is not None:
-        heads = decoding_heads(recipe.heads, model, recipe.draft_vocab)
-        if args.chat and isinstance(heads, HydraPlusPlusHeads):
-            raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
-                            "cache is not kept between turns): use other heads or --baseline")
-    decoding = build(recipe, model, heads, drafter)
+    heads = None if recipe.heads is None else decoding_heads(recipe.heads, model,
+                                                              recipe.draft_vocab)
+    decoding = build(recipe, model, heads, drafter)  # (a chat with Hydra++ heads: refused by
+    # their draft, experiments/draft_layer.py, at the turn that continues a conversation)
     if args.trace is not None:
         decoding = traced(decoding, recipe)  # its draft a trace.TracedDraft
     return watched(decoding) if args.show else decoding

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from minimedusa.errors import UserError, entry_point, quiet_interrupt
+from minimedusa.errors import entry_point, quiet_interrupt
 
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
     import torch
@@ -33,19 +33,16 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.files.outputs import lock_folder, write_atomically
     from minimedusa.training.progress import progress_bar, say
     from minimedusa.files.default_model import ensure_default_model
-    from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
-    from minimedusa.training.draft_layer_rows import (ANSWERS_PER_BATCH, AnswerRows, answer_rows,
-                                                      featured_rows)
+    from minimedusa.training.head_rows import StoredRows, rows_for
     from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads, token_ranking
     from minimedusa.files.heads_files import save_draft_vocab, save_heads
     from minimedusa.model import Llama
     from minimedusa.training.self_distill import tokenizer_fingerprint
-    from minimedusa.training.medusa1 import (Rows, cosine_lr, distill_loss, draft_columns,
+    from minimedusa.training.medusa1 import (cosine_lr, distill_loss, draft_columns,
                                              head_logits, head_metrics, medusa1_heads,
-                                             medusa_loss, read_answers, read_meta, read_rows,
-                                             split_validation, teacher_states)
-    from minimedusa.training.loop import (Losses, accuracy_line, batch_rows, distributed,
-                                          setup_distributed, total_steps)
+                                             medusa_loss, read_meta, teacher_states)
+    from minimedusa.training.loop import (Losses, accuracy_line, distributed, setup_distributed,
+                                          total_steps)
     from minimedusa.files.weights import load_model
 
 # --- Medusa-1: the data, the heads, the loss, the optimizer ---------------------------------
@@ -61,26 +58,21 @@ class Medusa1:
     model: Llama
     heads: MedusaHeads | HydraHeads
     trained: torch.nn.Module  # the heads, wrapped under torchrun (distributed)
-    train_rows: Rows
-    val_rows: Rows
+    data: StoredRows  # the rows (head_rows.py: as stored, or a kind's own, e.g. Hydra++'s)
     optimizer: torch.optim.Optimizer
     ranking: tuple[torch.Tensor, torch.Tensor]  # the answers' token ids by frequency, counts
     vocabulary: DraftVocabulary | None  # with --draft-vocab: the tokens the heads rank
-    # Hydra++: the rows with their prompts' states (train, validation)
-    answers: tuple[AnswerRows, AnswerRows] | None = None
 
     def rows(self) -> int:
-        return self.train_rows.targets.shape[0]
+        return self.data.train.targets.shape[0]
 
     def batch_size(self) -> int:
         return self.args.batch_size
 
     def batch(self, step: int) -> torch.Tensor:
-        """The step's rows: shuffled rows, or (Hydra++) rows drawn from a few whole answers,
-        which the draft layer reads whole."""
-        if self.answers is None:
-            return batch_rows(self.rows(), step, self.batch_size(), self.args.seed)
-        return self.answers[0].sample_rows(step, self.batch_size(), self.args.seed)
+        """The step's rows: shuffled rows, or as the heads' kind draws them (Hydra++: from a
+        few whole answers, which its draft layer reads whole)."""
+        return self.data.batch(step, self.batch_size(), self.args.seed)
 
     def peak_lrs(self) -> list[float]:
         return [self.args.lr]
@@ -88,15 +80,13 @@ class Medusa1:
     def loss(self, step: int, index: torch.Tensor) -> Losses:
         """sum_k 0.8^k CE(head k, y_{t+k+1}) at the batch's rows (with --distill, CE against the
         backbone's distribution at t + k)."""
-        if self.answers is None:
-            hidden = self.train_rows.hidden[index].to(self.device, torch.float32)  # (B, C)
-        else:  # the draft layer reads the rows' answers whole
-            hidden = self.answers[0].features_at(self.heads.draft_layer, index, self.device)
-        targets = self.train_rows.targets[index].to(self.device)  # (B, K)
-        tokens = self.train_rows.tokens[index].to(self.device)  # (B, K): read by Hydra heads
+        rows = self.data.train
+        hidden = self.data.hidden(self.heads, index, self.device)  # (B, C): h_t (or f_t)
+        targets = rows.targets[index].to(self.device)  # (B, K)
+        tokens = rows.tokens[index].to(self.device)  # (B, K): read by Hydra heads
         logits = head_logits(self.trained, hidden, tokens, self.model, self.vocabulary)
         if self.args.distill:
-            teacher = teacher_states(self.train_rows.hidden, index, targets.shape[1])
+            teacher = teacher_states(rows.hidden, index, targets.shape[1])
             loss, ce, _ = distill_loss(logits, teacher.to(self.device, torch.float32), targets,
                                        self.model.lm_head, self.vocabulary)
         else:
@@ -105,9 +95,7 @@ class Medusa1:
 
     def evaluate(self) -> tuple[dict, str]:
         self.heads.eval()
-        val = self.val_rows if self.answers is None else featured_rows(self.heads,
-                                                                       self.answers[1],
-                                                                       self.device)
+        val = self.data.held_out(self.heads, self.device)
         metrics = head_metrics(self.heads, self.model, val, self.device,
                                vocabulary=self.vocabulary)
         self.heads.train()
@@ -136,19 +124,9 @@ def medusa1(args, device, world: int) -> Medusa1:
     torch.manual_seed(args.seed)
     heads = medusa1_heads(args, model).train()
     cfg = heads.config
-    answers = None
-    if isinstance(heads, HydraPlusPlusHeads):
-        if world > 1:
-            raise UserError("--kind hydra++ trains in one process (its draft layer runs outside "
-                            "DistributedDataParallel's forward): run train.py without torchrun")
-        say("computing the prompts' hidden states for the draft layer")
-        answers = tuple(answer_rows(model, part, cfg.medusa_num_heads, device)
-                        for part in split_validation(read_answers(
-                            args.data, tokenizer_fingerprint(folder), model.config.vocab_size)))
-        train_rows, val_rows = answers[0].rows, answers[1].rows
-    else:
-        train_rows, val_rows = read_rows(args.data, cfg.medusa_num_heads,
-                                         tokenizer_fingerprint(folder), model.config.vocab_size)
+    data = rows_for(heads).read(model, args.data, tokenizer_fingerprint(folder), heads, device,
+                                world)
+    train_rows, val_rows = data.train, data.val
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     ranking = token_ranking(train_rows.tokens[:, 0])  # column 0: every answer token once
     vocabulary = (DraftVocabulary(ranking[0][:args.draft_vocab].sort().values, model.lm_head)
@@ -157,14 +135,14 @@ def medusa1(args, device, world: int) -> Medusa1:
              f"({'shared' if cfg.shared_lm_head else 'own'}"
              f" projection{', from ' + str(args.init_heads) if args.init_heads else ''}) on "
              f"{train_rows.targets.shape[0]} positions ({val_rows.targets.shape[0]} held out)"
-             f"{f', {ANSWERS_PER_BATCH} whole answers a batch' if answers else ''}"
+             f"{data.words}"
              f"{', against the backbone distribution (--distill)' if args.distill else ''}")
     if vocabulary is not None:
         covered = ranking[1][:args.draft_vocab].sum() / ranking[1].sum()
         intro += f", ranking a draft vocabulary of {args.draft_vocab} tokens ({covered:.1%} of " \
             "them)"
-    return Medusa1(args, device, folder, intro, model, heads, distributed(heads, world),
-                   train_rows, val_rows, optimizer, ranking, vocabulary, answers)
+    return Medusa1(args, device, folder, intro, model, heads, distributed(heads, world), data,
+                   optimizer, ranking, vocabulary)
 
 
 # --- the loop both modes share: the step, validation, checkpoint ----------------------------

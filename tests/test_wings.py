@@ -93,6 +93,17 @@ def test_speed_is_plugged_in_at_one_place():
     assert {"plug_in", "plug_in_heads", "fast_draft", "greedy_for"} <= called
 
 
+def test_experiments_plug_in_at_one_place():
+    """experiments/ registers itself when imported (its __init__.py); outside it only the recipe
+    (which wraps Hydra++'s draft) and bench's batches (Medusa in a batch) import it: the heads
+    files, the training and the entry points reach it through registries and verbs."""
+    importers = {path.relative_to(ROOT).as_posix()
+                 for path in [*PACKAGE.rglob("*.py"), *ENTRY_POINTS]
+                 if path.parent.name != "experiments"
+                 and any(n.startswith("minimedusa.experiments") for n in imports(path))}
+    assert importers == {"minimedusa/cli/recipe.py", "minimedusa/bench/batches.py"}, importers
+
+
 def test_no_wing_but_the_wiring_reaches_into_speeds_internals():
     """The entry points, bench/ (which times speed's parts one by one) and training/ wire what
     they need; every other module outside speed/ imports its face, or is one of its doors."""

@@ -13,7 +13,6 @@ import torch
 
 from minimedusa.acceptance import Acceptance
 from minimedusa.decoding import medusa_step, new_cache, prefill, root_step
-from minimedusa.experiments.draft_layer import PlusPlusDraft
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import causal_mask
 
@@ -42,8 +41,6 @@ def step_latency(model, draft, acceptance: Acceptance, sizes, prompt_len: int = 
     def timer(n):
         def seconds():
             cache.rewind(prompt_len)  # every size starts from the same prefix
-            if isinstance(draft, PlusPlusDraft):  # and so does a draft layer's cache
-                draft.cache.rewind(prompt_len)
             return time_one_step(model, draft, acceptance, n, cache, features)
         return seconds
     return round_robin_medians({n: timer(n) for n in [0, *sizes]}, repeats)

@@ -23,7 +23,8 @@ backbone cache's, and it equals a fresh prefill of the accepted sequence (a test
 The price: one block's forward over the accepted tokens per step (1 to ~5 rows), beside the 30
 blocks of the backbone.
 
-Its training over whole answers is training/draft_layer_rows.py's.
+Its training over whole answers is draft_layer_rows.py's. It plugs in through this package's
+__init__.py: its heads kind here (files/heads_files.HEAD_KINDS), its training there.
 
 Shapes: a accepted positions, C model dim.
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from minimedusa.errors import UserError
+from minimedusa.files.heads_files import HEAD_KINDS
 from minimedusa.heads import HydraHeads, MedusaConfig, as_features
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Block, LlamaConfig, causal_mask, rope_angles, rope_frequencies
@@ -72,6 +74,9 @@ class HydraPlusPlusHeads(HydraHeads):
         return cls(cfg, model.config).to(device=weight.device, dtype=weight.dtype)
 
 
+HEAD_KINDS["hydra++"] = HydraPlusPlusHeads  # heads files of this kind read as these
+
+
 # --- decoding: the layer's cache follows the accepted sequence --------------------------------
 
 def new_draft_cache(heads: HydraPlusPlusHeads, capacity: int) -> KVCache:
@@ -100,18 +105,22 @@ class PlusPlusDraft:
     its own; the tree and its tokens are `draft`'s (a TreeDraft or a RankedDraft of them)."""
 
     def __init__(self, draft):
-        self.draft, self.heads, self.cache = draft, draft.heads, None
+        self.draft, self.heads, self.cache, self.backbone = draft, draft.heads, None, None
 
     def start(self, prompt_ids: list[int], cache: KVCache) -> None:
-        """A new draft cache as long as the backbone's. Refused where the backbone's cache holds
-        a conversation already: the layer would have to read it again (its cache is not kept
-        between runs)."""
+        """A new draft cache as long as the backbone's (`cache`, which it follows). Refused
+        where the backbone's cache holds a conversation already: the layer would have to read
+        it again (its cache is not kept between runs)."""
         if cache.length:
             raise UserError("Hydra++ heads cannot continue a conversation (their draft layer's "
                             "cache is not kept between turns): use other heads or --baseline")
-        self.cache = new_draft_cache(self.heads, cache.capacity)
+        self.cache, self.backbone = new_draft_cache(self.heads, cache.capacity), cache
 
     def read(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer reads the a positions the backbone just kept (hidden (a, C)), after the
+        backbone's earlier ones: its cache cut to them first (a timing that rewinds the
+        backbone to time another step, cli/step_latency.py, rewinds the layer with it)."""
+        self.cache.rewind(self.backbone.length - hidden.shape[0])
         return read_accepted(self.heads, self.cache, as_features(self.heads, hidden))
 
     def match(self, root: int) -> int:

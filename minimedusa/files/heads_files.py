@@ -17,13 +17,14 @@ from safetensors.torch import save_file
 
 from minimedusa.files.outputs import write_atomically
 from minimedusa.errors import UserError, json_kind, unreadable
-from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.heads import HydraHeads, MedusaConfig, MedusaHeads
 from minimedusa.model import LlamaConfig
 
 HEADS_FILE = "medusa_lm_head.safetensors"
-# config.json's head_kind -> class
-HEAD_KINDS = {"medusa": MedusaHeads, "hydra": HydraHeads, "hydra++": HydraPlusPlusHeads}
+# config.json's head_kind -> the heads of that kind, made from (their config, the model's):
+# experiments/ registers its own (Hydra++'s: experiments/draft_layer.py)
+HEAD_KINDS = {"medusa": lambda cfg, model_config: MedusaHeads(cfg),
+              "hydra": lambda cfg, model_config: HydraHeads(cfg)}
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # token ids by frequency in the training answers
 CALIBRATION = "calibration.json"  # a_k^(i), beside the heads (training/tree_search.py measures it)
 MAX_HEADS = 64  # heads, and layers a head: the paper's have 5 and 1
@@ -59,7 +60,7 @@ def files_state(heads) -> dict[str, torch.Tensor]:
     (heads.heads), a Hydra++ draft layer's under draft_layer.*; never a draft vocabulary set
     for decoding (a slice of the LM head)."""
     state = dict(heads.heads.state_dict())
-    if isinstance(heads, HydraPlusPlusHeads):
+    if hasattr(heads, "draft_layer"):  # a layer before the heads (Hydra++'s)
         state.update({f"draft_layer.{k}": t for k, t in heads.draft_layer.state_dict().items()})
     return state
 
@@ -149,8 +150,7 @@ def load_heads(folder, model) -> MedusaHeads:
     state = read_heads_state(folder)
     cfg = heads_config(raw, state, model.config)
     check_heads_fit(cfg, model.config)
-    heads = (HydraPlusPlusHeads(cfg, model.config) if cfg.head_kind == "hydra++"
-             else HEAD_KINDS[cfg.head_kind](cfg))
+    heads = HEAD_KINDS[cfg.head_kind](cfg, model.config)
     expected = files_state(heads)
     missing = sorted(expected.keys() - state.keys())
     if missing:
@@ -166,7 +166,7 @@ def load_heads(folder, model) -> MedusaHeads:
                              "point (NaN, inf, or integers): a diverged training run?")
     heads.heads.load_state_dict({k: t for k, t in state.items()
                                  if not k.startswith("draft_layer.")})
-    if isinstance(heads, HydraPlusPlusHeads):
+    if hasattr(heads, "draft_layer"):
         heads.draft_layer.load_state_dict({k.removeprefix("draft_layer."): t
                                            for k, t in state.items()
                                            if k.startswith("draft_layer.")})

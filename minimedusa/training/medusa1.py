@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from minimedusa.errors import UserError, unreadable
-from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, with_draft_layer
 from minimedusa.files.heads_files import load_heads
 from minimedusa.files.outputs import check_out_is_not
 from minimedusa.files.tokenizer import read_json_object
@@ -255,21 +254,27 @@ def add_flags(p) -> None:
                     help="heads share the backbone's LM head instead of own projections")
     m1.add_argument("--batch-size", type=positive_int, default=256,
                     help="answer positions per optimizer step (default: 256; --kind hydra++: "
-                    "drawn from whole answers, draft_layer_rows.ANSWERS_PER_BATCH of them)")
+                    "drawn from a few whole answers: experiments/draft_layer_rows.py)")
     m1.add_argument("--lr", type=non_negative, default=None, help="the heads' peak learning rate "
                     "(default: 1e-3; from the model alone: 2e-3)")
 
 
+# --kind -> fresh heads of it for the model, in the paper's initialisation; and the kinds that
+# start from trained heads of another kind (Hydra++: Hydra heads behind a fresh draft layer).
+# experiments/ registers its own (experiments/draft_layer_rows.py)
+FRESH_HEADS = {"medusa": lambda model, a: MedusaHeads.for_model(model, a.heads, a.layers,
+                                                                  a.shared),
+               "hydra": lambda model, a: HydraHeads.for_model(model, a.heads, a.layers)}
+FROM_TRAINED: dict = {}
+
+
 def medusa1_heads(args, model) -> MedusaHeads:
-    """Fresh heads in the paper's initialisation or, with --init-heads, trained ones."""
-    if args.init_heads is None and args.kind == "hydra":
-        return HydraHeads.for_model(model, args.heads, args.layers)
-    if args.init_heads is None and args.kind == "hydra++":
-        return HydraPlusPlusHeads.for_model(model, args.heads, args.layers)
+    """Fresh heads in the paper's initialisation or, with --init-heads, trained ones (in
+    --kind where that kind starts from them)."""
     if args.init_heads is None:
-        return MedusaHeads.for_model(model, args.heads, args.layers, args.shared)
+        return FRESH_HEADS[args.kind](model, args)
     check_out_is_not(args.out, args.init_heads)
     heads = load_heads(args.init_heads, model)
-    if args.kind == "hydra++" and type(heads) is HydraHeads:  # behind a fresh draft layer
-        heads = with_draft_layer(heads, model)
+    if args.kind in FROM_TRAINED:
+        heads = FROM_TRAINED[args.kind](heads, model)
     return heads.requires_grad_(True)

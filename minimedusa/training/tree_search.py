@@ -32,13 +32,11 @@ from minimedusa.cli.recipe import Recipe, decoding_heads, decoding_model, timed_
 from minimedusa.cli.load import device_and_format
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.speed.machine import machine_key
-from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
-from minimedusa.training.draft_layer_rows import answer_rows, featured_rows
+from minimedusa.training.head_rows import rows_for
 from minimedusa.errors import UserError, entry_point
 from minimedusa.heads import token_ids
 from minimedusa.training.self_distill import tokenizer_fingerprint
-from minimedusa.training.medusa1 import (IGNORE, Rows, head_logits, read_answers, read_rows,
-                                         split_validation)
+from minimedusa.training.medusa1 import IGNORE, Rows, head_logits
 
 MAX_NODES = 64  # the largest tree considered: the paper's
 LATENCY_REPEATS = 8  # timed rounds of every size; the median is kept
@@ -89,17 +87,10 @@ def calibrate(heads_dir: Path, data: Path | None, heads, model, folder: Path,
 
 
 def held_out_rows(data: Path, heads, model, folder: Path) -> Rows:
-    """The held-out answers of `data`, as the heads' rows: what calibration measures on (for
-    Hydra++ heads, with their draft layer's output in place of h_t)."""
-    if isinstance(heads, HydraPlusPlusHeads):
-        _, val = split_validation(read_answers(data, tokenizer_fingerprint(folder),
-                                               model.config.vocab_size))
-        device = model.embed.weight.device
-        return featured_rows(heads, answer_rows(model, val, heads.config.medusa_num_heads, device),
-                             device)
-    _, val = read_rows(data, heads.config.medusa_num_heads, tokenizer_fingerprint(folder),
-                       model.config.vocab_size)
-    return val
+    """The held-out answers of `data`, as the heads' rows: what calibration measures on (as
+    their kind reads them: Hydra++ heads their draft layer's output in place of h_t)."""
+    return rows_for(heads).held_out_rows(model, data, tokenizer_fingerprint(folder), heads,
+                                         model.embed.weight.device)
 
 
 def calibrate_on(val: Rows, heads_dir: Path, data: Path, heads, model,

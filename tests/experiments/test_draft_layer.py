@@ -22,7 +22,7 @@ from minimedusa.decoding import (medusa_decode, medusa_step, new_cache, plain_de
 from minimedusa.draft import Candidates, TreeDraft, tree_tokens
 from minimedusa.experiments.draft_layer import (HydraPlusPlusHeads, PlusPlusDraft, new_draft_cache,
                                                 read_accepted, with_draft_layer)
-from minimedusa.training.draft_layer_rows import ANSWERS_PER_BATCH, answer_rows, layer_features
+from minimedusa.experiments.draft_layer_rows import ANSWERS_PER_BATCH, answer_rows, layer_features
 from minimedusa.files.heads_files import load_heads, save_heads
 from minimedusa.heads import HydraHeads
 from minimedusa.model import causal_mask

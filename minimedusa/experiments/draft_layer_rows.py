@@ -1,5 +1,6 @@
-"""Hydra++'s draft layer in training: whole answers through the layer
-(experiments/draft_layer.py).
+"""Hydra++'s draft layer in training: whole answers through the layer (draft_layer.py), and
+how it plugs into train.py (training/head_rows.ROWS, training/medusa1.FRESH_HEADS and
+FROM_TRAINED: registered when this package is imported).
 
 Training runs the layer over whole answers: the backbone's states at the prompt (computed once,
 prompt_states) followed by those stored with the answer, which the layer reads at the same
@@ -14,10 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from minimedusa.experiments.draft_layer import DraftLayer, HydraPlusPlusHeads
+from minimedusa.errors import UserError
+from minimedusa.experiments.draft_layer import DraftLayer, HydraPlusPlusHeads, with_draft_layer
+from minimedusa.heads import HydraHeads
 from minimedusa.model import causal_mask
-from minimedusa.training.medusa1 import Rows, rows_of
+from minimedusa.training import head_rows, medusa1
+from minimedusa.training.medusa1 import Rows, read_answers, rows_of, split_validation
 from minimedusa.training.loop import batch_rows
+from minimedusa.training.progress import say
 
 
 @torch.no_grad()
@@ -110,3 +115,46 @@ def featured_rows(heads: HydraPlusPlusHeads, data: AnswerRows, device,
                                                                             len(data))), device)
                 .cpu() for a in range(0, len(data), answers_per_batch)]
     return Rows(torch.cat(features), data.rows.targets, data.rows.tokens)
+
+
+class WholeAnswers:
+    """Hydra++'s rows (training/head_rows.py's verbs): a step's rows drawn from
+    ANSWERS_PER_BATCH whole answers, which the draft layer reads whole (with their prompts'
+    states); validated on the held-out answers' f_t."""
+    words = f", {ANSWERS_PER_BATCH} whole answers a batch"
+
+    def __init__(self, train: AnswerRows, val: AnswerRows):
+        self.answers, self.train, self.val = (train, val), train.rows, val.rows
+
+    @classmethod
+    def read(cls, model, data, fingerprint: str, heads, device, world: int) -> "WholeAnswers":
+        if world > 1:
+            raise UserError("--kind hydra++ trains in one process (its draft layer runs outside "
+                            "DistributedDataParallel's forward): run train.py without torchrun")
+        say("computing the prompts' hidden states for the draft layer")
+        parts = split_validation(read_answers(data, fingerprint, model.config.vocab_size))
+        return cls(*(answer_rows(model, part, heads.config.medusa_num_heads, device)
+                     for part in parts))
+
+    @classmethod
+    def held_out_rows(cls, model, data, fingerprint: str, heads, device) -> Rows:
+        _, val = split_validation(read_answers(data, fingerprint, model.config.vocab_size))
+        return featured_rows(heads, answer_rows(model, val, heads.config.medusa_num_heads, device),
+                             device)
+
+    def batch(self, step: int, batch_size: int, seed: int) -> torch.Tensor:
+        return self.answers[0].sample_rows(step, batch_size, seed)
+
+    def hidden(self, heads, index: torch.Tensor, device) -> torch.Tensor:
+        return self.answers[0].features_at(heads.draft_layer, index, device)
+
+    def held_out(self, heads, device) -> Rows:
+        return featured_rows(heads, self.answers[1], device)
+
+
+head_rows.ROWS["hydra++"] = WholeAnswers
+medusa1.FRESH_HEADS["hydra++"] = lambda model, a: HydraPlusPlusHeads.for_model(model, a.heads,
+                                                                               a.layers)
+# trained Hydra heads start Hydra++ behind a fresh draft layer (others as they are)
+medusa1.FROM_TRAINED["hydra++"] = lambda heads, model: (
+    with_draft_layer(heads, model) if type(heads) is HydraHeads else heads)
