@@ -192,8 +192,10 @@ def run(args) -> dict:
     loaded, start = time.perf_counter() - start, time.perf_counter()
     ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system,  # timed from here
                      model.config.max_position_embeddings)
+    steps = decode.decode(ids, args.max_new_tokens, model.config.stop_ids)
     yielded = []  # each step's tokens, for --trace's page
-    steps = noted(decode.decode(ids, args.max_new_tokens, model.config.stop_ids), yielded)
+    if args.trace is not None:
+        steps = noted(steps, yielded)
     stream = None if args.json else painted(decode, StreamDecoder(tokenizer))
     answer = decode_answer(steps, Answer(), stream, start=start)
     output, stats, seconds = answer.ids, answer.stats, answer.seconds

@@ -126,13 +126,32 @@ def torch_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def latency_cache(tmp_path_factory, monkeypatch, built_kernels):
-    """Step latencies measured by a test go to a fresh folder of its own, never to the user's
-    cache (cli/latency_cache.cache_file); its kernels folder is the run's (built_kernels)."""
+def new_cache(tmp_path_factory, built_kernels) -> Path:
+    """A fresh cache folder (never the user's: cli/latency_cache.cache_file), its kernels
+    folder the run's (built_kernels)."""
     cache = tmp_path_factory.mktemp("cache")
     (cache / built_kernels.name).symlink_to(built_kernels, target_is_directory=True)
-    monkeypatch.setenv("MINIMEDUSA_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="session")
+def run_cache(tmp_path_factory, built_kernels) -> Path:
+    return new_cache(tmp_path_factory, built_kernels)
+
+
+@pytest.fixture(autouse=True)
+def latency_cache(run_cache, monkeypatch):
+    """Step latencies a test measures go to the run's cache folder, shared by its tests and
+    the processes they start, as a user's runs share theirs: a real model's trees or a draft
+    model's chains (seconds each) are timed once a run, not once a test. A test about the
+    timing and its cache itself takes a fresh folder (fresh_latency_cache)."""
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(run_cache))
+
+
+@pytest.fixture
+def fresh_latency_cache(tmp_path_factory, monkeypatch, built_kernels):
+    """A cache folder of the test's own: what it times is measured here, not read."""
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(new_cache(tmp_path_factory, built_kernels)))
 
 
 @pytest.fixture(scope="module")

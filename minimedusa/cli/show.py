@@ -118,11 +118,16 @@ def painted(decoding, stream):
     return stream
 
 
+def innermost(draft):
+    """The draft under a context draft's chains."""
+    return draft.draft if isinstance(draft, ContextDraft) else draft
+
+
 def legend(draft) -> str:
     """One line for stderr: each origin the draft can give, in its colour."""
     parts = ["the model's own token"]
     draft = draft.draft if isinstance(draft, Watched) else draft
-    inner = draft.draft if isinstance(draft, ContextDraft) else draft
+    inner = innermost(draft)
     if isinstance(inner, ModelDraft):
         parts.append(f"{COLOURS[DRAFT]}draft model{RESET}")
     else:

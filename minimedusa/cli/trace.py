@@ -23,8 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from minimedusa.acceptance import Acceptance, draw, probabilities, typical_threshold
-from minimedusa.cli.show import Watched
-from minimedusa.context_candidates import ContextDraft
+from minimedusa.cli.show import Watched, innermost
 from minimedusa.draft import RankedDraft, TreeDraft, best_guesses, tree_tokens
 from minimedusa.speculative_sampling import proposal_of, verify_drawn
 
@@ -61,9 +60,9 @@ class TracedDraft(Watched):
     """The run's draft, watched (show.Watched: each token's origin), keeping each step's trace
     (Step) in `trace`; the traced rule (traced_rule) adds the verdict to the step in hand."""
 
-    def __init__(self, draft, model):
+    def __init__(self, draft):
         super().__init__(draft, shown=False)
-        self.model, self.trace, self.pending = model, [], None
+        self.trace, self.pending = [], None
 
     def start(self, prompt_ids: list[int], cache) -> None:
         super().start(prompt_ids, cache)
@@ -75,7 +74,7 @@ class TracedDraft(Watched):
         token_of = dict(zip(candidates.tree.nodes, candidates.tokens.tolist()))
         self.pending = Step("tree")
         for path, token in token_of.items():
-            line = [token_of[path[:d]] for d in range(1, len(path) + 1)]  # its tokens, root on
+            line = [token_of[path[:d]] for d in range(1, len(path) + 1)]  # depth 1 to it
             origin = self.origin(line, len(path)) if path else None
             self.pending.nodes.append(Node(path, token, law_of(laws, path, token), None, origin))
         return candidates
@@ -84,11 +83,6 @@ class TracedDraft(Watched):
         super().extend(tokens)
         self.trace.append(self.pending if self.pending is not None else Step("plain"))
         self.pending = None
-
-
-def innermost(draft):
-    """The draft under a context draft's chains."""
-    return draft.draft if isinstance(draft, ContextDraft) else draft
 
 
 def drafted_laws(draft, model, candidates, root: int, features):
@@ -174,7 +168,8 @@ def judge(recipe, step: Step, logits: torch.Tensor, candidates, generator) -> No
     for node, i in row.items():
         step.judged_at[node] = {"argmax": argmax[i]}
     if kind == "typical":
-        for node, value in zip(parents, typical_threshold(probs, recipe.eps, recipe.delta).tolist()):
+        thresholds = typical_threshold(probs, recipe.eps, recipe.delta).tolist()  # (M,)
+        for node, value in zip(parents, thresholds):
             step.judged_at[node]["threshold"] = value
     if kind == "rejection":  # the rule's draws: y ~ p at every node, in its order
         draws = draw(probabilities(logits, T, recipe.top_p), generator).tolist()  # (N,)
@@ -190,6 +185,6 @@ def judge(recipe, step: Step, logits: torch.Tensor, candidates, generator) -> No
 def traced(decoding, recipe):
     """The decoding with its draft traced (a TracedDraft, whose .trace a page is drawn from)
     and its rule's verdicts noted."""
-    draft = TracedDraft(decoding.draft, decoding.model)
+    draft = TracedDraft(decoding.draft)
     return replace(decoding, draft=draft, acceptance=traced_rule(decoding.acceptance, draft,
                                                                  recipe))

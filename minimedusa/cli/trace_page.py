@@ -25,7 +25,8 @@ table{border-collapse:collapse}td,th{padding:2px 8px;border-bottom:1px solid #dd
 .h6{color:#27ae60}
 svg text{font:11px monospace}svg .small{font-size:9px;fill:#555}
 rect{fill:#fff;stroke:#999}.kept rect{fill:#d5f5e3;stroke:#1e8449;stroke-width:2}
-.context rect{stroke:#c0392b}.root rect{fill:#eee}.verifier rect{fill:#fdebd0;stroke:#d35400;stroke-dasharray:4 2}
+.context rect{stroke:#c0392b}.root rect{fill:#eee}
+.verifier rect{fill:#fdebd0;stroke:#d35400;stroke-dasharray:4 2}
 line{stroke:#aaa}line.kept{stroke:#1e8449;stroke-width:2}.bar{fill:#5dade2}
 summary{cursor:pointer}details{margin:.3em 0}
 """
@@ -204,7 +205,8 @@ def judged_row(step: Step, parent: int, child: int, kind: str, tokenizer) -> str
 def header_of(result: dict, recipe, machine: str) -> dict:
     """The page's header rows from generate.py's result and recipe."""
     return {"model": recipe.folder.name, "decoding (heads, tree, rule)": result["mode"],
-            "rule kind": rule_kind(recipe), "format": f"{result['weights']}, {result['step']} step",
+            "rule kind": rule_kind(recipe),
+            "format": f"{result['weights']}, {result['step']} step",
             "machine": machine, "tokens": result["new_tokens"],
             "tokens/s": result["tokens_per_s"], "steps": result["steps"],
             "tokens per step": result["acceleration_rate"]}

@@ -23,6 +23,9 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.files.heads_files import save_heads
 from minimedusa.files.weights import save_model
 
+# these tests time steps and read their cache: each its own folder (conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_latency_cache")
+
 
 def generate(*args, timeout=300):
     return subprocess.run([sys.executable, str(REPO / "generate.py"), *args],

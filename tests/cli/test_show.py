@@ -51,18 +51,25 @@ def generate_output(flags: list[str], terminal: bool) -> str:
     return out.decode(errors="replace")
 
 
-def test_on_a_terminal_the_answer_streams_in_several_colours():
-    out = generate_output([*POEM, "--show"], terminal=True)
+@pytest.fixture(scope="module")
+def outputs():
+    """The poem's standard output: --show on a terminal, and through a pipe with and without
+    --show."""
+    return {"terminal": generate_output([*POEM, "--show"], terminal=True),
+            "pipe": generate_output([*POEM, "--show"], terminal=False),
+            "plain": generate_output(POEM, terminal=False)}
+
+
+def test_on_a_terminal_the_answer_streams_in_several_colours(outputs):
+    out = outputs["terminal"]
     colours = {code for code in ESCAPES if re.search(code, out)}
     assert len(colours) >= 3  # heads' depths and context candidates (the model's: plain)
     plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
-    assert plain.replace("\r\n", "\n") == generate_output(POEM, terminal=True).replace("\r\n",
-                                                                                       "\n")
+    assert plain.replace("\r\n", "\n") == outputs["plain"]  # a terminal writes \r\n
 
 
-def test_through_a_pipe_show_writes_the_same_text_without_escape_codes():
-    shown = generate_output([*POEM, "--show"], terminal=False)
-    assert "\x1b[" not in shown and shown == generate_output(POEM, terminal=False)
+def test_through_a_pipe_show_writes_the_same_text_without_escape_codes(outputs):
+    assert "\x1b[" not in outputs["pipe"] and outputs["pipe"] == outputs["plain"]
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])

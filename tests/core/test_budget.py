@@ -23,6 +23,9 @@ from minimedusa.speed.machine import machine_key
 from minimedusa.heads import MedusaHeads
 from minimedusa.speculative_sampling import DrawnDraft, speculative
 
+# these tests time steps and read their cache: each its own folder (conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_latency_cache")
+
 SIZES = [0, 1, 2, 4, 8, 16]
 # a simulated machine and heads: the accepted chain of a step is the first d nodes of a spine
 # whose nodes were grown 1st, 3rd, 6th and 12th; P(d >= k) = 0.7, 0.5, 0.3, 0.15

@@ -19,6 +19,9 @@ from minimedusa.training import pipeline, self_distill
 from minimedusa.files.heads_files import CALIBRATION, HEADS_FILE
 from minimedusa.files.weights import save_model
 
+# these tests time steps and read their cache: each its own folder (conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_latency_cache")
+
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory, default_model_dir):

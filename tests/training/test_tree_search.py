@@ -27,6 +27,9 @@ from minimedusa.cli.recipe import Recipe, build, decoding_heads, decoding_model,
 from minimedusa.draft import TreeDraft
 from minimedusa.speed.weight_formats import apply_format
 
+# these tests time steps and read their cache: each its own folder (conftest.py)
+pytestmark = pytest.mark.usefixtures("fresh_latency_cache")
+
 
 def test_heads_read_features_in_their_own_dtype_in_training_and_calibration():
     """Heads in a weight format's dtype (bfloat16 here) are given features of another dtype
