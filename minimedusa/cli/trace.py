@@ -156,30 +156,29 @@ def judge(recipe, step: Step, logits: torch.Tensor, candidates, generator) -> No
     kind, T = rule_kind(recipe), recipe.temperature
     tree = candidates.tree
     index = {path: i for i, path in enumerate(tree.nodes)}
-    parents = sorted({index[path[:-1]] for path in tree.nodes[1:]})  # the M judging nodes
+    parents = sorted({index[path[:-1]] for path in tree.nodes[1:]})  # the nodes that judge
     if kind == "typical":
-        probs = torch.softmax(logits[parents].float() / T, dim=-1)  # (M, V), as the rule's
+        probs = torch.softmax(logits.float() / T, dim=-1)  # (N, V), as the rule's
     elif kind == "greedy":
-        probs = torch.softmax(logits[parents].float(), dim=-1)  # at T = 1: for the reader
+        probs = torch.softmax(logits.float(), dim=-1)  # at T = 1: for the reader
     else:
-        probs = probabilities(logits[parents], T, recipe.top_p)  # (M, V)
-    row = {node: i for i, node in enumerate(parents)}
-    argmax = logits[parents].argmax(dim=-1).tolist()
-    for node, i in row.items():
-        step.judged_at[node] = {"argmax": argmax[i]}
+        probs = probabilities(logits, T, recipe.top_p)  # (N, V)
+    argmax = logits.argmax(dim=-1).tolist()  # (N,)
+    for node in parents:
+        step.judged_at[node] = {"argmax": argmax[node]}
     if kind == "typical":
-        thresholds = typical_threshold(probs, recipe.eps, recipe.delta).tolist()  # (M,)
-        for node, value in zip(parents, thresholds):
-            step.judged_at[node]["threshold"] = value
+        thresholds = typical_threshold(probs, recipe.eps, recipe.delta).tolist()  # (N,)
+        for node in parents:
+            step.judged_at[node]["threshold"] = thresholds[node]
     if kind == "rejection":  # the rule's draws: y ~ p at every node, in its order
-        draws = draw(probabilities(logits, T, recipe.top_p), generator).tolist()  # (N,)
+        draws = draw(probs, generator).tolist()  # (N,)
         for node in parents:
             step.judged_at[node]["draw"] = draws[node]
     if kind == "speculative":
         verify_drawn(lambda node: probabilities(logits[node], T, recipe.top_p), tree,
                      candidates.tokens, candidates.proposal, generator, step.coins)
     for node in step.nodes[1:]:
-        node.p = probs[row[index[node.path[:-1]]], node.token].item()
+        node.p = probs[index[node.path[:-1]], node.token].item()
 
 
 def traced(decoding, recipe):

@@ -4,12 +4,10 @@ MT-Bench is not in the repository, so these tests time the project's held-out se
 whatever lies beside the clone, and give MT-Bench's shape as a small file of their own."""
 import json
 import re
-import shutil
 
 import pytest
-import torch
 
-from helpers import broken, LastBlockSkipped, tiny_model
+from helpers import broken, LastBlockSkipped, model_folder
 from minimedusa.bench import bench, processes as bench_generate, questions as bench_questions
 from minimedusa.files.heads_files import CALIBRATION, save_heads
 from minimedusa.heads import MedusaHeads
@@ -31,12 +29,7 @@ def no_mt_bench(tmp_path, monkeypatch):
 def tiny_folder(tmp_path, default_model_dir):
     """A tiny random Llama with the real tokenizer and chat template, long enough a context for
     MT-Bench prompts."""
-    folder = tmp_path / "tiny"
-    save_model(tiny_model(dtype=torch.float32, max_position_embeddings=2048, vocab_size=49152),
-               folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, folder / name)
-    return folder
+    return model_folder(tmp_path / "tiny", default_model_dir, 2048)
 
 
 @pytest.mark.kernels

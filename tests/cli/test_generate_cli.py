@@ -5,7 +5,6 @@ Whole processes where how it starts matters; its main in the test's process else
 from argparse import Namespace
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from generate import main as generate_main
-from helpers import REPO, tiny_model
+from helpers import REPO, model_folder, tiny_model
 from minimedusa.errors import UserError
 from minimedusa.cli.acceptance_rule import acceptance_kind
 from minimedusa.cli.load import device_and_format
@@ -21,7 +20,6 @@ from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.heads import MedusaHeads
 from minimedusa.files.heads_files import save_heads
-from minimedusa.files.weights import save_model
 
 # these tests time steps and read their cache: each its own folder (conftest.py)
 pytestmark = pytest.mark.usefixtures("fresh_latency_cache")
@@ -35,12 +33,7 @@ def generate(*args, timeout=300):
 @pytest.fixture
 def tiny_folder(tmp_path, default_model_dir):
     """A tiny random Llama (context 64) with the real tokenizer, as an HF folder."""
-    folder = tmp_path / "tiny"
-    save_model(tiny_model(dtype=torch.float32, max_position_embeddings=64,
-                          vocab_size=49152), folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, folder / name)
-    return folder
+    return model_folder(tmp_path / "tiny", default_model_dir, 64)
 
 
 def test_json_output_matches_the_reference_greedy_continuation(reference):

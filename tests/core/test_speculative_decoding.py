@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from helpers import goodness_of_fit, perturbed, tiny_model
+from helpers import goodness_of_fit, model_folder, perturbed, tiny_model
 from generate import main as generate_main
 from dataclasses import replace
 
@@ -26,7 +26,6 @@ from minimedusa.cli.recipe import Recipe, build, decoding_model, draft_model
 from minimedusa.context_candidates import merged_tree
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR
 from minimedusa.decoding import medusa_decode, plain_decode
-from minimedusa.files.weights import save_model
 from minimedusa.draft import TreeDraft
 from minimedusa.heads import MedusaHeads
 from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, chain_paths,
@@ -261,12 +260,7 @@ def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default
 @pytest.fixture
 def tiny_folder(tmp_path, default_model_dir):
     """A tiny random Llama with the real tokenizer (sizes a multiple of int8's groups)."""
-    folder = tmp_path / "tiny"
-    save_model(tiny_model(dtype=torch.float32, max_position_embeddings=64, vocab_size=49152),
-               folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, folder / name)
-    return folder
+    return model_folder(tmp_path / "tiny", default_model_dir, 64)
 
 
 def test_generate_with_a_draft_writes_the_baselines_text_and_says_what_it_kept(tiny_folder,

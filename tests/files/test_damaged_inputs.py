@@ -16,12 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import REPO, tiny_model
+from helpers import REPO, model_folder
 from generate import main as generate_main
 from minimedusa.files import tokenizer as tokenizer_module
 from minimedusa.errors import UserError
 from minimedusa.files.heads_files import save_draft_vocab, save_heads
-from minimedusa.files.weights import save_model
 from minimedusa.heads import MedusaConfig, MedusaHeads
 from minimedusa.files.tokenizer import render_chat
 
@@ -33,11 +32,7 @@ VALUE_DAMAGES = ["x", [1], {"a": 1}, -1, 0, 10 ** 12, None, True, 1.5, math.inf]
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory, default_model_dir):
     """A tiny random Llama with the real tokenizer and chat template, and untrained heads."""
-    folder = tmp_path_factory.mktemp("damage") / "tiny"
-    model = tiny_model(dtype=torch.float32, max_position_embeddings=64, vocab_size=49152)
-    save_model(model, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, folder / name)
+    folder = model_folder(tmp_path_factory.mktemp("damage") / "tiny", default_model_dir, 64)
     save_heads(MedusaHeads(MedusaConfig(2, 1, 32, 49152)), folder / "heads")
     return folder
 
