@@ -56,31 +56,40 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, sampling:
     """Answer B prompts at once. Returns, per row, (answer ids, hidden (n, C)): hidden[i] is the
     last hidden state at the token before answer[i], the state from which the LM head predicted
     answer[i] and from which head k must predict answer[i + k]. The rows are batch_decoding's:
-    each prompt prefilled alone in its row of one cache, then one (B, 1) step a token, each row
-    at its own slots; so a row's greedy answer is the one generate.py gives it alone. The rows
-    draw from one generator (write_user_turns' rows share their prompt)."""
+    each prompt prefilled alone in its row of one cache, then one step a token for the rows
+    still answering, each at its own slots; so a row's greedy answer is the one generate.py
+    gives it alone. A finished row leaves the cache (KVCache.keep_rows): the step's cost is its
+    rows', and answers end at very different lengths (the default model's average answer is 3/4
+    of the cap). Every row still draws a token each step, finished or not (from its last
+    logits, unused), so that a row's draws from the one generator the rows share do not depend
+    on when the others end (write_user_turns' rows share their prompt)."""
     device = model.embed.weight.device
     cache = KVCache.for_model(model, capacity=max(map(len, prompts)) + max_new_tokens,
                               batch_size=len(prompts))
     logits, hidden = zip(*(prefill(model, cache.row(b), torch.tensor([ids], device=device))
                            for b, ids in enumerate(prompts)))  # (1, V) and (P_b, C) each
-    logits, hidden = torch.cat(logits), torch.cat([h[-1:] for h in hidden])  # (B, V), (B, C)
+    logits = torch.cat(logits)  # (B, V): each row's latest
+    states = [[h[-1]] for h in hidden]  # per row, the (C,) states before its answer's tokens
     lengths = [len(p) for p in prompts]  # each row's cached tokens
-    answers, states, done = [[] for _ in prompts], [hidden], [False] * len(prompts)
+    answers, live = [[] for _ in prompts], list(range(len(prompts)))  # live: the cache's rows
     for t in range(max_new_tokens):
         token = sampling.pick(logits, generator)  # (B,)
         ids = token.tolist()  # the host sync of the step: who has stopped
-        for b in range(len(prompts)):
-            if not done[b]:
-                answers[b].append(ids[b])
-                done[b] = ids[b] in stop_ids
-        if all(done) or t == max_new_tokens - 1:
+        for b in live:
+            answers[b].append(ids[b])
+        going = [b for b in live if ids[b] not in stop_ids]
+        if not going or t == max_new_tokens - 1:
             break
-        logits, hidden = batch_step(model, cache, token.unsqueeze(1), lengths)
-        lengths = [n + 1 for n in lengths]
-        states.append(hidden)
-    states = torch.stack(states, dim=1)  # (B, T, C)
-    return [(a, states[b, :len(a)]) for b, a in enumerate(answers)]
+        if len(going) < len(live):
+            cache.keep_rows([live.index(b) for b in going])
+            live = going
+        step_logits, hidden = batch_step(model, cache, token[live].unsqueeze(1),
+                                         [lengths[b] for b in live])  # (L, V), (L, C)
+        logits[live] = step_logits
+        for b, h in zip(live, hidden):
+            states[b].append(h)
+            lengths[b] += 1
+    return [(a, torch.stack(states[b][:len(a)])) for b, a in enumerate(answers)]
 
 
 def write_user_turns(model, tokenizer: Tokenizer, batch_size: int, max_tokens: int,
@@ -147,9 +156,10 @@ def same_settings(old: dict, new: dict) -> bool:
     """Shards made with these settings may be reused. The prompt count may grow: the prompt
     order is fixed by the seed, so a larger --limit only appends batches to a run whose last
     batch was full (a short last batch would be a different shard in the longer run)."""
-    keep = lambda meta: {"prompts_from": "templates",  # noqa: E731 (older folders lack it)
-                         **{k: v for k, v in meta.items() if k != "prompts"}}
-    grows = new["prompts"] > old["prompts"] and old["prompts"] % old["batch_size"] == 0
+    keep = lambda meta: {"prompts_from": "templates", "samples": 1,  # noqa: E731 (older
+                         **{k: v for k, v in meta.items() if k != "prompts"}}  # folders lack them)
+    answers = old["prompts"] * old.get("samples", 1)
+    grows = new["prompts"] > old["prompts"] and answers % old["batch_size"] == 0
     return keep(old) == keep(new) and (new["prompts"] == old["prompts"] or grows)
 
 
@@ -162,6 +172,7 @@ class Settings:
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0: greedy answers, as the heads will be used
     seed: int = 0
+    samples: int = 1  # answers a prompt (sampled: each draws its own tokens)
 
 
 def open_folder(out: Path, folder: Path, settings: Settings, n_prompts: int, dtype) -> None:
@@ -169,7 +180,7 @@ def open_folder(out: Path, folder: Path, settings: Settings, n_prompts: int, dty
     meta = {"model": str(folder), "tokenizer": tokenizer_fingerprint(folder),
             "prompts_from": settings.prompts_from, "prompts": n_prompts,
             **{k: getattr(settings, k) for k in ("batch_size", "max_new_tokens", "temperature",
-                                                 "seed")},
+                                                 "seed", "samples")},
             "dtype": str(dtype).removeprefix("torch.")}
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
@@ -226,9 +237,12 @@ def batch_seconds(model, tokenizer: Tokenizer, batch: list[dict], settings: Sett
 
 def distill(model, tokenizer: Tokenizer, out: Path, prompts: list[dict], settings: Settings,
             progress) -> None:
-    """Answer every prompt whose batch has no shard in `out` yet, one shard per batch."""
+    """Answer every prompt whose batch has no shard in `out` yet, one shard per batch; each
+    prompt `settings.samples` times, its answers side by side (the rows draw from their batch's
+    generator, seeded by the batch: each answer its own draws)."""
     device = model.embed.weight.device
     sampling = Sampling(settings.temperature, 1.0, settings.seed)
+    prompts = [p for p in prompts for _ in range(settings.samples)]
     todo = pending_batches(out, prompts, settings.batch_size)
     n_batches = -(-len(prompts) // settings.batch_size)
     start, tokens_done = time.time(), 0
@@ -267,17 +281,21 @@ def main():
                    help="0 = greedy answers (default), as the heads will be used with greedy "
                    "decoding; > 0 samples")
     p.add_argument("--seed", type=seed_int, default=0, help="prompt shuffle and sampling seed")
+    p.add_argument("--samples", type=positive_int, default=1, help="answers a prompt, each "
+                   "sampled anew (with --temperature > 0; default: %(default)s)")
     add_device_arguments(p)
     args = p.parse_args()
     if args.prompts == "model" and not args.limit:
         p.error("--prompts model needs --limit N: how many user turns the model writes")
+    if args.samples > 1 and args.temperature == 0:
+        p.error("--samples N > 1 needs --temperature > 0: greedy answers to one prompt are one")
 
     lock_folder(args.out, "self-distillation")
     device, dtype = device_and_dtype(args)
     folder = args.model or ensure_default_model()
     model, tokenizer = answering_model(folder, device, dtype), Tokenizer.from_folder(folder)
     settings = Settings(args.prompts, args.limit, args.batch_size, args.max_new_tokens,
-                        args.temperature, args.seed)
+                        args.temperature, args.seed, args.samples)
     templated = seed_prompts(args.seed)[:args.limit] if args.prompts == "templates" else None
     open_folder(args.out, folder, settings, args.limit if templated is None else len(templated),
                 dtype)

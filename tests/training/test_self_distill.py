@@ -3,7 +3,7 @@ and the saved hidden states are the ones a plain forward computes; the seed prom
 diverse and deterministic."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from helpers import tiny_model
 from minimedusa.model import causal_mask
@@ -34,6 +34,24 @@ def test_batched_answers_equal_each_prompt_decoded_alone(seed, lengths, max_new)
         torch.testing.assert_close(hidden, expected, rtol=0, atol=1e-10)
 
 
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_a_sampled_row_draws_the_same_whatever_the_rows_beside_it_do(seed):
+    """The rows share one generator and a finished row leaves the batch, yet every row draws a
+    token each step: a row's sampled answer is the same whichever row is beside it and whenever
+    that row ends. Negative control: drawing only for the rows still answering fails this."""
+    model = tiny_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompt, *others = [torch.randint(2, 64, (5,), generator=g).tolist() for _ in range(3)]
+    stops = set(range(2, 64, 4))  # a quarter of the tokens: rows end at many lengths
+    rows = [answer_batch(model, [prompt, other], 16, Sampling(1.0), stops,
+                         torch.Generator().manual_seed(seed)) for other in others]
+    (first, (beside, _)), (second, (beside_too, _)) = rows
+    # the test bites only where a row beside ends while the first row goes on
+    assume(len(beside) != len(beside_too) and min(len(beside), len(beside_too)) < len(first[0]))
+    assert first[0] == second[0]
+
+
 def test_seed_prompts_are_many_diverse_and_deterministic():
     prompts = seed_prompts(0)
     assert len(prompts) >= 5000
@@ -51,6 +69,11 @@ def test_a_finished_run_may_grow_only_by_whole_batches_with_the_same_settings():
     assert not same_settings(meta, {**meta, "prompts": 64})  # would drop a finished batch
     assert not same_settings({**meta, "prompts": 100}, {**meta, "prompts": 4096})  # short last
     assert not same_settings(meta, {**meta, "prompts": 4096, "seed": 1})
+    assert same_settings(meta, {**meta, "samples": 1})  # older folders name no samples
+    assert not same_settings(meta, {**meta, "samples": 2})
+    # 96 prompts answered twice fill three whole batches of 64: the run may grow
+    sampled = {**meta, "prompts": 96, "samples": 2}
+    assert same_settings(sampled, {**sampled, "prompts": 128})
 
 
 @pytest.mark.kernels
