@@ -16,7 +16,7 @@ from minimedusa.acceptance import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
 from minimedusa.cli.recipe import Recipe, decoding_model
-from minimedusa.speed import sanitizer
+from minimedusa.speed import group_kernel, sanitizer
 from minimedusa.speed.c_kernels import kernels_folder
 from helpers import DEVICES, REFERENCE, model_folder, tiny_model
 
@@ -40,9 +40,24 @@ def pytest_configure(config):
                             "one as another CPU; run with -m slow")
     if not config.option.markexpr:
         config.option.markexpr = "not slow"
-    # --capture=sys: a sanitizer's report, written to the process's stderr as it stops it,
-    # then reaches the terminal, not a file of pytest's that the stop loses
-    sanitizer.ensure_runtime(("--capture=sys",))
+    if sanitizer.runtime_wanted():
+        # pytest holds the standard output and error in files of its own by now (its capture
+        # starts before this file is read): given back first, else the re-executed run writes
+        # its dots, its summary and the sanitizer's report into files nobody reads. note: so
+        # no kernel may load while this file and helpers.py are imported (needs_group_kernel
+        # asks at run time): that would re-execute the run before here, mute.
+        config.pluginmanager.getplugin("capturemanager").stop_global_capturing()
+        # --capture=sys: a sanitizer's report, written to the process's stderr as it stops it,
+        # then reaches the terminal, not a file of pytest's that the stop loses
+        sanitizer.ensure_runtime(("--capture=sys",))
+
+
+@pytest.fixture
+def group_kernel_multiplies():
+    """Skips the test where group_kernel.c does not multiply on this CPU (helpers'
+    needs_group_kernel)."""
+    if (problem := group_kernel.kernel_problem()) is not None:
+        pytest.skip(f"group_kernel.c does not multiply on this CPU: {problem}")
 
 
 @pytest.fixture(scope="session")

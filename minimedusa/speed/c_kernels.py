@@ -72,10 +72,15 @@ def source_text(source: Path) -> str:
 
 def compile_kernel(source: Path, compiler: str) -> Path:
     """`source` built for this machine, or the copy built before."""
+    return built(kernel_path(source, compiler), lambda out: build(source, compiler, out))
+
+
+def kernel_path(source: Path, compiler: str) -> Path:
+    """Where `source`'s library built for this machine is kept: named by a hash of what the
+    build is made of (its text, the compiler, the flags, the CPU)."""
     key = hashlib.sha256("\n".join([source_text(source), compiler, *flags(), cpu_model(),
                                     cpu_features()]).encode()).hexdigest()[:16]
-    return built(kernels_folder() / f"{source.stem}-{key}.so",
-                 lambda out: build(source, compiler, out))
+    return kernels_folder() / f"{source.stem}-{key}.so"
 
 
 def built(path: Path, build_into) -> Path:

@@ -14,8 +14,9 @@ re-executes itself once, under LD_PRELOAD naming the runtime
 libraries the C compiler ships (`cc -print-file-name=libasan.so`), with the options that make a
 Python process checkable: leaks not reported (the interpreter keeps its objects to the end),
 the first report fatal. ensure_runtime does it, before the first kernel loads (c_kernels.py),
-and the test suite calls it first (tests/conftest.py's pytest_configure: pytest holds the
-standard output in a file while it imports the tests, and the new process would write there).
+and the test suite calls it first (tests/conftest.py's pytest_configure, after giving pytest's
+captured standard output and error back: the new process inherits them, and would otherwise
+write its summary and the sanitizer's report into pytest's capture files, never read).
 """
 import os
 import subprocess
@@ -78,13 +79,18 @@ def runtime_libraries(compiler: str) -> list[str]:
     return paths
 
 
+def runtime_wanted() -> bool:
+    """Whether sanitizers are asked for and their runtime is not in this process yet: what
+    ensure_runtime re-executes the process for."""
+    return not all(runtime_loaded(name) for name in sanitizers())
+
+
 def ensure_runtime(more_arguments: tuple[str, ...] = ()) -> None:
     """Where sanitizers are asked for and their runtime is not in this process, re-execute the
     process (the same interpreter and arguments, and `more_arguments`) with it preloaded.
     Nothing when none are asked for, or when the runtime is in place already (its children
     inherit it)."""
-    chosen = sanitizers()
-    if not chosen or all(runtime_loaded(name) for name in chosen):
+    if not runtime_wanted():
         return
     libraries = runtime_libraries(os.environ.get("CC", "cc"))
     preloaded = os.environ.get("LD_PRELOAD", "").split()
