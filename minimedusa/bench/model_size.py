@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from minimedusa.errors import UserError, entry_point
 from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_model
-from minimedusa.files.outputs import check_writable, write_json
+from minimedusa.files.outputs import check_writable, followed, write_json
 from minimedusa.files.hf_config import config_to_hf
 from minimedusa.files.weights import hf_parts
 from minimedusa.cli.flags import Parser, format_list, positive_int
@@ -75,6 +75,7 @@ def build_model(shape: str, folder: Path) -> None:
         for hf, rows in parts:
             shards.setdefault(shard, {})[hf] = (shapes[ours] if rows is None
                                                 else (rows, *shapes[ours][1:]))
+    folder = followed(folder)  # a link: renamed onto where it points, the link kept
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

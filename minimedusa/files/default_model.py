@@ -23,6 +23,7 @@ from pathlib import Path
 
 from minimedusa.errors import UserError, disk_full, entry_point, one_line, out_of_memory
 from minimedusa.files.gguf_import import write_converted
+from minimedusa.files.outputs import followed
 from minimedusa.speed.cache_folder import one_at_a_time
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "weights"
@@ -52,13 +53,15 @@ def ensure_default_model(folder: Path = DEFAULT_MODEL_DIR) -> Path:
     """The default model's folder, fetched and converted first if it is not there yet. Under
     the lock of the folder it goes in (cache_folder.one_at_a_time): of several first runs at
     once, one converts and the others wait for it, then read its folder; and whoever holds the
-    lock removes what a killed run left beside it (leftovers_of)."""
-    if is_complete(folder) and not any(path.exists() for path in leftovers_of(folder)):
+    lock removes what a killed run left beside it (leftovers_of). A folder named through a link
+    is made where the link points (outputs.followed)."""
+    target = followed(folder)
+    if is_complete(target) and not any(path.exists() for path in leftovers_of(target)):
         return folder
-    with one_at_a_time(folder.parent, f"converting the default model into {folder}"):
-        remove_leftovers(folder)
-        if not is_complete(folder):
-            fetch_and_convert(folder)
+    with one_at_a_time(target.parent, f"converting the default model into {target}"):
+        remove_leftovers(target)
+        if not is_complete(target):
+            fetch_and_convert(target)
     return folder
 
 
@@ -112,9 +115,10 @@ def fetch_gguf(download: Path) -> Path:
 def ensure_default_gguf(path: Path = DEFAULT_GGUF) -> Path:
     """The GGUF file the default model was converted from, which llama.cpp runs when `bench`
     compares with it: kept under weights/ (not in git), fetched the same way on first use,
-    under the same lock."""
+    under the same lock (a link followed, as the model's folder)."""
     if path.is_file():
         return path
+    path = followed(path)
     with one_at_a_time(path.parent, f"fetching {path.name}"):
         download = path.with_name(path.name + ".download")
         shutil.rmtree(download, ignore_errors=True)
@@ -204,6 +208,7 @@ def main():
                    help="the folder to write (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     args = p.parse_args()
+    args.out = followed(args.out)  # a link: the model lands where it points, nothing beside it
     check_replaceable(args.out)  # before any download: a folder of the user's is refused
     if args.gguf:
         if not args.gguf.is_file():

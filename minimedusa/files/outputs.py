@@ -17,6 +17,15 @@ from typing import IO
 from minimedusa.errors import UserError
 
 
+def followed(path: Path) -> Path:
+    """`path` with the symbolic links on its way followed: where what is written to it lands.
+    note: a file or folder is written beside its final name, then renamed onto it; onto a link
+    that rename replaces the link (a file) or fails (a folder: "Not a directory", the finished
+    work left beside the link). Beside the link's target it is one rename, in the target's
+    own filesystem, and the link stays as it was."""
+    return Path(os.path.realpath(path))
+
+
 def aside(path: Path) -> Path:
     """A name beside `path` that is this writer's own."""
     return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(3)}.tmp")
@@ -25,7 +34,8 @@ def aside(path: Path) -> Path:
 def write_atomically(path: Path, write) -> None:
     """write(tmp) writes the file beside its final name, then it is renamed over `path`; if
     write fails, the temporary file is removed and `path` stays as it was."""
-    tmp = aside(Path(path))
+    path = followed(path)
+    tmp = aside(path)
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -67,7 +77,7 @@ class KeptLines:
 
     def __init__(self, path: Path, flag: str, keys: list):
         check_writable(path, flag)
-        self.path = Path(path)
+        self.path = followed(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.file = open(self.partial, "a+", encoding="utf-8")
         if not lock_file(self.file):
@@ -151,8 +161,10 @@ def lock_folder(folder: Path, command: str) -> None:
     process: a second run writing the same folder exits in one line naming the first's process,
     instead of mixing its checkpoints and shards with the first's. The operating system drops
     the lock when the process ends, however it ends: a killed run leaves no stale lock. A
-    process that holds it already (a second run of main in one process) goes on."""
-    if folder.resolve() in _locks:
+    process that holds it already (a second run of main in one process) goes on. A link is
+    followed: one to a folder not made yet makes that folder."""
+    folder = followed(folder)
+    if folder in _locks:
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -174,7 +186,7 @@ def lock_folder(folder: Path, command: str) -> None:
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
     lock.flush()
-    _locks[folder.resolve()] = lock
+    _locks[folder] = lock
 
 
 def check_out_is_not(out: Path, init: Path) -> None:

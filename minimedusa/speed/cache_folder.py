@@ -27,9 +27,11 @@ _chosen: dict[Path, Path] = {}
 
 
 def cache_root() -> Path:
+    """$MINIMEDUSA_CACHE, else the user's cache folder's minimedusa/; a link followed (one to
+    a folder not made yet is made where it points, not refused as a file in the way)."""
     root = os.environ.get("MINIMEDUSA_CACHE") or Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimedusa"
-    return Path(root)
+    return Path(os.path.realpath(root))
 
 
 def cache_folder() -> Path:

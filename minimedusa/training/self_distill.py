@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from minimedusa.batch_decoding import batch_step
 from minimedusa.decoding import prefill
-from minimedusa.files.outputs import lock_folder, write_atomically
+from minimedusa.files.outputs import followed, lock_folder, write_atomically
 from minimedusa.cli.flags import (Parser, add_device_arguments, non_negative, positive_int,
                                   seed_int)
 from minimedusa.cli.load import device_and_dtype
@@ -290,6 +290,7 @@ def main():
     if args.samples > 1 and args.temperature == 0:
         p.error("--samples N > 1 needs --temperature > 0: greedy answers to one prompt are one")
 
+    args.out = followed(args.out)  # a link: the shards land where it points
     lock_folder(args.out, "self-distillation")
     device, dtype = device_and_dtype(args)
     folder = args.model or ensure_default_model()

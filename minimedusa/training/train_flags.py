@@ -7,6 +7,7 @@ from pathlib import Path
 
 from minimedusa.cli.flags import (Parser, non_negative, non_negative_int, positive, positive_int,
                                   seed_int)
+from minimedusa.files.outputs import followed
 from minimedusa.training import medusa2, pipeline
 from minimedusa.training.medusa1 import add_flags as add_medusa1_flags
 
@@ -69,6 +70,8 @@ def parse_args(argv=None):
                                   or args.decode_format != "auto"):
         p.error("with --data, give --out, and no --prompts or --decode-format (the data is "
                 "made already; python -m minimedusa.training.tree_search calibrates in a format)")
+    if args.out is not None:  # a link: written where it points, nothing beside it
+        args.out = followed(args.out)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         p.error(f"--out {args.out} is a file: give a folder (made if missing)")
     for name, value in (pipeline.RECIPE if args.data is None else DEFAULTS).items():

@@ -129,3 +129,17 @@ def test_an_unwritable_cache_folder_costs_one_line_not_the_kernels(source, tmp_p
     assert line.startswith(f"minimedusa: the cache folder {tmp_path / 'not a folder'} cannot be "
                            "written (") and "set MINIMEDUSA_CACHE" in line
     assert c_kernels.kernels_folder().parent == cache_folder.cache_folder() != tmp_path
+
+
+def test_a_cache_folder_named_through_a_link_is_made_where_it_points(source, tmp_path,
+                                                                      monkeypatch, capsys):
+    """MINIMEDUSA_CACHE a link to a folder not made yet (a cache kept on a bigger disk): the
+    kernels are built there, without a word, and nothing is left beside the link."""
+    target = tmp_path / "big" / "cache"
+    (tmp_path / "big").mkdir()
+    (tmp_path / "link").symlink_to(target, target_is_directory=True)
+    monkeypatch.setenv("MINIMEDUSA_CACHE", str(tmp_path / "link"))
+    assert load_library(source).answer() == 42
+    assert capsys.readouterr().err == ""
+    assert c_kernels.kernels_folder().parent == target and any(target.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["answer.c", "big", "link"]
