@@ -27,19 +27,19 @@ from minimedusa.errors import UserError, entry_point, quiet_interrupt
 with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one line too
     from minimedusa.cli.answer import Answer, decode_answer, summary_line
     from minimedusa.cli.chat import chat
-    from minimedusa.cli.draft_heads import read_heads
+    from minimedusa.assembly.heads_reading import read_heads
     from minimedusa.cli.generate_flags import parse_args
     from minimedusa.cli.acceptance_rule import acceptance_kind
-    from minimedusa.cli.load import device_and_format, four_bit_checkpoint
+    from minimedusa.assembly.load import device_and_format, four_bit_checkpoint
     from minimedusa.cli.prompts import (answer_prompts, answer_prompts_batched, batch_size,
                                         batched_summary, open_out, prompt_from_stdin,
                                         prompt_ids, prompts_summary, read_prompts)
     from minimedusa.cli.show import painted, watched
     from minimedusa.cli.trace import traced
     from minimedusa.cli.trace_page import header_of, page
-    from minimedusa.cli.recipe import (Decoding, Recipe, build, decoding_heads, decoding_model,
+    from minimedusa.assembly.recipe import (Decoding, Recipe, build, decoding_heads, decoding_model,
                                        draft_model)
-    from minimedusa.cli.trees import decoding_tree, tree_spec
+    from minimedusa.assembly.trees import decoding_tree, tree_spec
     from minimedusa.decoding import check_context
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
     from minimedusa.speed.weight_formats import QUANTIZED, describe_weights
@@ -71,7 +71,7 @@ def input_mode(args) -> str:
 
 def load(args):
     """(model, how its step runs, its weights in words, tokenizer, drafter, recipe), as
-    gpt-fast's _load_model: the flags' recipe (cli/recipe.py), the model read as it says, the
+    gpt-fast's _load_model: the flags' recipe (assembly/recipe.py), the model read as it says, the
     flags that must fit it checked, its speed plugged in and held to the eager step; drafter:
     --draft's draft model, loaded first, or None. The heads, the draft and the acceptance
     follow in decoder()."""
@@ -162,7 +162,7 @@ def decoder(args, model, recipe: Recipe, drafter=None) -> Decoding:
     iterates over the tokens each step yields, describe() names the mode (after the run: which
     tree sizes the budget used). The one-time work, the heads or the draft model's draft and the
     tree budget (its step latencies timed here at first use), is the recipe's build
-    (cli/recipe.py). drafter: load()'s (--draft)."""
+    (assembly/recipe.py). drafter: load()'s (--draft)."""
     heads = None if recipe.heads is None else decoding_heads(recipe.heads, model,
                                                               recipe.draft_vocab)
     decoding = build(recipe, model, heads, drafter)  # (a chat with Hydra++ heads: refused by

@@ -26,6 +26,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     import torch
     import torch.distributed as dist
 
+    from minimedusa import experiments
     from minimedusa.training import medusa2, pipeline
     from minimedusa.training.train_flags import parse_args
     from minimedusa.files.checkpoint import (CHECKPOINT, checkpoint_on_interrupt, resume,
@@ -205,6 +206,7 @@ def train_loop(mode, args, rank: int, world: int, device, say) -> int:
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
+    experiments.register_training()  # Hydra++'s heads and training rows (--kind hydra++)
     if args.data is None:
         return pipeline.from_model(args, medusa1, train_loop)
     read_meta(args.data)  # a folder that is not self-distilled data: one line, before loading

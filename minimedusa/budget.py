@@ -12,7 +12,7 @@ not of its name: a tree tuned on one CPU ran slower than plain decoding on anoth
 the same name but has narrower vector units. So nothing here is assumed from elsewhere:
 1. The step latency of each tree size, plain decoding (size 0) included, is measured at first
    use on this machine (a few seconds) and cached under the user's cache folder, never in the
-   repository (cli/step_latency.py; the Budget is handed the numbers).
+   repository (assembly/step_latency.py; the Budget is handed the numbers).
 2. During decoding a Budget keeps measuring: every step's time, and for every smaller size
    nested in the tree it ran, how many tokens that size would have yielded. It runs the size
    with the most tokens per second, plain decoding being one of the choices (a run starts

@@ -60,7 +60,7 @@ class MedusaHeads(nn.Module):
 
         # note: a comprehension, not [head()] * K, which would repeat ONE head K times.
         self.heads = nn.ModuleList([head() for _ in range(cfg.medusa_num_heads)])
-        self.vocabulary = None  # a DraftVocabulary, set for decoding (cli/draft_heads.py)
+        self.vocabulary = None  # a DraftVocabulary, set for decoding (assembly/heads_reading.py)
 
     @classmethod
     def for_model(cls, model, num_heads: int, num_layers: int = 1,
@@ -191,7 +191,7 @@ class HydraHeads(nn.Module):
         self.config = cfg
         self.heads = nn.ModuleList([HydraHead(k, cfg.hidden_size, cfg.medusa_num_layers)
                                     for k in range(1, cfg.medusa_num_heads + 1)])
-        self.vocabulary = None  # a DraftVocabulary, set for decoding (cli/draft_heads.py)
+        self.vocabulary = None  # a DraftVocabulary, set for decoding (assembly/heads_reading.py)
 
     @classmethod
     def for_model(cls, model, num_heads: int, num_layers: int = 1) -> "HydraHeads":

@@ -10,7 +10,7 @@ is the target's: exactly its greedy text, or (sampling) its law. k is each step'
 chosen by the Budget (budget.py) from each size's timed step and kept drafts (0: a plain step).
 
 ModelDraft: any model sharing the target's tokenizer, with a cache of its own; the same model
-rounded to 4 bits is an almost perfect one (cli/draft_model.py reads it). MedusaDraft: the draft
+rounded to 4 bits is an almost perfect one (assembly/draft_model.py reads it). MedusaDraft: the draft
 decoding with its own Medusa heads (medusa_decode on its cache: several drafts a forward of it).
 Left out: several drafts a position (a tree of the draft's guesses), batches of prompts.
 
@@ -60,7 +60,7 @@ class ModelDraft:
 
     def start(self, prompt_ids: list[int], cache) -> None:
         """A fresh cache of the target's capacity, the text so far (the prompt), and the run's
-        counts from 0 (a step timed before it proposes too: cli/step_latency.py)."""
+        counts from 0 (a step timed before it proposes too: assembly/step_latency.py)."""
         self.text, self.cache = list(prompt_ids), KVCache.for_model(self.model, cache.capacity)
         self.proposed = self.kept = 0
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 from hypothesis import settings
 
+from minimedusa import experiments
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.acceptance import Sampling
 from minimedusa.training.self_distill import answer_batch, save_shard, tokenizer_fingerprint
 from minimedusa.files.weights import load_model, save_model
-from minimedusa.cli.recipe import Recipe, decoding_model
+from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.speed import group_kernel, sanitizer
 from minimedusa.speed.c_kernels import kernels_folder
 from helpers import DEVICES, REFERENCE, model_folder, tiny_model
@@ -122,6 +123,14 @@ def built_kernels() -> Path:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def experiments_registered():
+    """Hydra++'s heads kind and training rows, as the recipe, train.py and the tree search
+    register them where they start (experiments.register_training): the tests that read or
+    train Hydra++ heads through the files and training modules directly need them too."""
+    experiments.register_training()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def room_for_the_suites_graphs():
     """The suite compiles more models in its one process than any run does (tiny ones of
     several shapes, the real one in every format), and their graphs all sit on Block.forward's
@@ -142,7 +151,7 @@ def torch_threads():
 
 
 def new_cache(tmp_path_factory, built_kernels) -> Path:
-    """A fresh cache folder (never the user's: cli/latency_cache.cache_file), its kernels
+    """A fresh cache folder (never the user's: assembly/latency_cache.cache_file), its kernels
     folder the run's (built_kernels)."""
     cache = tmp_path_factory.mktemp("cache")
     (cache / built_kernels.name).symlink_to(built_kernels, target_is_directory=True)

@@ -1,5 +1,5 @@
 """The house's plan, read off its source with ast: the paper's core (minimedusa/*.py) imports no
-wing (speed/, training/, files/, bench/, cli/, experiments/) and reads no attribute a wing gives
+wing (speed/, training/, files/, bench/, assembly/, cli/, experiments/) and reads no attribute a wing gives
 its objects; no module imports itself back through others, nor more than a reader can hold in
 mind; the README reads the core in an order of its imports; medusa_decode takes the paper's
 loop's parts, no switch; every file and function stays small enough to read in one sitting,
@@ -23,16 +23,16 @@ ROOM = 0.95
 PYTHON_LINES, FUNCTION_LINES, CORE_FILES = 350, 50, 15
 C_LINES = 700  # C and C++: one CPU path of a kernel a file, with its comments (group_kernel_*.h)
 MOST_IMPORTS = 10  # project modules one module imports, but where the wiring is the job:
-WIRING = ("minimedusa.bench.", "minimedusa.training.", "minimedusa.cli.recipe")  # and entry points
+WIRING = ("minimedusa.bench.", "minimedusa.training.", "minimedusa.assembly.recipe")  # and entry points
 # Where speed enters: the one module outside speed/ that calls what plugs it into a model, its
 # heads, their draft and the acceptance rule (the recipe, after loading).
-SPEED_DOOR = PACKAGE / "cli" / "recipe.py"
+SPEED_DOOR = PACKAGE / "assembly" / "recipe.py"
 # What other wings may import of speed (its face: the machine's facts, the formats' names, the
 # door's words); the rest only the recipe and the load that reads weights into speed's formats.
 # files/ (file formats) and experiments/ (the core's extensions) are read whole, as the core.
 SPEED_FACE = {f"minimedusa.speed.{name}" for name in ("defaults", "weight_formats", "machine",
                                                       "cache_folder", "plug_in")}
-SPEED_INSIDE = {SPEED_DOOR, PACKAGE / "cli" / "load.py"}
+SPEED_INSIDE = {SPEED_DOOR, PACKAGE / "assembly" / "load.py"}
 PLUG_INS = {"plug_in", "plug_in_heads", "fast_draft", "greedy_for", "sampling_for",
             "checked_step", "formatted_model", "apply_format", "fuse_blocks", "compile_blocks",
             "graph_step"}
@@ -93,15 +93,31 @@ def test_speed_is_plugged_in_at_one_place():
     assert {"plug_in", "plug_in_heads", "fast_draft", "greedy_for"} <= called
 
 
-def test_experiments_plug_in_at_one_place():
-    """experiments/ registers itself when imported (its __init__.py); outside it only the recipe
-    (which wraps Hydra++'s draft) and bench's batches (Medusa in a batch) import it: the heads
-    files, the training and the entry points reach it through registries and verbs."""
+def calls(path: Path) -> set[str]:
+    """The names a file calls (f(...) and x.f(...))."""
+    return {getattr(n.func, "id", getattr(n.func, "attr", None))
+            for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+
+
+def test_experiments_plug_in_by_one_call_where_the_recipe_and_training_start():
+    """experiments/ registers nothing when imported (no statement of its modules writes into a
+    table); it plugs in by experiments.register_decoding, which the recipe calls, and register_training,
+    which train.py and the tree search call. Outside it only those, and bench's batches (Medusa
+    in a batch), import it: the heads files and the training reach it through their tables."""
+    for path in (PACKAGE / "experiments").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            assert not any(isinstance(t, (ast.Subscript, ast.Attribute)) for t in targets), \
+                f"{path.name}:{node.lineno} writes into a table when imported"
     importers = {path.relative_to(ROOT).as_posix()
                  for path in [*PACKAGE.rglob("*.py"), *ENTRY_POINTS]
                  if path.parent.name != "experiments"
                  and any(n.startswith("minimedusa.experiments") for n in imports(path))}
-    assert importers == {"minimedusa/cli/recipe.py", "minimedusa/bench/batches.py"}, importers
+    assert importers == {"minimedusa/assembly/recipe.py", "minimedusa/bench/batches.py",
+                         "train.py", "minimedusa/training/tree_search.py"}, importers
+    assert "register_decoding" in calls(PACKAGE / "assembly" / "recipe.py")
+    assert {"register_training"} <= calls(ROOT / "train.py") & calls(
+        PACKAGE / "training" / "tree_search.py")
 
 
 def test_no_wing_but_the_wiring_reaches_into_speeds_internals():

@@ -29,7 +29,7 @@ from minimedusa.batch_decoding import batch_decode
 from minimedusa.bench.engines import engine
 from minimedusa.bench.llama_cpp import EngineDied
 from minimedusa.bench.llama_cpp_tools import batched_rates, find_tools, runs_the_model
-from minimedusa.cli.recipe import Recipe, build
+from minimedusa.assembly.recipe import Recipe, build
 from minimedusa.budget import Budget, batch_latency
 from minimedusa.decoding import plain_decode
 from minimedusa.experiments.batch_medusa import BatchMedusa, batch_medusa_decode, max_tree_size

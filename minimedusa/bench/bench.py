@@ -39,8 +39,8 @@ from minimedusa.bench.questions import questions_to_time
 from minimedusa.bench.reference_text import reference_answers, same_as_reference_of, verdict
 from minimedusa.bench.report import category_table, markdown, plot, summarize
 from minimedusa.files.outputs import check_writable, write_json
-from minimedusa.cli.recipe import Recipe, decoding_model
-from minimedusa.cli.load import device_and_format
+from minimedusa.assembly.recipe import Recipe, decoding_model
+from minimedusa.assembly.load import device_and_format
 from minimedusa.files.default_model import DEFAULT_MODEL_DIR, ensure_default_model
 from minimedusa.speed.machine import device_name, machine_key
 from minimedusa.errors import UserError, entry_point

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from minimedusa.bench.engines import Engines, engine
-from minimedusa.cli.recipe import Recipe, decoding_model, draft_model
+from minimedusa.assembly.recipe import Recipe, decoding_model, draft_model
 from minimedusa.speed.memory_bandwidth import weight_bytes
 from minimedusa.speed.weight_formats import QUANTIZED
 
@@ -35,4 +35,4 @@ def draft_engines(args, folder: Path, device, engines: Engines) -> None:
         return
     # greedy: the draft decoding with the first --heads, as generate.py's drafting_heads
     engines.run[f"[float32] drafted by {args.draft} with heads"] = engine(
-        replace(drafted, draft_heads=args.heads[0]), target, drafter=drafter)
+        replace(drafted, draft_model_heads=args.heads[0]), target, drafter=drafter)

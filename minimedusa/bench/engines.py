@@ -4,7 +4,7 @@
 This project's plain decoding and Medusa (greedy, typical, rejection and speculative sampling;
 the tree's size adapted step by step as generate.py does, or a fixed --tree, or --sizes' and
 --ranked's trees), the same in other weight formats (--formats): each engine a recipe
-(cli/recipe.py) built on the loaded model, engines differing in a field of it; and two
+(assembly/recipe.py) built on the loaded model, engines differing in a field of it; and two
 baselines from outside, each optional: the transformers library's `generate` on the same
 weights and llama.cpp on the GGUF file the
 default model came from (llama_cpp.py).
@@ -20,8 +20,8 @@ import torch
 
 from minimedusa.bench.llama_cpp_tools import llama_cpp_engines
 from minimedusa.budget import expected_length, expected_length_of, grow_tree
-from minimedusa.cli.recipe import Recipe, build, decoding_heads, decoding_model
-from minimedusa.cli.trees import decoding_tree
+from minimedusa.assembly.recipe import Recipe, build, decoding_heads, decoding_model
+from minimedusa.assembly.trees import decoding_tree
 from minimedusa.errors import UserError
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.heads import ranked_vocab_size

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from minimedusa.cli.flags import Parser, format_list, positive_int
-from minimedusa.cli.recipe import Recipe, decoding_model
+from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.files.default_model import (DEFAULT_MODEL_DIR, ensure_default_gguf,
                                             ensure_default_model)
 from minimedusa.errors import entry_point

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from minimedusa.budget import grow_tree, nested_trees
-from minimedusa.cli.recipe import Recipe, build, decoding_heads, timed_parts
+from minimedusa.assembly.recipe import Recipe, build, decoding_heads, timed_parts
 from minimedusa.files.heads_files import read_calibration
-from minimedusa.cli.step_latency import (cached_prefix, round_robin_medians, step_latency,
+from minimedusa.assembly.step_latency import (cached_prefix, round_robin_medians, step_latency,
                                           time_forward)
 from minimedusa.heads import as_features, ranked_vocab_size
 from minimedusa.kv_cache import KVCache

@@ -24,7 +24,7 @@ from minimedusa.files.outputs import KeptLines
 from minimedusa.acceptance import Sampling
 from minimedusa.speed.defaults import default_batch
 from minimedusa.cli.answer import Answer, decode_answer, summary_line
-from minimedusa.cli.load import device_and_format
+from minimedusa.assembly.load import device_and_format
 from minimedusa.files.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")

@@ -24,7 +24,8 @@ The price: one block's forward over the accepted tokens per step (1 to ~5 rows),
 blocks of the backbone.
 
 Its training over whole answers is draft_layer_rows.py's. It plugs in through this package's
-__init__.py: its heads kind here (files/heads_files.HEAD_KINDS), its training there.
+__init__.py, called where the recipe and training start: its heads kind here
+(files/heads_files.HEAD_KINDS, register), its training there.
 
 Shapes: a accepted positions, C model dim.
 """
@@ -74,7 +75,9 @@ class HydraPlusPlusHeads(HydraHeads):
         return cls(cfg, model.config).to(device=weight.device, dtype=weight.dtype)
 
 
-HEAD_KINDS["hydra++"] = HydraPlusPlusHeads  # heads files of this kind read as these
+def register() -> None:
+    """Heads files of kind "hydra++" read as these (experiments.register_decoding calls it)."""
+    HEAD_KINDS["hydra++"] = HydraPlusPlusHeads
 
 
 # --- decoding: the layer's cache follows the accepted sequence --------------------------------
@@ -119,7 +122,7 @@ class PlusPlusDraft:
     def read(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer reads the a positions the backbone just kept (hidden (a, C)), after the
         backbone's earlier ones: its cache cut to them first (a timing that rewinds the
-        backbone to time another step, cli/step_latency.py, rewinds the layer with it)."""
+        backbone to time another step, assembly/step_latency.py, rewinds the layer with it)."""
         self.cache.rewind(self.backbone.length - hidden.shape[0])
         return read_accepted(self.heads, self.cache, as_features(self.heads, hidden))
 

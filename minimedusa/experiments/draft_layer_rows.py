@@ -1,6 +1,6 @@
 """Hydra++'s draft layer in training: whole answers through the layer (draft_layer.py), and
 how it plugs into train.py (training/head_rows.ROWS, training/medusa1.FRESH_HEADS and
-FROM_TRAINED: registered when this package is imported).
+FROM_TRAINED: register, which experiments.register_training calls where training starts).
 
 Training runs the layer over whole answers: the backbone's states at the prompt (computed once,
 prompt_states) followed by those stored with the answer, which the layer reads at the same
@@ -152,9 +152,11 @@ class WholeAnswers:
         return featured_rows(heads, self.answers[1], device)
 
 
-head_rows.ROWS["hydra++"] = WholeAnswers
-medusa1.FRESH_HEADS["hydra++"] = lambda model, a: HydraPlusPlusHeads.for_model(model, a.heads,
-                                                                               a.layers)
-# trained Hydra heads start Hydra++ behind a fresh draft layer (others as they are)
-medusa1.FROM_TRAINED["hydra++"] = lambda heads, model: (
-    with_draft_layer(heads, model) if type(heads) is HydraHeads else heads)
+def register() -> None:
+    """Hydra++'s training in train.py's tables (experiments.register_training calls it)."""
+    head_rows.ROWS["hydra++"] = WholeAnswers
+    medusa1.FRESH_HEADS["hydra++"] = lambda model, a: HydraPlusPlusHeads.for_model(
+        model, a.heads, a.layers)
+    # trained Hydra heads start Hydra++ behind a fresh draft layer (others as they are)
+    medusa1.FROM_TRAINED["hydra++"] = lambda heads, model: (
+        with_draft_layer(heads, model) if type(heads) is HydraHeads else heads)

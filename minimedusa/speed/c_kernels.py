@@ -55,7 +55,7 @@ def kernels_folder() -> Path:
 
 def sources_digest() -> str:
     """12 hex digits of the kernels' and operators' sources: beside the machine, what a step's
-    speed depends on (cli/latency_cache.py keys its cached latencies with it, through
+    speed depends on (assembly/latency_cache.py keys its cached latencies with it, through
     plug_in.kernels_version: a changed kernel is timed anew)."""
     text = "\n".join(source_text(source) for source in (*KERNELS, *OPERATORS))
     return hashlib.sha256(text.encode()).hexdigest()[:12]

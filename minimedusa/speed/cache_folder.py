@@ -1,5 +1,5 @@
 """The one folder where this machine's own measurements and builds are kept: the C kernels
-(c_kernels.py), the step latencies (cli/latency_cache.py) and large models' rounded weights
+(c_kernels.py), the step latencies (assembly/latency_cache.py) and large models' rounded weights
 (kept_weights.py).
 
 $MINIMEDUSA_CACHE, else $XDG_CACHE_HOME/minimedusa, else ~/.cache/minimedusa. Where it cannot be

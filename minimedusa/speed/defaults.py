@@ -11,7 +11,7 @@ from minimedusa.speed.weight_formats import bf16_is_native, faster_four_bit
 
 def default_format(device: torch.device, four_bit: bool = False) -> str:
     """generate.py's format for a model when none is asked for: bfloat16 on CUDA. On a CPU, for
-    a model whose weights came from a 4-bit file (`four_bit`: cli/load.four_bit_checkpoint; its
+    a model whose weights came from a 4-bit file (`four_bit`: assembly/load.four_bit_checkpoint; its
     4-bit weights then lose nothing), where group_kernel.c multiplies them:
     - on AVX2 without avx512_bf16, w4a8: 8-bit activations in the wo and gate_up products
       (quantized.EIGHT_BIT_INPUTS), faster than int4 there and within the quality llama.cpp's

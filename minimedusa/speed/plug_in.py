@@ -13,7 +13,7 @@ compiled graph exists.
 And the heads, in the model's format: plug_in_heads; their draft one C++ call where it runs:
 fused_draft.fast_draft, where the draft is made.
 how_it_runs(model) then says in words what was plugged in: the key step latencies are kept
-under (cli/latency_cache.py) names it, so a latency measured for one way of running is never used
+under (assembly/latency_cache.py) names it, so a latency measured for one way of running is never used
 for another.
 """
 import sys

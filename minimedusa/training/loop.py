@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minimedusa.cli.device import pick_device
+from minimedusa.assembly.device import pick_device
 from minimedusa.training.medusa1 import DataError
 
 @functools.lru_cache(maxsize=1)

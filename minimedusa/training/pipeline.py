@@ -16,16 +16,16 @@ import torch
 from minimedusa.budget import grow_tree
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.speed import group_kernel
-from minimedusa.cli.latency_cache import latency_key, read_cached
+from minimedusa.assembly.latency_cache import latency_key, read_cached
 from minimedusa.speed.weight_formats import QUANTIZED
 from minimedusa.files.checkpoint import CHECKPOINT
 from minimedusa.files.outputs import lock_folder, write_json
 from minimedusa.cli.flags import positive_int
-from minimedusa.cli.load import machine_format
-from minimedusa.cli.recipe import Recipe, decoding_heads, decoding_model, timed_parts
+from minimedusa.assembly.load import machine_format
+from minimedusa.assembly.recipe import Recipe, decoding_heads, decoding_model, timed_parts
 from minimedusa.training.progress import minutes, progress_bar, say
 from minimedusa.files.default_model import WEIGHTS_DIR, ensure_default_model
-from minimedusa.cli.device import pick_device, pick_dtype
+from minimedusa.assembly.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
 from minimedusa.training.self_distill import (Settings, answering_model, batch_seconds, distill,
                                               open_folder, pending_batches)

@@ -39,8 +39,8 @@ from minimedusa.decoding import prefill
 from minimedusa.files.outputs import followed, lock_folder, write_atomically
 from minimedusa.cli.flags import (Parser, add_device_arguments, non_negative, positive_int,
                                   seed_int)
-from minimedusa.cli.load import device_and_dtype
-from minimedusa.cli.recipe import Recipe, decoding_model
+from minimedusa.assembly.load import device_and_dtype
+from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.training.progress import progress_bar, say
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.errors import UserError, entry_point

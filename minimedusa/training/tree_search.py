@@ -21,15 +21,16 @@ from pathlib import Path
 
 import torch
 
+from minimedusa import experiments
 from minimedusa.budget import SIZES, expected_length, grow_tree, nested_trees, pick_budget
 from minimedusa.files.heads_files import CALIBRATION, read_calibration
-from minimedusa.cli.latency_cache import latency_key, write_cached
-from minimedusa.cli.step_latency import step_latency
+from minimedusa.assembly.latency_cache import latency_key, write_cached
+from minimedusa.assembly.step_latency import step_latency
 from minimedusa.files.outputs import write_json
 from minimedusa.cli.flags import (Parser, add_compile_argument, add_device_arguments,
                                   add_quantize_argument, positive_int)
-from minimedusa.cli.recipe import Recipe, decoding_heads, decoding_model, timed_parts
-from minimedusa.cli.load import device_and_format
+from minimedusa.assembly.recipe import Recipe, decoding_heads, decoding_model, timed_parts
+from minimedusa.assembly.load import device_and_format
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.speed.machine import machine_key
 from minimedusa.training.head_rows import rows_for
@@ -176,6 +177,7 @@ def main(argv=None):
     add_quantize_argument(p)
     add_compile_argument(p)  # ... and the step generate.py will decode with
     args = p.parse_args(argv)
+    experiments.register_training()  # Hydra++'s heads and their rows, where they are calibrated
 
     folder = args.model or ensure_default_model()
     device, weight_format = device_and_format(args, folder)

@@ -13,8 +13,8 @@ from minimedusa.files.heads_files import CALIBRATION, save_heads
 from minimedusa.heads import MedusaHeads
 from minimedusa.training.pipeline import CPU_PROMPTS
 from minimedusa.training.seed_prompts import seed_prompts
-from minimedusa.cli.device import pick_device
-from minimedusa.cli.load import machine_format
+from minimedusa.assembly.device import pick_device
+from minimedusa.assembly.load import machine_format
 from minimedusa.files.weights import load_model, save_model
 
 

@@ -17,7 +17,7 @@ from helpers import cached_keys_values, copycat_model, model_folder, tiny_model
 from minimedusa import decoding
 from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import fixed
-from minimedusa.cli.recipe import wrapped
+from minimedusa.assembly.recipe import wrapped
 from minimedusa.decoding import decode_step, medusa_decode, plain_decode, prefill
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads
 from minimedusa.errors import UserError

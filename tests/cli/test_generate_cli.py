@@ -15,7 +15,7 @@ from generate import main as generate_main
 from helpers import REPO, model_folder, tiny_model
 from minimedusa.errors import UserError
 from minimedusa.cli.acceptance_rule import acceptance_kind
-from minimedusa.cli.load import device_and_format
+from minimedusa.assembly.load import device_and_format
 from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.heads import MedusaHeads

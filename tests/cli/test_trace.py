@@ -15,7 +15,7 @@ import torch
 from helpers import REPO, cycling_heads, cycling_model
 from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.budget import fixed
-from minimedusa.cli.recipe import Decoding, Recipe
+from minimedusa.assembly.recipe import Decoding, Recipe
 from minimedusa.cli.trace import traced
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.speculative_sampling import DrawnDraft, speculative

@@ -16,7 +16,7 @@ from helpers import copycat_model, tiny_model
 from minimedusa.acceptance import Sampling, greedy, typical
 from minimedusa.budget import Budget, batch_latency, grow_tree, nested_trees
 from minimedusa.cli import latency_cache
-from minimedusa.cli.latency_cache import latency_key, machine_latency
+from minimedusa.assembly.latency_cache import latency_key, machine_latency
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import RankedDraft, TreeDraft
 from minimedusa.speed.machine import machine_key

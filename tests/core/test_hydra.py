@@ -18,7 +18,7 @@ from minimedusa.draft import tree_tokens
 from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads, hydra_candidates
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.training.self_distill import tokenizer_fingerprint
-from minimedusa.cli.recipe import decoding_heads
+from minimedusa.assembly.recipe import decoding_heads
 from minimedusa.speed.defaults import CPU_DRAFT_VOCAB, cpu_draft_vocab
 from minimedusa.training.medusa1 import IGNORE, draft_columns, head_inputs, head_targets, read_rows
 from minimedusa.tree import build_tree

@@ -17,8 +17,8 @@ from minimedusa.acceptance import greedy
 from minimedusa.heads import MedusaHeads, ranked_vocab_size
 from minimedusa.budget import fixed, grow_tree
 from minimedusa.files.heads_files import read_calibration
-from minimedusa.cli.recipe import decoding_heads
-from minimedusa.cli.trees import tree_choices
+from minimedusa.assembly.recipe import decoding_heads
+from minimedusa.assembly.trees import tree_choices
 from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache, prefill
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR
 from minimedusa.tree import build_tree

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from minimedusa.acceptance import Acceptance, Sampling, greedy, probabilities
 from minimedusa.budget import Budget, FixedSize
-from minimedusa.cli.recipe import Recipe, build, decoding_model, draft_model
+from minimedusa.assembly.recipe import Recipe, build, decoding_model, draft_model
 from minimedusa.context_candidates import merged_tree
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR
 from minimedusa.decoding import medusa_decode, plain_decode
@@ -245,7 +245,7 @@ def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default
     target, _ = decoding_model(recipe)
     drafter, _ = draft_model(recipe)  # fused
     decodings = [build(recipe, target, drafter=drafter),  # as generate.py's, with its heads
-                 build(replace(recipe, draft_heads=str(DEFAULT_HEADS_DIR)), target,
+                 build(replace(recipe, draft_model_heads=str(DEFAULT_HEADS_DIR)), target,
                        drafter=drafter)]
     for decoding, case in zip(decodings, reference["greedy"]["cases"][::2]):
         prompt = case["prompt_ids"]

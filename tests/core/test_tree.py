@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minimedusa.cli.trees import tree_choices
+from minimedusa.assembly.trees import tree_choices
 from minimedusa.tree import MC_SIM_7B_63, NAMED_TREES, TreeError, build_tree, dense_tree
 from minimedusa.draft import candidates
 from helpers import trees

@@ -15,7 +15,7 @@ import train
 from helpers import copycat_model, NODES, perturbed, perturbed_hydra_pp, tiny_model, trees
 from minimedusa.acceptance import Sampling, greedy
 from minimedusa.budget import Budget, fixed, nested_trees
-from minimedusa.cli.recipe import decoding_heads
+from minimedusa.assembly.recipe import decoding_heads
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import (medusa_decode, medusa_step, new_cache, plain_decode, prefill,
                                  root_step)

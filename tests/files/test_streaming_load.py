@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
 LOAD = """
 import sys, torch
 from pathlib import Path
-from minimedusa.cli.recipe import Recipe, decoding_model
+from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.speed import group_kernel
 group_kernel.kernel_problem()
 decoding_model(Recipe(Path(sys.argv[1]), torch.device("cpu"), sys.argv[2]))

@@ -7,8 +7,8 @@ import torch
 
 from helpers import four_bit_model, tiny_model
 from minimedusa.files.weights import save_model
-from minimedusa.cli.recipe import Recipe, decoding_model
-from minimedusa.cli.load import four_bit_checkpoint
+from minimedusa.assembly.recipe import Recipe, decoding_model
+from minimedusa.assembly.load import four_bit_checkpoint
 from minimedusa.speed import group_kernel, weight_formats
 from minimedusa.speed.kept_weights import layer_tensors, quantized_layers
 from minimedusa.speed.weight_formats import describe_weights, weight_bytes

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import tiny_model
 from minimedusa.files.weights import save_model
-from minimedusa.cli.load import formatted_model
+from minimedusa.assembly.load import formatted_model
 from minimedusa.speed.kept_weights import (kept_file, layer_tensors,
                                            quantized_layers)
 from minimedusa.model import causal_mask

@@ -24,7 +24,7 @@ from helpers import BROKEN, broken, LastBlockSkipped, REPO
 from generate import main as generate_main
 from minimedusa.batch_decoding import batch_decode
 from minimedusa.budget import fixed, grow_tree
-from minimedusa.cli.recipe import Recipe, decoding_heads, decoding_model, wrapped
+from minimedusa.assembly.recipe import Recipe, decoding_heads, decoding_model, wrapped
 from minimedusa.decoding import decode_step, medusa_decode, new_cache, plain_decode, prefill
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR
 from minimedusa.files.heads_files import read_calibration
@@ -33,7 +33,7 @@ from minimedusa.heads import ranked_vocab_size
 from minimedusa.model import Blocks
 from minimedusa.acceptance import Sampling
 from minimedusa.speed import group_kernel
-from minimedusa.cli.load import formatted_model
+from minimedusa.assembly.load import formatted_model
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.speed.fused_block import fusable, fuse_blocks
 from minimedusa.speed.machine import AVX2_ENVIRONMENT, cpu_features

@@ -16,7 +16,7 @@ from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads
 from minimedusa.model import causal_mask
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.tree import build_tree
-from minimedusa.cli.load import formatted_model, four_bit_checkpoint
+from minimedusa.assembly.load import formatted_model, four_bit_checkpoint
 from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8,
                                     dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
                                     quantize_int4, quantize_int8, quantize_int8_groups)

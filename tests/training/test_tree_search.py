@@ -14,16 +14,16 @@ from minimedusa.training import tree_search
 from minimedusa.budget import (SIZES, expected_length, expected_length_of, grow_tree, nested_trees,
                                pick_budget)
 from minimedusa.files.heads_files import CALIBRATION, read_calibration, save_heads
-from minimedusa.cli.latency_cache import latency_key, read_cached
-from minimedusa.cli.step_latency import step_latency
-from minimedusa.cli.trees import decoding_tree, grown_trees
+from minimedusa.assembly.latency_cache import latency_key, read_cached
+from minimedusa.assembly.step_latency import step_latency
+from minimedusa.assembly.trees import decoding_tree, grown_trees
 from minimedusa.heads import MedusaHeads
 from minimedusa.training.medusa1 import IGNORE, Rows, head_metrics
 from minimedusa.tree import build_tree, dense_tree
 from minimedusa.training.tree_search import head_accuracies
 from minimedusa.acceptance import greedy
-from minimedusa.cli.load import machine_format
-from minimedusa.cli.recipe import Recipe, build, decoding_heads, decoding_model, timed_parts
+from minimedusa.assembly.load import machine_format
+from minimedusa.assembly.recipe import Recipe, build, decoding_heads, decoding_model, timed_parts
 from minimedusa.draft import TreeDraft
 from minimedusa.speed.weight_formats import apply_format
 

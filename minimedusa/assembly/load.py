@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from minimedusa.cli.device import pick_device, pick_dtype
+from minimedusa.assembly.device import pick_device, pick_dtype
 from minimedusa.errors import UserError
 from minimedusa.files.outputs import write_atomically
 from minimedusa.files.weights import (load_model, read_config, read_tensor, safetensors_files,

@@ -1,9 +1,9 @@
 """--draft: speculative decoding with a draft model (speculative_decoding.py), as the recipe builds
-it (cli/recipe.drafted). The draft: the same model rounded (--draft int4, w4a8 or int8: its file
+it (assembly/recipe.drafted). The draft: the same model rounded (--draft int4, w4a8 or int8: its file
 read again, block by block, into the format's kernels; on a CPU) or another model folder that
 shares the target's tokenizer (check_draft). Each step's k, the drafts of its chain, is chosen
 by a Budget among DRAFT_SIZES, its priors each chain's step timed with the run's own draft and
-rule (cli/step_latency.py, as the heads' trees are) and KEPT_PRIOR; the run then measures both.
+rule (assembly/step_latency.py, as the heads' trees are) and KEPT_PRIOR; the run then measures both.
 """
 from pathlib import Path
 

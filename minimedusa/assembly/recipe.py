@@ -18,14 +18,14 @@ from typing import Callable
 
 import torch
 
-from minimedusa import acceptance
+from minimedusa import acceptance, experiments
 from minimedusa.acceptance import Acceptance, Sampling
 from minimedusa.budget import Budget, FixedSize
-from minimedusa.cli.draft_heads import read_heads
-from minimedusa.cli.draft_model import DRAFT_SIZES, check_draft, expected_tokens
-from minimedusa.cli.latency_cache import machine_latency
-from minimedusa.cli.load import formatted_model, machine_format
-from minimedusa.cli.trees import decoding_tree, grown_trees, tree_spec
+from minimedusa.assembly.heads_reading import read_heads
+from minimedusa.assembly.draft_model import DRAFT_SIZES, check_draft, expected_tokens
+from minimedusa.assembly.latency_cache import machine_latency
+from minimedusa.assembly.load import formatted_model, machine_format
+from minimedusa.assembly.trees import decoding_tree, grown_trees, tree_spec
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import RankedDraft, TreeDraft
@@ -62,7 +62,10 @@ class Recipe:
     # speculative decoding with a draft model (speculative_decoding.py): this model's file in a
     # format (int4, w4a8, int8) or another model folder; and the heads it drafts with (greedy)
     draft_model: str | None = None
-    draft_heads: str | None = None
+    draft_model_heads: str | None = None
+
+    def __post_init__(self):
+        experiments.register_decoding()  # Hydra++'s heads kind, before any heads are read
 
 
 def decoding_model(recipe: Recipe, check=None, probe: list[int] | None = None) -> tuple[Llama, str]:
@@ -82,7 +85,7 @@ def decoding_model(recipe: Recipe, check=None, probe: list[int] | None = None) -
 
 
 def decoding_heads(spec: str, model: Llama, draft_vocab: int | None = None):
-    """The heads of `spec` (draft_heads.read_heads) in the model's weight format."""
+    """The heads of `spec` (heads_reading.read_heads) in the model's weight format."""
     return plug_in_heads(read_heads(spec, model, draft_vocab), model)
 
 
@@ -140,7 +143,7 @@ def build(recipe: Recipe, model: Llama, heads=None, drafter: Llama | None = None
 def draft_recipe(recipe: Recipe) -> Recipe:
     """The draft model's own recipe: this model's file in the format recipe.draft_model names
     (on the CPU, where the formats' kernels are), or the folder it names in its machine
-    format; its step as recipe.compile asks; its heads recipe.draft_heads."""
+    format; its step as recipe.compile asks; its heads recipe.draft_model_heads."""
     spec = recipe.draft_model
     check_draft(spec, recipe.folder)
     if spec in QUANTIZED:
@@ -148,7 +151,7 @@ def draft_recipe(recipe: Recipe) -> Recipe:
     else:
         where, device = Path(spec), recipe.device
         fmt = machine_format(device, where)
-    return Recipe(where, device, fmt, recipe.compile, recipe.draft_heads, recipe.draft_vocab)
+    return Recipe(where, device, fmt, recipe.compile, recipe.draft_model_heads, recipe.draft_vocab)
 
 
 def draft_model(recipe: Recipe) -> tuple[Llama, str]:
@@ -162,7 +165,7 @@ def drafted(recipe: Recipe, model: Llama, drafter: Llama) -> Decoding:
     sampling; each step's k chosen by a Budget over DRAFT_SIZES, its priors the chain steps'
     latencies, timed with this draft and rule, and KEPT_PRIOR."""
     rule = acceptance_of(recipe, model.embed.weight.device)
-    if recipe.draft_heads is not None and recipe.temperature == 0:
+    if recipe.draft_model_heads is not None and recipe.temperature == 0:
         inner = build(draft_recipe(recipe), drafter)  # its own trees' Budget
         draft = MedusaDraft(drafter, inner.draft, inner.budget, inner.acceptance)
     else:

@@ -15,7 +15,7 @@ from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import machine_key
 from minimedusa.speed.plug_in import how_it_runs, kernels_version
 from minimedusa.speed.weight_formats import weight_format
-from minimedusa.cli.step_latency import step_latency
+from minimedusa.assembly.step_latency import step_latency
 
 
 def cache_file() -> Path:
