@@ -109,9 +109,11 @@ def recipe_of(args, folder, device, weight_format: str) -> Recipe:
     rule = acceptance_kind(args) if heads else "greedy"
     if args.draft is not None and args.temperature > 0:
         rule = "speculative"
-    return Recipe(folder, device, weight_format, args.compile, heads, args.draft_vocab, args.tree,
-                  args.context and args.tree in (None, "ranked"), rule, args.temperature,
-                  args.top_p, args.eps, args.delta, args.seed, args.draft, drafting_heads(args))
+    return Recipe(folder=folder, device=device, weight_format=weight_format, compile=args.compile,
+                  heads=heads, draft_vocab=args.draft_vocab, tree=args.tree,
+                  context=args.context and args.tree in (None, "ranked"), acceptance=rule,
+                  temperature=args.temperature, top_p=args.top_p, eps=args.eps, delta=args.delta,
+                  seed=args.seed, draft_model=args.draft, draft_model_heads=drafting_heads(args))
 
 
 def probe_ids(args, tokenizer, config) -> list[int]:

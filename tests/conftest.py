@@ -84,7 +84,8 @@ def smollm2_packed(request, default_model_dir):
     products prepacked (speed/packed_linear.py), whose row bits are the same whatever rows
     beside them. The real-model decoding checks run on it (on the 2-core AVX2 EPYC 98 s where
     the plain core took 134); the reference checks on the plain core (smollm2)."""
-    model, _ = decoding_model(Recipe(default_model_dir, request.param, "float32"))  # eager
+    model, _ = decoding_model(Recipe(folder=default_model_dir, device=request.param,
+                                     weight_format="float32"))  # eager
     return model
 
 

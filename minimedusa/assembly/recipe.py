@@ -42,9 +42,10 @@ from minimedusa.speed.reference_check import checked_step
 from minimedusa.speed.weight_formats import QUANTIZED
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """Everything that decides what a run decodes with (dataclasses.replace makes a variant)."""
+    """Everything that decides what a run decodes with (dataclasses.replace makes a variant),
+    named field by field where it is made: sixteen in a row would be read by position."""
     folder: Path  # the model's
     device: torch.device
     weight_format: str  # weight_formats.py's: float32, bfloat16, int8, int4 or w4a8
@@ -151,7 +152,8 @@ def draft_recipe(recipe: Recipe) -> Recipe:
     else:
         where, device = Path(spec), recipe.device
         fmt = machine_format(device, where)
-    return Recipe(where, device, fmt, recipe.compile, recipe.draft_model_heads, recipe.draft_vocab)
+    return Recipe(folder=where, device=device, weight_format=fmt, compile=recipe.compile,
+                  heads=recipe.draft_model_heads, draft_vocab=recipe.draft_vocab)
 
 
 def draft_model(recipe: Recipe) -> tuple[Llama, str]:

@@ -167,7 +167,8 @@ def main(argv=None):
         prompts = [question_ids(tokenizer, q) for q in questions]
         references = reference_answers(folder, device, prompts, args.max_new_tokens)
         check = same_as_reference_of(references, weight_format, str(dtype)[6:], device)
-    recipe = Recipe(folder, device, weight_format, args.compile, seed=0)
+    recipe = Recipe(folder=folder, device=device, weight_format=weight_format,
+                    compile=args.compile, seed=0)
     model, step = decoding_model(recipe)
     print(f"decoding step: {step}", file=sys.stderr)
     if args.batch:

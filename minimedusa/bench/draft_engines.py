@@ -17,7 +17,7 @@ from minimedusa.speed.weight_formats import QUANTIZED
 
 def draft_engines(args, folder: Path, device, engines: Engines) -> None:
     """The float32 target, its plain engines and its engines drafted by --draft, into engines."""
-    recipe = Recipe(folder, device, "float32", args.compile)
+    recipe = Recipe(folder=folder, device=device, weight_format="float32", compile=args.compile)
     target, step = decoding_model(recipe)
     drafted = replace(recipe, draft_model=args.draft)
     drafter, draft_step = draft_model(drafted)  # read once, for every drafted engine

@@ -109,7 +109,8 @@ def step_models(folder: Path, name: str):
     (--steps): fused where the blocks fuse, compiled where a compiler works."""
     seen = set()
     for compile_flag in (None, True):
-        model, step = decoding_model(Recipe(folder, torch.device("cpu"), name, compile_flag))
+        model, step = decoding_model(Recipe(folder=folder, device=torch.device("cpu"),
+                                            weight_format=name, compile=compile_flag))
         kind = step.split(" ")[0]  # "fused", "compiled" or "eager"
         if kind not in seen and kind != "eager":
             seen.add(kind)
@@ -142,7 +143,8 @@ def main(argv=None):
     reference = [answer_log_probs(float32, prompt, answer) for prompt, answer in chats]
     results = {}
     for name in args.formats or CPU_FORMATS:
-        model, _ = decoding_model(Recipe(folder, torch.device("cpu"), name, False))  # eager
+        model, _ = decoding_model(Recipe(folder=folder, device=torch.device("cpu"),
+                                         weight_format=name, compile=False))  # eager
         results[name] = compare(reference, [answer_log_probs(model, p, a) for p, a in chats])
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
         for kind, fast in step_models(folder, name) if args.steps else ():

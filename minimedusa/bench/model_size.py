@@ -143,7 +143,8 @@ from pathlib import Path
 from minimedusa.bench.step_profile import forward_times, shape_times
 from minimedusa.assembly.recipe import Recipe, decoding_model
 torch.set_num_threads(int(sys.argv[3]))
-model, _ = decoding_model(Recipe(Path(sys.argv[1]), torch.device("cpu"), sys.argv[2], None))
+model, _ = decoding_model(Recipe(folder=Path(sys.argv[1]), device=torch.device("cpu"),
+                                 weight_format=sys.argv[2], compile=None))
 print(shape_times(model) if sys.argv[4] == "profile" else forward_times(model, rows=(1, 2, 4, 8)))
 """
 

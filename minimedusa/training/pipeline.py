@@ -163,7 +163,8 @@ def tree_stage(args, folder: Path, device, say) -> None:
     fused = weight_format in ("int4", "w4a8") or (weight_format == "bfloat16"
                                                   and group_kernel.multiplies_bfloat16())
     step = None if fused else False
-    recipe = Recipe(folder, device, weight_format, step, heads=str(args.out))
+    recipe = Recipe(folder=folder, device=device, weight_format=weight_format, compile=step,
+                    heads=str(args.out))
     model, _ = decoding_model(recipe)
     heads = decoding_heads(recipe.heads, model)
     timed = timed_parts(recipe, heads, size_trees(model, heads, [(0,)], 1), model)

@@ -183,7 +183,8 @@ def main(argv=None):
     device, weight_format = device_and_format(args, folder)
     # the heads are read once on the model as read, so that a missing or mismatched folder is
     # one line in seconds, not after the compiled step's warm-up (dropped: read again below)
-    recipe = Recipe(folder, device, weight_format, args.compile, heads=str(args.heads))
+    recipe = Recipe(folder=folder, device=device, weight_format=weight_format,
+                    compile=args.compile, heads=str(args.heads))
     model, step = decoding_model(recipe, check=lambda model: decoding_heads(recipe.heads, model))
     print(f"decoding step: {step}", file=sys.stderr)
     heads = decoding_heads(str(args.heads), model)

@@ -41,8 +41,8 @@ def decoded(kind: str, rule: str, seed: int, trace: bool):
     decoding = Decoding(model, lambda: rule, draft=draft, budget=budget,
                         acceptance=RULES[rule](T, seed))
     if trace:
-        recipe = Recipe(Path("."), torch.device("cpu"), "float32", acceptance=rule,
-                        temperature=T, seed=seed)
+        recipe = Recipe(folder=Path("."), device=torch.device("cpu"), weight_format="float32",
+                        acceptance=rule, temperature=T, seed=seed)
         decoding = traced(decoding, recipe)
     return list(decoding.decode([3, 5, 7], 40, set())), decoding
 

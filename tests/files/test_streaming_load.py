@@ -26,12 +26,14 @@ from pathlib import Path
 from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.speed import group_kernel
 group_kernel.kernel_problem()
-decoding_model(Recipe(Path(sys.argv[1]), torch.device("cpu"), sys.argv[2]))
+decoding_model(Recipe(folder=Path(sys.argv[1]), device=torch.device("cpu"),
+                      weight_format=sys.argv[2]))
 def status(key):
     return int(dict(line.split(":", 1) for line in open("/proc/self/status"))[key].split()[0])
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
-model, _ = decoding_model(Recipe(Path(sys.argv[1]), torch.device("cpu"), sys.argv[2]))
+model, _ = decoding_model(Recipe(folder=Path(sys.argv[1]), device=torch.device("cpu"),
+                                 weight_format=sys.argv[2]))
 print((status("VmHWM") - before) * 1024)
 """
 CONFIG = dict(vocab_size=1024, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,

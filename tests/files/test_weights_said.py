@@ -30,7 +30,7 @@ def held_bytes(model) -> int:
 def test_the_size_said_is_the_size_held(weight_format, tmp_path):
     save_model(tiny_model(0, dtype=torch.float32, hidden_size=128, intermediate_size=256,
                           vocab_size=256), tmp_path)
-    model, _ = decoding_model(Recipe(tmp_path, CPU, weight_format))
+    model, _ = decoding_model(Recipe(folder=tmp_path, device=CPU, weight_format=weight_format))
     said = weight_bytes(model.config, weight_format)
     assert abs(said - held_bytes(model)) <= 0.05 * said
 

@@ -64,7 +64,8 @@ def path_model(folder, device: str, fmt: str, step: str):
         return f"w4a8 multiplies in group_kernel.c only: {group_kernel.kernel_problem()}"
     if step == "compiled" and compiler_problem() is not None:
         return f"no compiled step here: {compiler_problem()}"
-    model, how = decoding_model(Recipe(folder, torch.device(device), fmt, COMPILE_FLAG[step]))
+    model, how = decoding_model(Recipe(folder=folder, device=torch.device(device),
+                                       weight_format=fmt, compile=COMPILE_FLAG[step]))
     if not how.startswith(HOW[step]):
         return f"{fmt}'s step here is {how}, not {step}"
     return model

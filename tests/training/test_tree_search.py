@@ -121,7 +121,8 @@ def test_calibrated_heads_get_nested_grown_trees_and_latencies_measured_once(tmp
     save_heads(heads, tmp_path)
     (tmp_path / CALIBRATION).write_text(json.dumps({"accuracy": [[0.6, 0.2], [0.4, 0.1],
                                                                   [0.3, 0.1]]}))
-    recipe = Recipe(tmp_path, torch.device("cpu"), "float32", heads=str(tmp_path))
+    recipe = Recipe(folder=tmp_path, device=torch.device("cpu"), weight_format="float32",
+                    heads=str(tmp_path))
     decoding = build(recipe, model, heads)
     trees, budget = decoding.draft.trees, decoding.budget
     nodes, _ = grow_tree(read_calibration(tmp_path), 16)
@@ -164,7 +165,8 @@ def test_tree_search_cli_calibrates_and_caches_the_latencies_generate_uses(tiny_
     assert chosen == nodes[:len(chosen)]
     build_tree(chosen, num_heads=3)
     weight_format = machine_format(torch.device("cpu"), model_dir)  # the format decoding picks
-    recipe = Recipe(model_dir, torch.device("cpu"), weight_format, None, heads=str(tmp_path))
+    recipe = Recipe(folder=model_dir, device=torch.device("cpu"), weight_format=weight_format,
+                    compile=None, heads=str(tmp_path))
     model, _ = decoding_model(recipe)  # its step
     heads = decoding_heads(recipe.heads, model)
     cached = read_cached(latency_key(model, *timed_parts(recipe, heads, {}, model)))
