@@ -34,33 +34,13 @@
    Shapes: M rows, N outputs (a multiple of 16), K inputs (a multiple of 32), G = K / 32 groups. */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-
-#include "kernels_common.h"
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-
-/* 8 sums stored as the caller's rows are: float32 where `floats`, else bfloat16 to nearest
-   even (no NaN here: the sums are finite); at: the first one's index in y */
-static inline void store8(void* y, int64_t at, __m256 v, const int floats) {
-  if (floats) {
-    _mm256_storeu_ps((float*)y + at, v);
-    return;
-  }
-  __m256i b = _mm256_castps_si256(v);
-  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-  _mm_storeu_si128((__m128i*)((uint16_t*)y + at), h);
-}
-#endif
 
 /* each CPU path, in its own file: its code compiled where this build has its instructions */
 #include "group_kernel_bf16.h"
+#include "group_kernel_tiles.h"
 #include "group_kernel_avx2.h"
 #include "group_kernel_w4a8.h"
-
+#include "group_kernel_vnni.h"
 
 /* 1 where this build multiplies (the CPU had AVX-512 BF16, or AVX2 with FMA and F16C, when it
    was compiled), else 0 */
@@ -118,6 +98,24 @@ int group_kernel_vnni(int use) {
   return 0;
 #endif
 }
+
+#if defined(BF16_PATH)
+/* the AVX-512 path's products: on the tiles where this process uses them, else dot products;
+   y bfloat16, or float32 where `wide`. Here, as quantized_block is, since it picks between two
+   headers: the tiles build on group_kernel_bf16.h's helpers, and that header needs none of
+   theirs */
+static inline __attribute__((always_inline)) void multiply(
+    const uint16_t* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* minimums,
+    const float* sums, void* y, int64_t M, int64_t N, int64_t K, const int bits, const int wide) {
+#if defined(TILES_PATH)
+  if (tiles_in_use()) {
+    product_tiles(x, packed, scales, minimums, sums, y, M, N, K, bits, wide);
+    return;
+  }
+#endif
+  product(x, packed, scales, minimums, sums, y, M, N, K, bits, wide);
+}
+#endif
 
 /* The entry points. x (M, K) and y (M, N): bfloat16, or float32 where `floats`: bfloat16 rows
    by the AVX-512 BF16 path where the build has it, float32 rows (and, without it, bfloat16

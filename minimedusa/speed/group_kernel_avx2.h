@@ -1,7 +1,16 @@
 /* group_kernel.c's AVX2 path: float32 rows (and bfloat16 ones where there is no AVX-512 BF16)
    times int4 and int8 weights by FMA, included once by group_kernel.c */
+#ifndef MINIMEDUSA_GROUP_KERNEL_AVX2_H
+#define MINIMEDUSA_GROUP_KERNEL_AVX2_H
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define AVX2_PATH 1
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "group_kernel_store8.h"
+#include "kernels_common.h"
 
 /* AVX2 (float32 rows; and bfloat16 ones where the CPU has no bfloat16 dot product: they go to
    float32 once per call), each q to float32 as it is read, and FMA multiplies 8 outputs at a
@@ -191,4 +200,5 @@ static int avx2_entry(const void* x, const int floats, const uint8_t* packed,
   free(f);
   return 0;
 }
+#endif  /* AVX2_PATH */
 #endif

@@ -1,7 +1,15 @@
 /* group_kernel.c's AVX-512 BF16 path: bfloat16 rows times int4, int8 and bfloat16 weights by
-   VDPBF16PS (and AMX tiles: group_kernel_tiles.h), included once by group_kernel.c */
+   VDPBF16PS; its weights' conversion, a group's last step and the store are also the AMX tiles'
+   (group_kernel_tiles.h, which includes this file) */
+#ifndef MINIMEDUSA_GROUP_KERNEL_BF16_H
+#define MINIMEDUSA_GROUP_KERNEL_BF16_H
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_PATH 1
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels_common.h"
 
 enum { ROWS = 8 };  /* rows that share a pass: 2 accumulators each, in registers */
 
@@ -145,20 +153,5 @@ static inline __attribute__((always_inline)) void product(
   }
 }
 
-#include "group_kernel_tiles.h"
-
-/* the AVX-512 path's products: on the tiles where this process uses them, else dot products;
-   y bfloat16, or float32 where `wide` */
-static inline __attribute__((always_inline)) void multiply(
-    const uint16_t* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* minimums,
-    const float* sums, void* y, int64_t M, int64_t N, int64_t K, const int bits, const int wide) {
-#if defined(TILES_PATH)
-  if (tiles_in_use()) {
-    product_tiles(x, packed, scales, minimums, sums, y, M, N, K, bits, wide);
-    return;
-  }
-#endif
-  product(x, packed, scales, minimums, sums, y, M, N, K, bits, wide);
-}
-
+#endif  /* BF16_PATH */
 #endif

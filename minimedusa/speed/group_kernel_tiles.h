@@ -1,8 +1,19 @@
-/* group_kernel.c's AMX tiles, inside its AVX-512 BF16 path (group_kernel_bf16.h) */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+/* group_kernel.c's AMX tiles, inside its AVX-512 BF16 path: they convert the weights, end a
+   group and store as its dot products do (group_kernel_bf16.h's BF16_OF, quad_weights,
+   pair_weights8, add_group, store_rows) */
+#ifndef MINIMEDUSA_GROUP_KERNEL_TILES_H
+#define MINIMEDUSA_GROUP_KERNEL_TILES_H
+#include "group_kernel_bf16.h"
+
+#if defined(BF16_PATH) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define TILES_PATH 1
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "kernels_common.h"
 
 /* AMX tiles (Intel since Sapphire Rapids): one tile product (TDPBF16PS) multiplies up to 16
    rows' 32 inputs of a group by its 16 outputs' weights, so a pass over the weights costs about
@@ -110,4 +121,5 @@ static inline __attribute__((always_inline)) void product_tiles(
     if (configured) _tile_release();
   }
 }
+#endif  /* TILES_PATH */
 #endif

@@ -1,6 +1,16 @@
-/* group_kernel.c's AVX-512 VNNI code for w4a8, inside its w4a8 path (group_kernel_w4a8.h) */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+/* group_kernel.c's AVX-512 VNNI code for w4a8, inside its w4a8 path: the same rows
+   (group_kernel_w4a8.h's Rows), stored as its AVX2 code stores them (store8) */
+#ifndef MINIMEDUSA_GROUP_KERNEL_VNNI_H
+#define MINIMEDUSA_GROUP_KERNEL_VNNI_H
+#include "group_kernel_w4a8.h"
+
+#if defined(A8_PATH) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define VNNI_PATH 1
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "group_kernel_store8.h"
+#include "kernels_common.h"
 
 /* AVX-512 VNNI (Zen 4 and 5, Intel since Ice Lake): the same three products, 16 outputs a
    vector. VPDPBUSD multiplies 4 pairs of bytes (q unsigned, a signed) in each 32-bit lane and
@@ -120,4 +130,5 @@ static inline __attribute__((always_inline)) void block_rows16_int8_vnni(
 }
 
 static int vnni = 1;  /* whether this process uses them: group_kernel_vnni */
+#endif  /* VNNI_PATH */
 #endif

@@ -1,8 +1,18 @@
 /* group_kernel.c's w4a8 path: 8- and 16-bit rows times int4 weights (and the 8-bit LM head) in
-   integers, by AVX2 or AVX-VNNI, and AVX-512 VNNI (group_kernel_vnni.h); included once by
-   group_kernel.c */
+   integers, by AVX2 or AVX-VNNI, and AVX-512 VNNI (group_kernel_vnni.h, which includes this
+   file for its Rows) */
+#ifndef MINIMEDUSA_GROUP_KERNEL_W4A8_H
+#define MINIMEDUSA_GROUP_KERNEL_W4A8_H
 #if defined(__AVX2__)
 #define A8_PATH 1  /* the products of quantized rows: 8-bit (w4a8's first) and 16-bit */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "group_kernel_store8.h"
+#include "kernels_common.h"
+
 #if defined(__AVXVNNI__)
 /* VPDPBUSD and VPDPWSSD at 256 bits (Intel's client CPUs since Alder Lake, Zen 5), where the
    CPU has no AVX-512 VNNI path (or it is switched off): one instruction where VPMADDUBSW needs
@@ -298,6 +308,5 @@ static inline __attribute__((always_inline)) void block_rows16_int8(
   for (int i = 0; i < n; i++)
     for (int h = 0; h < 2; h++) store8(y, at + i * N + 8 * h, out[i][h], floats);
 }
-
-#include "group_kernel_vnni.h"
+#endif  /* A8_PATH */
 #endif
