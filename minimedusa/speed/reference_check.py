@@ -42,27 +42,6 @@ FORMAT_ERROR = {"float32": 0.01, "bfloat16": 1.35, "float16": 1.35, "int8": 4.5,
 # reference, and generate.py's check of its fast step (checked_step), a net for gross faults
 SAME_FORMAT = 2.0
 
-# The most a fast step (fused, compiled) moves any token's logit against its OWN format's eager
-# step, by format and activations' dtype: as tight as what the two share (a looser bound hides
-# the bug it is for: a fused norm dividing by C - 1 moved int4's float32 step by 0.074). Where
-# both run the same products in float32 (float32: oneDNN's in both; int4 with float32
-# activations: group_kernel.c's), they differ by float32's rounding of the elementwise steps
-# and the attention's sums: 1.2e-4 and 9.3e-5 measured, bound 1e-3. Where the activations are
-# bfloat16, or rounded to 8 and 16 bits inside w4a8's products, a rounding that flips by one
-# unit between the two moves what follows by a fraction of a logit: the largest measured (both
-# steps) times 1.5, rounded up to 0.05 (3 fixture chats x 48 positions on a 2-core Xeon with
-# AMX, records/xeon-amx/step-error-xeon-amx.txt): bfloat16 0.75, int8 0.75, int4 0.56, w4a8
-# 1.09. Pairs not measured keep the two formats' error, SAME_FORMAT * FORMAT_ERROR.
-STEP_ERROR = {("float32", torch.float32): 1e-3, ("int4", torch.float32): 1e-3,
-              ("bfloat16", torch.bfloat16): 1.15, ("int8", torch.bfloat16): 1.15,
-              ("int4", torch.bfloat16): 0.85, ("w4a8", torch.float32): 1.65}
-
-
-def step_error(fmt: str, activations: torch.dtype) -> float:
-    """The bound of a fast step against its own format's eager step (STEP_ERROR)."""
-    return STEP_ERROR.get((fmt, activations), SAME_FORMAT * FORMAT_ERROR[fmt])
-
-
 def margins(reference: torch.Tensor) -> torch.Tensor:
     """The reference's top-1 minus top-2 logit at each position: (T, V) -> (T,)."""
     top2 = reference.float().topk(2, dim=-1).values  # (T, 2)

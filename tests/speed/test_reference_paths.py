@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from helpers import BROKEN, broken, LastBlockSkipped, REPO
+from helpers import BROKEN, broken, LastBlockSkipped, REPO, step_error
 from generate import main as generate_main
 from minimedusa.batch_decoding import batch_decode
 from minimedusa.budget import fixed, grow_tree
@@ -40,7 +40,7 @@ from minimedusa.speed.machine import AVX2_ENVIRONMENT, cpu_features
 from minimedusa.speed.plug_in import eager_step
 from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.speed.reference_check import (FORMAT_ERROR, checked_step, largest_shift,
-                                              parting, probe_logits, step_error)
+                                              parting, probe_logits)
 from minimedusa.tree import build_tree
 
 FORMATS = ("float32", "bfloat16", "int8", "int4", "w4a8")
