@@ -59,13 +59,15 @@ def ensure_default_model(folder: Path = DEFAULT_MODEL_DIR) -> Path:
     if is_complete(target) and not any(path.exists() for path in leftovers_of(target)):
         return folder
     with one_at_a_time(target.parent, f"converting the default model into {target}"):
-        remove_leftovers(target)
+        remove_conversion_leftovers(target)
         if not is_complete(target):
             fetch_and_convert(target)
     return folder
 
 
-def remove_leftovers(folder: Path) -> None:
+def remove_conversion_leftovers(folder: Path) -> None:
+    """Remove what a killed conversion into `folder` left beside it (leftovers_of); call it
+    holding the folder's lock."""
     for path in leftovers_of(folder):
         shutil.rmtree(path, ignore_errors=True)
 
@@ -217,7 +219,7 @@ def main():
             convert_gguf(args.gguf, args.out)
     elif args.force or not is_complete(args.out):
         with one_at_a_time(args.out.parent, f"converting the default model into {args.out}"):
-            remove_leftovers(args.out)
+            remove_conversion_leftovers(args.out)
             fetch_and_convert(args.out)
     else:
         say(f"{args.out} is already there (use --force to convert again)")
