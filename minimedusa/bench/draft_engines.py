@@ -11,7 +11,7 @@ from pathlib import Path
 
 from minimedusa.bench.engines import Engines, engine
 from minimedusa.assembly.recipe import Recipe, decoding_model, draft_model
-from minimedusa.speed.memory_bandwidth import weight_bytes
+from minimedusa.speed.memory_bandwidth import module_bytes
 from minimedusa.speed.weight_formats import QUANTIZED
 
 
@@ -30,7 +30,7 @@ def draft_engines(args, folder: Path, device, engines: Engines) -> None:
         rule = "speculative" if T else "greedy"
         engines.run[f"[float32] drafted by {args.draft}{suffix}"] = engine(
             replace(drafted, temperature=T, acceptance=rule), target, drafter=drafter)
-        engines.step_bytes[f"[float32] plain{suffix}"] = weight_bytes(target)
+        engines.step_bytes[f"[float32] plain{suffix}"] = module_bytes(target)
     if args.draft not in QUANTIZED:  # another model: the heads are the target's
         return
     # greedy: the draft decoding with the first --heads, as generate.py's drafting_heads

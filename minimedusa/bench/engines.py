@@ -25,7 +25,7 @@ from minimedusa.assembly.trees import decoding_tree
 from minimedusa.errors import UserError
 from minimedusa.files.heads_files import read_calibration
 from minimedusa.heads import ranked_vocab_size
-from minimedusa.speed.memory_bandwidth import weight_bytes
+from minimedusa.speed.memory_bandwidth import module_bytes
 from minimedusa.speed.plug_in import eager_step
 
 
@@ -52,11 +52,11 @@ def engines_to_time(args, recipe: Recipe, model, tokenizer) -> Engines:
     model loaded from it), the same in each of --formats, and, where they are installed,
     transformers' generate and llama.cpp (its own llama-completion, its Python binding)."""
     engines = Engines()
-    engines.run["plain"], engines.step_bytes["plain"] = engine(recipe, model), weight_bytes(model)
+    engines.run["plain"], engines.step_bytes["plain"] = engine(recipe, model), module_bytes(model)
     if args.temperature > 0:  # what the sampling engines speed up
         name = f"plain T={args.temperature}"
         engines.run[name] = engine(replace(recipe, temperature=args.temperature), model)
-        engines.step_bytes[name] = weight_bytes(model)
+        engines.step_bytes[name] = module_bytes(model)
     if args.eager_too:
         engines.run["plain" + EAGER] = eager_engine(engines.run["plain"], model)
         engines.step_bytes["plain" + EAGER] = engines.step_bytes["plain"]
@@ -85,12 +85,12 @@ def format_engines(args, recipe: Recipe, engines: Engines) -> None:
     if args.eager_too:
         plain[label + "plain" + EAGER] = eager_engine(plain[label + "plain"], model)
     engines.run.update(plain)
-    engines.step_bytes.update({n: weight_bytes(model) for n in plain})
+    engines.step_bytes.update({n: module_bytes(model) for n in plain})
     medusa = rule_engines(f"{label}{heads.config.head_kind} ", medusa_recipe(args, recipe,
                                                                              args.heads[0]),
                           model, heads, 0.0, engines.usage, args.eager_too, args.context)
     engines.run.update(medusa)
-    engines.step_bytes.update({n: weight_bytes(model, heads) for n in medusa})
+    engines.step_bytes.update({n: module_bytes(model, heads) for n in medusa})
 
 
 def medusa_recipe(args, recipe: Recipe, spec: str, vocab: int | None = None) -> Recipe:
@@ -204,7 +204,7 @@ def medusa_engines(args, recipe: Recipe, model, engines: Engines) -> None:
             before = set(engines.run)
             heads_engines(engines, label, medusa_recipe(args, recipe, spec, vocab), heads,
                           model, args)
-            engines.step_bytes.update({n: weight_bytes(model, heads)
+            engines.step_bytes.update({n: module_bytes(model, heads)
                                        for n in engines.run if n not in before})
 
 

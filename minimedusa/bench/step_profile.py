@@ -20,7 +20,7 @@ from minimedusa.assembly.step_latency import (cached_prefix, round_robin_medians
 from minimedusa.heads import as_features, ranked_vocab_size
 from minimedusa.kv_cache import KVCache
 from minimedusa.speed.group_kernel import switch_tiles, switch_vnni, uses_tiles, uses_vnni
-from minimedusa.speed.memory_bandwidth import streaming_bandwidth, weight_bytes
+from minimedusa.speed.memory_bandwidth import module_bytes, streaming_bandwidth
 from minimedusa.speed.defaults import largest_grown_tree
 from minimedusa.speed.packed_linear import PackedLinear
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
@@ -98,7 +98,7 @@ def product_times(model, rows=ROWS, rounds: int = 5) -> str:
     if not blocks or not isinstance(model.lm_head, FAST_LAYERS):
         return "products: this model's layers are not a CPU format's (weight_formats.py): not timed"
     parts = {"blocks": blocks, "LM head": [model.lm_head]}
-    gigabytes = {name: weight_bytes(*layers) / 1e9 for name, layers in parts.items()}
+    gigabytes = {name: module_bytes(*layers) / 1e9 for name, layers in parts.items()}
     dtype = model.norm.weight.dtype  # the activations' (float32 where int4's kernel takes it)
     paths = kernel_paths(model)
     try:
@@ -142,7 +142,7 @@ def shape_times(model, rounds: int = 5) -> str:
     lines = [f"products at 1 row, ms on {threads} threads (GB/s of weights; x: {threads} threads"
              " against 1):"]
     for name, layers in parts.items():
-        ms, gb = 1000 * seconds[threads][name], weight_bytes(*layers) / 1e9
+        ms, gb = 1000 * seconds[threads][name], module_bytes(*layers) / 1e9
         lines.append(f"  {name}: {ms:.2f} ({gb / seconds[threads][name]:.1f} GB/s; "
                      f"{seconds[1][name] / seconds[threads][name]:.2f}x)")
     forward = forward_ms_at_one_row(model)

@@ -17,7 +17,7 @@ from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLi
 STREAM_BYTES = 512 << 20  # far past any cache, as STREAM asks (>= 4x the last-level cache)
 
 
-def weight_bytes(*modules: nn.Module) -> int:
+def module_bytes(*modules: nn.Module) -> int:
     """Bytes of the matrices one step reads: every linear layer's weight once (int8 and int4
     layers: their packed weight and scales). A weight shared between modules (the LM head that
     shared heads reuse) counts once; the embedding is left out, since a step reads one row of
