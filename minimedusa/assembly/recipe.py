@@ -25,7 +25,7 @@ from minimedusa.assembly.heads_reading import read_heads
 from minimedusa.assembly.draft_model import DRAFT_SIZES, check_draft, expected_tokens
 from minimedusa.assembly.latency_cache import machine_latency
 from minimedusa.assembly.load import formatted_model, machine_format
-from minimedusa.assembly.trees import decoding_tree, grown_trees, tree_spec
+from minimedusa.assembly.trees import budget_trees, decoding_tree, tree_spec
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import RankedDraft, TreeDraft
@@ -209,14 +209,14 @@ def medusa_draft(recipe: Recipe, heads, model: Llama, rule):
         return (RankedDraft(heads), FixedSize(spec.size),
                 lambda: f"confidence-ranked tree of {spec.size} nodes (--tree)")
     if spec.kind == "grown":
-        tree = grown_trees(heads, model, recipe.heads, [spec.size]).trees[spec.size]
+        tree = budget_trees(heads, model, recipe.heads, [spec.size]).trees[spec.size]
         return (heads_draft(recipe, heads, {spec.size: tree}, model), FixedSize(spec.size),
                 lambda: f"the grown tree of {spec.size} nodes (--tree)")
     if spec.kind == "fixed":
         name, tree = decoding_tree(spec.name, heads, model)
         return (heads_draft(recipe, heads, {tree.size - 1: tree}, model), FixedSize(tree.size - 1),
                 lambda: f"tree {name} ({tree.size - 1} nodes, --tree)")
-    grown = grown_trees(heads, model, recipe.heads)
+    grown = budget_trees(heads, model, recipe.heads)
     draft = (RankedDraft(heads) if spec.kind == "ranked" else
              heads_draft(recipe, heads, grown.trees, model, grown.rank))
     # timed: the run's draft and rule, without context chains (as timed_parts)

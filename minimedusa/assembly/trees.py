@@ -1,8 +1,9 @@
 """--tree's values: a named tree (tree.NAMED_TREES), a dense one (dense:3,2,2), a JSON file of
 node paths, ranked:N, or grown:N (the first N nodes grown from the heads' calibration); each at
 most MAX_TREE_NODES nodes, refused in one line past it. And without --tree, the trees the Budget
-chooses among (grown_trees, from the heads' calibration; their step latencies are timed with
-the run's own draft and acceptance by the recipe, recipe.py).
+chooses among (budget_trees: grown from the heads' calibration, or the default tree where the
+heads have none; their step latencies are timed with the run's own draft and acceptance by the
+recipe, recipe.py).
 """
 import json
 import math
@@ -133,7 +134,7 @@ def decoding_tree(spec: str | None, heads, model: Llama) -> tuple[str, MedusaTre
 
 
 @dataclass
-class GrownTrees:
+class BudgetTrees:
     """The trees a Budget chooses among (with plain steps), before their latencies are timed
     (recipe.py times them with the run's own draft and acceptance): {size: tree}, each node
     path's rank in the nested trees, each size's expected tokens a step, and why these."""
@@ -149,8 +150,8 @@ class GrownTrees:
         return Budget([0, *self.trees], self.expected, latency, chain=CHAIN if context else 0)
 
 
-def grown_trees(heads, model: Llama, heads_spec: str, sizes: list[int] | None = None
-                ) -> GrownTrees:
+def budget_trees(heads, model: Llama, heads_spec: str, sizes: list[int] | None = None
+                 ) -> BudgetTrees:
     """The tree grown from the heads' calibration at each of `sizes` (None: budget.SIZES up to
     the machine's largest, defaults.largest_grown_tree); for heads without a calibration, the
     default tree alone (and an error where sizes are asked for)."""
@@ -172,4 +173,4 @@ def grown_trees(heads, model: Llama, heads_spec: str, sizes: list[int] | None = 
         why = "grown from the heads' calibration"
     trees, rank = nested_trees(nodes, sizes, heads.config.medusa_num_heads,
                                ranked_vocab_size(heads, model), weight.device)
-    return GrownTrees(trees, rank, expected, why)
+    return BudgetTrees(trees, rank, expected, why)

@@ -16,7 +16,7 @@ from minimedusa.budget import (SIZES, expected_length, expected_length_of, grow_
 from minimedusa.files.heads_files import CALIBRATION, read_calibration, save_heads
 from minimedusa.assembly.latency_cache import latency_key, read_cached
 from minimedusa.assembly.step_latency import step_latency
-from minimedusa.assembly.trees import decoding_tree, grown_trees
+from minimedusa.assembly.trees import budget_trees, decoding_tree
 from minimedusa.heads import MedusaHeads
 from minimedusa.training.medusa1 import IGNORE, Rows, head_metrics
 from minimedusa.tree import build_tree, dense_tree
@@ -141,10 +141,10 @@ def test_uncalibrated_heads_get_the_default_tree_cut_to_their_depth_or_plain(tmp
     model = tiny_model(dtype=torch.float32)
     heads = MedusaHeads.for_model(model, 2, shared_lm_head=True).eval()
     save_heads(heads, tmp_path)
-    grown = grown_trees(heads, model, str(tmp_path))
-    assert grown.why.startswith("cpu_8 (cut to its paths of at most 2 nodes")
-    (tree,) = grown.trees.values()
-    budget = grown.budget({0: 1.0, 5: 1.0})
+    uncalibrated = budget_trees(heads, model, str(tmp_path))
+    assert uncalibrated.why.startswith("cpu_8 (cut to its paths of at most 2 nodes")
+    (tree,) = uncalibrated.trees.values()
+    budget = uncalibrated.budget({0: 1.0, 5: 1.0})
     assert set(tree.nodes[1:]) == {(0,), (1,), (0, 0), (0, 1), (1, 0)}
     assert budget.sizes == [0, 5]
     name, tree = decoding_tree("dense:2,1", heads, model)  # --tree: that tree, every step
