@@ -34,8 +34,7 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.prompts import (answer_prompts, answer_prompts_batched, batch_size,
                                         batched_summary, open_out, prompt_from_stdin,
                                         prompt_ids, prompts_summary, read_prompts)
-    from minimedusa.cli.show import painted, watched
-    from minimedusa.cli.trace import traced
+    from minimedusa.cli.show import painted, say_legend
     from minimedusa.cli.trace_page import header_of, page
     from minimedusa.assembly.recipe import (Decoding, Recipe, build, decoding_heads, decoding_model,
                                        draft_model)
@@ -169,9 +168,8 @@ def decoder(args, model, recipe: Recipe, drafter=None) -> Decoding:
                                                               recipe.draft_vocab)
     decoding = build(recipe, model, heads, drafter)  # (a chat with Hydra++ heads: refused by
     # their draft, experiments/draft_layer.py, at the turn that continues a conversation)
-    if args.trace is not None:
-        decoding = traced(decoding, recipe)  # its draft a trace.TracedDraft
-    return watched(decoding) if args.show else decoding
+    say_legend(decoding, args.show)
+    return decoding
 
 
 def drafting_heads(args) -> str | None:
@@ -195,10 +193,10 @@ def run(args) -> dict:
     ids = prompt_ids(args.prompt, tokenizer, args.raw, args.system,  # timed from here
                      model.config.max_position_embeddings)
     steps = decode.decode(ids, args.max_new_tokens, model.config.stop_ids)
-    yielded = []  # each step's tokens, for --trace's page
+    yielded = []  # the steps, for --trace's page
     if args.trace is not None:
         steps = noted(steps, yielded)
-    stream = None if args.json else painted(decode, StreamDecoder(tokenizer))
+    stream = None if args.json else painted(StreamDecoder(tokenizer), args.show)
     answer = decode_answer(steps, Answer(), stream, start=start)
     output, stats, seconds = answer.ids, answer.stats, answer.seconds
     weight = model.embed.weight
@@ -211,15 +209,15 @@ def run(args) -> dict:
             "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
             "format": recipe.weight_format, "weights": weights, "step": step}
     if args.trace is not None:
-        header = header_of(result, recipe, device_name(weight.device))
+        header = header_of(result, recipe, decode, device_name(weight.device))
         write_atomically(args.trace, lambda tmp: tmp.write_text(
-            page(decode.draft, yielded, tokenizer, header), encoding="utf-8"))
+            page(yielded, tokenizer, header), encoding="utf-8"))
         print(f"minimedusa: wrote {args.trace} ({len(yielded)} steps)", file=sys.stderr)
     return result
 
 
 def noted(steps, into: list):
-    """The steps as they come, each one's tokens noted into `into` on the way."""
+    """The steps as they come, each noted into `into` on the way."""
     for new in steps:
         into.append(new)
         yield new

@@ -4,8 +4,9 @@ Every verify function takes the backbone's logits at each tree node, (N, V) (nod
 predict the token of node i's children), the tree and its tokens (N,), and returns three 0-d
 tensors: the chosen root-to-leaf path, how many candidates along it were accepted (0..D), and
 the next token, drawn from the backbone's distribution at the last accepted node; it becomes the
-next step's root. Nothing there syncs with the host: accepted_on_host does, once a step. Each
-rule is an Acceptance (its accept and its first token), which the decoding loop runs.
+next step's root; and the numbers it decided by, as it computed them (its Verdict's). Nothing
+there syncs with the host: accepted_on_host does, once a step. Each rule is an Acceptance (its
+accept and its first token), which the decoding loop runs; accept returns a Verdict.
 
 - greedy: a candidate is accepted iff it is the argmax. Lossless: output == plain greedy.
 - rejection sampling: draw y ~ p at every node; a child is accepted iff its token is y. With
@@ -129,13 +130,21 @@ def pick_by_draws(draws: torch.Tensor, tree: MedusaTree, tokens: torch.Tensor):
 
 
 def greedy_acceptance(logits, tree: MedusaTree, tokens, generator=None):
-    return pick_by_draws(greedy_tokens(logits), tree, tokens)
+    argmax = greedy_tokens(logits)  # (N,)
+    return (*pick_by_draws(argmax, tree, tokens), {"argmax": argmax})
+
+
+def candidates_p(probs: torch.Tensor, tree: MedusaTree, tokens) -> torch.Tensor:
+    """(P, D): p of the candidate at depth d + 1 of each path, at its parent (on a path's
+    padding, tree.path_valid False: no candidate's)."""
+    return probs[tree.paths[:, :-1], child_tokens(tree, tokens).clamp(min=0)]
 
 
 def rejection_acceptance(logits, tree: MedusaTree, tokens, generator, temperature, top_p):
     probs = probabilities(logits, temperature, top_p)  # (N, V) float32
     draws = draw(probs, generator)  # (N,): y ~ p per node
-    return pick_by_draws(draws, tree, tokens)
+    return (*pick_by_draws(draws, tree, tokens),
+            {"p": candidates_p(probs, tree, tokens), "draw": draws})
 
 
 def typical_threshold(probs: torch.Tensor, eps: float, delta: float) -> torch.Tensor:
@@ -158,15 +167,29 @@ def typical_acceptance(logits, tree: MedusaTree, tokens, generator, temperature,
     log_lik = torch.where(accepted, p_child.log(), 0.0).sum(dim=-1)  # (P,)
     best = torch.where(lengths == lengths.max(), log_lik, -torch.inf).argmax()
     last = tree.paths[best, lengths[best]]
-    return best, lengths[best], greedy_tokens(logits[last])  # the next token is greedy
+    numbers = {"p": p_child, "threshold": threshold}
+    return best, lengths[best], greedy_tokens(logits[last]), numbers  # the next token: greedy
+
+
+@dataclass
+class Verdict:
+    """What a rule decided on a step's candidates: the kept nodes' indices, root first, and the
+    new tokens (the kept candidates, then the next token), Python lists, the step's one host
+    sync; and the numbers it decided by, as it ran, by name, kept where they were computed (the
+    device) until a watcher reads them (cli/trace.py): greedy "argmax" (N,), the verifier's
+    argmax at each node; rejection "p" (P, D), each path's candidates' p at their parents, and
+    "draw" (N,), the token drawn at each node; typical "p" (P, D) and "threshold" (N,);
+    speculative sampling "judged", each child it judged in order: (child, r(x), q_i(x), coin)."""
+    kept: list[int]
+    tokens: list[int]
+    numbers: dict
 
 
 @dataclass
 class Acceptance:
     """A step's rule: accept(logits (N, V), candidates (draft.Candidates: the tree, its tokens
-    (N,), what drawn ones were drawn from), generator) -> (the accepted nodes' indices, root
-    first; the new tokens: the accepted candidates, then the next token), Python lists, the
-    step's one host sync; first(logits (V,), generator) -> the very first
+    (N,), what drawn ones were drawn from), generator) -> its Verdict (the kept nodes, the new
+    tokens, the numbers it decided by); first(logits (V,), generator) -> the very first
     token (), drawn from the distribution the rule draws its next tokens from; seed: the seed
     of the run's random draws (None: from the system), as Sampling's for plain decoding."""
     name: str
@@ -177,10 +200,12 @@ class Acceptance:
 
 def on_device(verify: Callable) -> Callable:
     """accept for a rule verified on the device, verify(logits, tree, tokens, generator) ->
-    (path, length, next) 0-d tensors: nothing waits until accepted_on_host's one sync."""
-    def accept(logits, candidates, generator):
+    (path, length, next) 0-d tensors and its numbers: nothing waits until accepted_on_host's
+    one sync (the numbers stay on the device)."""
+    def accept(logits, candidates, generator) -> Verdict:
         tree, tokens = candidates.tree, candidates.tokens
-        return accepted_on_host(tree, tokens, *verify(logits, tree, tokens, generator))
+        path, length, next_token, numbers = verify(logits, tree, tokens, generator)
+        return Verdict(*accepted_on_host(tree, tokens, path, length, next_token), numbers)
     return accept
 
 

@@ -134,6 +134,14 @@ def chain_alone(root: int, chain: list[int], device) -> tuple[MedusaTree, torch.
     return tree, torch.tensor([root, *chain], device=device), {p: len(p) for p in paths}
 
 
+def on_nodes(values: torch.Tensor, tree: MedusaTree, merged: MedusaTree) -> torch.Tensor:
+    """A value a node of `tree` (N,), laid out on the nodes of the tree merged from it (a node
+    the chain added: NaN)."""
+    index = {path: i for i, path in enumerate(tree.nodes)}
+    return torch.tensor([values[index[p]].item() if p in index else float("nan")
+                         for p in merged.nodes])
+
+
 class ContextDraft:
     """Another draft (draft.py's verbs) with context candidates: each step's chain, read from
     the sequence so far (ContextIndex), takes the least probable nodes' places in the draft's
@@ -158,12 +166,16 @@ class ContextDraft:
 
     def tree(self, model, n: int, root: int, features: torch.Tensor):
         if len(self.chain) >= n:  # no draft: nothing drawn, the chain's tokens point masses
-            return Candidates(*chain_alone(root, self.chain[:n], features.device))
+            tree, tokens, rank = chain_alone(root, self.chain[:n], features.device)
+            return Candidates(tree, tokens, rank, context=tree.nodes[1:])
         drafted = self.draft.tree(model, n, root, features)
         if not self.chain:
             return drafted
-        merged = with_chain(drafted.tree, drafted.tokens, drafted.rank, n, self.chain)
-        return Candidates(*merged, drafted.proposal)  # what the heads' nodes were drawn from
+        tree, tokens, rank = with_chain(drafted.tree, drafted.tokens, drafted.rank, n, self.chain)
+        chain = tuple(p for p in tree.nodes[1:] if rank[p] <= len(self.chain))  # first in rank
+        q = None if drafted.q is None else lambda: on_nodes(drafted.q(), drafted.tree, tree)
+        # what the heads' nodes were drawn from: the proposal names them by their paths
+        return Candidates(tree, tokens, rank, drafted.proposal, q, chain, drafted.drafter)
 
     def extend(self, tokens: list[int]) -> None:
         self.index.extend(tokens)

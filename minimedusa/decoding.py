@@ -16,12 +16,12 @@ replayed from CUDA graphs on a GPU (speed/cuda_graphs.py). Left out: beam search
 Shapes: T tokens, V vocab, C model dim, K heads, N tree nodes, D max depth, n cached tokens.
 """
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 
-from minimedusa.acceptance import Acceptance, Sampling, make_generator
+from minimedusa.acceptance import Acceptance, Sampling, Verdict, make_generator
 from minimedusa.draft import Candidates, Draft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
@@ -31,6 +31,20 @@ from minimedusa.tree import MedusaTree
 
 class PromptTooLongError(UserError):
     """The prompt plus the requested new tokens exceed the model's context."""
+
+
+@dataclass
+class Step:
+    """What one step of a decoding run did, the value the loops yield: whoever watches a run
+    (the streamed text, --show's colours, --trace's page, bench, the chat) reads it, never the
+    loop's parts. tokens: the tokens it added; kept: the nodes it kept, root first ([0] a plain
+    step's root; none for the prefill, the run's first step); candidates: what it verified
+    (draft.Candidates: the tree, its tokens, what drafted them; None for a plain step); verdict:
+    the rule's (acceptance.Verdict: the numbers it decided by)."""
+    tokens: list[int]
+    kept: list[int] = field(default_factory=list)
+    candidates: Candidates | None = None
+    verdict: Verdict | None = None
 
 
 def check_context(model: Llama, prompt_len: int, max_new_tokens: int) -> None:
@@ -112,9 +126,9 @@ def decode_step(model: Llama, cache: KVCache, token: torch.Tensor):
 
 
 def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
-                 stop_ids: set[int], cache: KVCache | None = None) -> Iterator[list[int]]:
-    """Yield the new tokens one step at a time ([token] per step) until a stop id (which is
-    yielded) or max_new_tokens. The caller times and streams; this only decodes. `cache`: a
+                 stop_ids: set[int], cache: KVCache | None = None) -> Iterator[Step]:
+    """Yield the steps (a Step of one token each) until a stop id (which is yielded) or
+    max_new_tokens. The caller times and streams; this only decodes. `cache`: a
     conversation's, holding prompt_ids' first tokens (decoding_cache), or None: a new one."""
     device = model.embed.weight.device
     cache = decoding_cache(model, cache, prompt_ids, max_new_tokens)
@@ -124,7 +138,7 @@ def plain_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, sampl
     for i in range(max_new_tokens):
         token = sampling.pick(logits, generator)  # (1,)
         token_id = token.item()  # the one host sync per step: needed to stop at EOS
-        yield [token_id]
+        yield Step([token_id], kept=[0] if i else [])
         if token_id in stop_ids or i == max_new_tokens - 1:
             return
         logits, _ = decode_step(model, cache, token.unsqueeze(0))
@@ -154,34 +168,37 @@ def tree_forward(model: Llama, cache: KVCache, tree: MedusaTree, tokens: torch.T
 
 
 def medusa_step(model: Llama, candidates: Candidates, cache: KVCache, acceptance: Acceptance,
-                generator):
+                generator) -> tuple[Step, torch.Tensor]:
     """One step: verify the draft's candidates (its tree's tokens (N,), the root first: the last
     token emitted, not yet in the cache) in one forward, the acceptance given them whole.
 
-    Returns (the new tokens: the accepted candidates, then the next token drawn at the last
-    accepted node; the accepted nodes' indices, root first; the hidden states (a, C) at the
-    accepted nodes, the last of which the heads guess the next step's candidates from).
+    Returns (the Step: the new tokens (the accepted candidates, then the next token drawn at
+    the last accepted node), the accepted nodes' indices, root first, the candidates and the
+    rule's verdict; the hidden states (a, C) at the accepted nodes, the last of which the heads
+    guess the next step's candidates from).
     """
     tree = candidates.tree
     logits, hidden = tree_forward(model, cache, tree, candidates.tokens)  # (N, V), (N, C)
-    nodes, new_tokens = acceptance.accept(logits, candidates, generator)  # the one host sync
-    cache.compact(nodes)  # the accepted nodes' keys/values into place; rejected ones dropped
-    return new_tokens, nodes, hidden[nodes]
+    verdict = acceptance.accept(logits, candidates, generator)  # the one host sync
+    cache.compact(verdict.kept)  # the accepted nodes' keys/values into place; rejected dropped
+    return Step(verdict.tokens, verdict.kept, candidates, verdict), hidden[verdict.kept]
 
 
-def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance, generator):
+def root_step(model: Llama, cache: KVCache, root: int, acceptance: Acceptance,
+              generator) -> tuple[Step, torch.Tensor]:
     """A step whose tree is the root alone: plain decoding's step, returned as medusa_step
     returns (the two mix in one run), without the heads' draft, which it does not need."""
     token = torch.tensor([[root]], device=cache.device)  # (1, 1)
     logits, hidden = decode_step(model, cache, token)  # (1, V), (1, C)
-    return [acceptance.first(logits[0], generator).item()], [0], hidden
+    return Step([acceptance.first(logits[0], generator).item()], [0]), hidden
 
 
 def medusa_decode(model: Llama, draft: Draft, budget, acceptance: Acceptance,
                   prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                  cache: KVCache | None = None) -> Iterator[list[int]]:
-    """Yield the new tokens forward by forward, until a stop id (yielded) or max_new_tokens:
-    first the prefill's token, then each step's accepted candidates + the next token.
+                  cache: KVCache | None = None) -> Iterator[Step]:
+    """Yield the steps forward by forward (decoding.Step: its new tokens, what it verified and
+    kept), until a stop id (yielded) or max_new_tokens: first the prefill's token, then each
+    step's accepted candidates + the next token.
 
     Each step: the draft's tree of the size n that `budget` chooses (budget.FixedSize: the
     paper's one tree every step, budget.fixed; a budget.Budget adapts n to this machine's step
@@ -197,30 +214,30 @@ def medusa_decode(model: Llama, draft: Draft, budget, acceptance: Acceptance,
     draft.start(prompt_ids, cache)
     rest = torch.tensor([prompt_ids[cache.length:]], device=device)  # (1, T): not yet cached
     logits, hidden = prefill(model, cache, rest)
-    new, features = [acceptance.first(logits[0], generator).item()], draft.read(hidden)
+    step, features = Step([acceptance.first(logits[0], generator).item()]), draft.read(hidden)
     produced = 0
     while True:
-        new, stop = cut_at_stop(new, max_new_tokens - produced, stop_ids)
-        produced += len(new)
-        yield new
+        tokens, stop = cut_at_stop(step.tokens, max_new_tokens - produced, stop_ids)
+        produced += len(tokens)
+        yield replace(step, tokens=tokens)
         if stop or produced == max_new_tokens:
             cache.rewind(len(prompt_ids) + produced - 1)  # a cut step's later tokens: dropped
             return
-        start, root = budget.clock(), new[-1]  # root: the last token emitted
+        start, root = budget.clock(), tokens[-1]  # root: the last token emitted
         group = draft.match(root)
         n = budget.choose(group)
         if n == 0:
-            new, nodes, hidden = root_step(model, cache, root, acceptance, generator)
+            step, hidden = root_step(model, cache, root, acceptance, generator)
             accepted, rank = [], None
         else:
             candidates = draft.tree(model, n, root, features)
-            new, nodes, hidden = medusa_step(model, candidates, cache, acceptance, generator)
-            accepted, rank = [candidates.tree.nodes[i] for i in nodes[1:]], candidates.rank
+            step, hidden = medusa_step(model, candidates, cache, acceptance, generator)
+            accepted, rank = [candidates.tree.nodes[i] for i in step.kept[1:]], candidates.rank
         # note: a step's time includes what the draft reads of its kept positions (a draft
         # layer reads them all): every step pays it, plain ones too
         features = draft.read(hidden)
         budget.record(n, budget.clock() - start, accepted, rank, group)
-        draft.extend(new[:-1])  # the accepted candidates; the last is the next root
+        draft.extend(step.tokens[:-1])  # the accepted candidates; the last is the next root
 
 
 def cut_at_stop(new: list[int], room: int, stop_ids: set[int]) -> tuple[list[int], bool]:

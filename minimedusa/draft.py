@@ -17,7 +17,7 @@ Shapes: C model dim, K heads, V vocab (V' the heads' draft vocabulary), N tree n
 """
 import heapq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -31,11 +31,19 @@ class Candidates:
     """A step's draft, handed whole from the draft to the acceptance: the tree, its tokens (N,)
     root first, each node path's rank (what the Budget records a step by), and for candidates
     drawn from the heads what they were drawn from (speculative_sampling.Proposal; None: every
-    candidate is a point mass, as the heads' top-k are)."""
+    candidate is a point mass, as the heads' top-k are). For whoever watches the step (the
+    decoding loop yields it in its Step): q, where the draft has it, computes each node's
+    probability at its parent under what drafted it, (N,) (the root's 1; NaN where nothing
+    drafted it), from values the draft computed anyway, only when asked; context, the node
+    paths a context chain proposed (context_candidates.py); drafter, what guessed the rest:
+    "heads" (head k the nodes of depth k) or "draft model" (speculative_decoding.py)."""
     tree: MedusaTree
     tokens: torch.Tensor
     rank: dict
     proposal: object = None
+    q: Callable[[], torch.Tensor] | None = None
+    context: tuple = ()
+    drafter: str = "heads"
 
 
 class Draft(Protocol):
@@ -56,6 +64,32 @@ class Draft(Protocol):
 def best_guesses(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The paper's guesses: the k largest logits' columns, best first, (..., V) -> (..., k)."""
     return logits.topk(k, dim=-1).indices
+
+
+def noting(calls: list, pick=best_guesses):
+    """pick, each call's logits (M, V') and the columns it picked (M, k) noted in `calls`: what
+    a step's q is computed from if a watcher asks (guessed_q)."""
+    def noted(logits, k):
+        columns = pick(logits, k)
+        calls.append((logits, columns))
+        return columns
+    return noted
+
+
+def guessed_q(tree: MedusaTree, calls: list, hydra: bool, law=None) -> torch.Tensor:
+    """(N,): each node's probability at its parent under the heads, from the calls noted
+    (law(logits) -> q (M, V'): softmax by default; the root's 1). Hydra heads make a call a
+    depth, a row a parent with children (tree.drafting's order); Medusa heads one call, head
+    d's row guessing every node of depth d (laid out as candidates() lays the tokens)."""
+    law = law or (lambda logits: logits.float().softmax(dim=-1))
+    if not hydra:
+        logits, columns = calls[0]
+        guessed = law(logits).gather(-1, columns).reshape(-1)  # (D * top_k,)
+        return torch.cat([guessed.new_ones(1), guessed])[tree.token_index]
+    q = torch.ones(tree.size, device=calls[0][0].device)
+    for (logits, columns), (_, children, slot, rank) in zip(calls, tree.drafting):
+        q[children] = law(logits).gather(-1, columns)[slot, rank]
+    return q
 
 
 def candidates(root: torch.Tensor, head_logits: torch.Tensor, tree: MedusaTree,
@@ -124,9 +158,12 @@ class TreeDraft:
         return 0  # no context chain: every step in the budget's one group
 
     def tree(self, model, n: int, root: int, features: torch.Tensor) -> Candidates:
-        """trees[n], its tokens (n + 1,), root first, each node path's rank."""
-        tree = self.trees[n]
-        return Candidates(tree, tree_tokens(self.heads, model, tree, root, features), self.rank)
+        """trees[n], its tokens (n + 1,), root first, each node path's rank; q from the heads'
+        logits the guesses were ranked by."""
+        tree, calls = self.trees[n], []
+        tokens = tree_tokens(self.heads, model, tree, root, features, noting(calls))
+        hydra = isinstance(self.heads, HydraHeads)
+        return Candidates(tree, tokens, self.rank, q=lambda: guessed_q(tree, calls, hydra))
 
     def extend(self, tokens: list[int]) -> None:
         pass  # the accepted tokens change nothing the heads keep

@@ -10,8 +10,9 @@ is the target's: exactly its greedy text, or (sampling) its law. k is each step'
 chosen by the Budget (budget.py) from each size's timed step and kept drafts (0: a plain step).
 
 ModelDraft: any model sharing the target's tokenizer, with a cache of its own; the same model
-rounded to 4 bits is an almost perfect one (assembly/draft_model.py reads it). MedusaDraft: the draft
-decoding with its own Medusa heads (medusa_decode on its cache: several drafts a forward of it).
+rounded to 4 bits is an almost perfect one (assembly/draft_model.py reads it).
+DraftModelWithHeads: a draft model decoding with Medusa heads of its own (medusa_decode on its
+cache: several drafts a forward of it).
 Left out: several drafts a position (a tree of the draft's guesses), batches of prompts.
 
 Shapes: k drafted tokens, V vocab.
@@ -24,7 +25,7 @@ from minimedusa.decoding import medusa_decode, prefill
 from minimedusa.draft import Candidates
 from minimedusa.kv_cache import KVCache
 from minimedusa.model import Llama
-from minimedusa.speculative_sampling import Proposal
+from minimedusa.speculative_sampling import Proposal, proposal_q
 
 
 def chain_paths(k: int) -> tuple[tuple, ...]:
@@ -78,9 +79,11 @@ class ModelDraft:
         self.proposed += n
         paths = chain_paths(n)
         tokens = torch.tensor([root, *drafts], device=features.device)  # (n + 1,)
+        tree = merged_tree(paths, features.device)
         proposal = None if laws is None else chain_proposal(drafts, laws)
-        return Candidates(merged_tree(paths, features.device), tokens,
-                          {p: len(p) for p in paths}, proposal)
+        q = None if laws is None else lambda: proposal_q(tree, tokens, proposal)
+        return Candidates(tree, tokens, {p: len(p) for p in paths}, proposal, q,
+                          drafter="draft model")
 
     def propose(self, k: int) -> tuple[list[int], list[torch.Tensor] | None]:
         """(k tokens after the text, the laws (V,) they were drawn from, or None: greedy).
@@ -117,7 +120,7 @@ class ModelDraft:
         self.kept += len(tokens)
 
 
-class MedusaDraft(ModelDraft):
+class DraftModelWithHeads(ModelDraft):
     """A draft model decoding with its own heads: each step's k drafts come from
     decoding.medusa_decode on the draft's cache (several tokens a forward where its heads guess
     right; its trees' sizes chosen by its own budget, step after step). Greedy only: speculative
@@ -137,4 +140,4 @@ class MedusaDraft(ModelDraft):
         self.forget_rejected()
         steps = medusa_decode(self.model, self.heads_draft, self.budget, self.acceptance,
                               self.text, k, set(), self.cache)
-        return [token for step in steps for token in step], None
+        return [token for step in steps for token in step.tokens], None

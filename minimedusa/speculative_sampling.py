@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minimedusa.acceptance import Acceptance, draw, make_generator, probabilities
-from minimedusa.draft import Candidates, TreeDraft, tree_tokens
+from minimedusa.acceptance import Acceptance, Verdict, draw, make_generator, probabilities
+from minimedusa.draft import Candidates, TreeDraft, guessed_q, tree_tokens
 from minimedusa.heads import HydraHeads, token_ids
 from minimedusa.tree import MedusaTree
 
@@ -113,7 +113,9 @@ class DrawnDraft(TreeDraft):
             return columns
 
         tokens = tree_tokens(self.heads, model, tree, root, features, pick)
-        return Candidates(tree, tokens, self.rank, proposal_of(tree, calls, self.heads))
+        hydra = isinstance(self.heads, HydraHeads)
+        return Candidates(tree, tokens, self.rank, proposal_of(tree, calls, self.heads),
+                          q=lambda: guessed_q(tree, calls, hydra, law=lambda q: q))
 
 
 def proposal_of(tree: MedusaTree, calls: list, heads) -> Proposal:
@@ -138,6 +140,19 @@ def proposal_from(rows, heads) -> Proposal:
         proposal.q[path], proposal.columns[path] = q_row, columns.tolist()
         proposal.draws[path] = token_ids(heads.vocabulary, columns).tolist()
     return proposal
+
+
+def proposal_q(tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+    """(N,) each node's q at its parent where the proposal drew it (its rank's draw is its
+    token), NaN where it did not (a context candidate), the root's 1: a Candidates' q for a
+    draft that keeps only its Proposal (the fused draw, a draft model's chain)."""
+    token_list, q = tokens.tolist(), [1.0] + [float("nan")] * (tree.size - 1)
+    for i, path in enumerate(tree.nodes[1:], start=1):
+        parent, rank = path[:-1], path[-1]
+        draws = proposal.draws.get(parent, [])
+        if rank < len(draws) and draws[rank] == token_list[i]:
+            q[i] = proposal.q[parent][proposal.columns[parent][rank]].item()
+    return torch.tensor(q)
 
 
 def children_in_order(tree: MedusaTree) -> dict[tuple, list[int]]:
@@ -169,19 +184,18 @@ def law_of(child_path: tuple, token: int, proposal: Proposal | None):
 
 
 def verify_drawn(p, tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal | None,
-                 generator, notes: list | None = None) -> tuple[list[int], list[int]]:
+                 generator) -> Verdict:
     """Recursive rejection down the tree: p(i), the backbone's next-token distribution (V,) at
-    node i (asked for at the nodes visited only); -> (the accepted nodes' indices, root
-    first; the new tokens: the accepted candidates, then the next token), as every Acceptance
-    returns. notes, if given, gets (child, r(x), q_i(x), the coin) for each child judged, in
-    order (a trace's, cli/trace.py).
+    node i (asked for at the nodes visited only); -> the Verdict every Acceptance returns: the
+    accepted nodes' indices, root first; the new tokens (the accepted candidates, then the next
+    token); and "judged", each child judged, in order: (child, r(x), q_i(x), the coin).
 
     The residual r is kept unnormalised, as weights w with a total (r = w / total): a
     rejection then changes w on q_i's support only, w <- max(0, w - total q_i) (the draft
     vocabulary's columns, not the whole vocabulary), and the last draw takes the weights as
     they are."""
     children, token_list = children_in_order(tree), tokens.tolist()
-    node, nodes, new = 0, [0], []
+    node, nodes, new, judged = 0, [0], [], []
     weights, total = p(0), 1.0  # r_1 = p at the root
     coins = iter(torch.rand(tree.size, generator=generator, device=tokens.device).tolist())
     while True:
@@ -190,8 +204,7 @@ def verify_drawn(p, tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal |
             x = token_list[child]
             support, q, q_x = law_of(tree.nodes[child], x, proposal)
             r_x, coin = weights[x].item(), next(coins)
-            if notes is not None:
-                notes.append((child, r_x / total, q_x, coin))
+            judged.append((child, r_x / total, q_x, coin))
             if coin * q_x * total < r_x:  # with probability min(1, r(x) / q_i(x))
                 accepted = child
                 break
@@ -209,7 +222,7 @@ def verify_drawn(p, tree: MedusaTree, tokens: torch.Tensor, proposal: Proposal |
                 weights[support], total = rest, left
         if accepted is None:
             new.append(draw(weights, generator).item())
-            return nodes, new
+            return Verdict(nodes, new, {"judged": judged})
         nodes.append(accepted)
         new.append(token_list[accepted])
         node, weights, total = accepted, p(accepted), 1.0

@@ -123,8 +123,8 @@ def greedy_pair(model, heads, tree, prompt: list[int], new: int) -> tuple[list, 
     accepted nothing proves nothing)."""
     steps = list(medusa_decode(model, *fixed(heads, tree), greedy_for(model.embed.weight.device),
                                prompt, new, set()))
-    plain = [t for step in plain_decode(model, prompt, new, Sampling(), set()) for t in step]
-    medusa = [t for step in steps for t in step]
+    plain = [t for step in plain_decode(model, prompt, new, Sampling(), set()) for t in step.tokens]
+    medusa = [t for step in steps for t in step.tokens]
     return medusa, plain, len(medusa) / len(steps)
 
 
@@ -236,7 +236,7 @@ def perturbed_heads(model, num_heads, shared, seed, scale):
 
 
 def flat(steps):
-    return [t for step in steps for t in step]
+    return [t for step in steps for t in step.tokens]
 
 
 def perturbed_hydra(model, num_heads, seed, scale):
@@ -391,7 +391,7 @@ def argmax_a_quarter_of_the_time(temperature, top_p=1.0):
         draws = torch.multinomial(probabilities(logits, temperature, top_p), 1, generator=g)[:, 0]
         argmax = logits.argmax(dim=-1)
         biased = torch.rand(draws.shape, generator=g) < 0.25
-        return pick_by_draws(torch.where(biased, argmax, draws), tree, tokens)
+        return (*pick_by_draws(torch.where(biased, argmax, draws), tree, tokens), {})
     return verify
 
 
@@ -427,5 +427,5 @@ def plain_samples(temperature, top_p) -> Counter:
     model, _, _ = rejection_setup()
     return Counter(tuple(t for step in plain_decode(model, [1, 2], NEW,
                                                     Sampling(temperature, top_p, seed=s), set())
-                         for t in step)
+                         for t in step.tokens)
                    for s in range(RUNS, 2 * RUNS))

@@ -101,9 +101,10 @@ def calls(path: Path) -> set[str]:
 
 def test_experiments_plug_in_by_one_call_where_the_recipe_and_training_start():
     """experiments/ registers nothing when imported (no statement of its modules writes into a
-    table); it plugs in by experiments.register_decoding, which the recipe calls, and register_training,
-    which train.py and the tree search call. Outside it only those, and bench's batches (Medusa
-    in a batch), import it: the heads files and the training reach it through their tables."""
+    table); it plugs in by experiments.register_decoding, which the recipe calls, and
+    register_training, which train.py, the tree search and held_out call. Outside it only those,
+    and bench's batches (Medusa in a batch), import it: the heads files and the training reach
+    it through their tables."""
     for path in (PACKAGE / "experiments").glob("*.py"):
         for node in ast.parse(path.read_text()).body:
             targets = node.targets if isinstance(node, ast.Assign) else []
@@ -113,11 +114,12 @@ def test_experiments_plug_in_by_one_call_where_the_recipe_and_training_start():
                  for path in [*PACKAGE.rglob("*.py"), *ENTRY_POINTS]
                  if path.parent.name != "experiments"
                  and any(n.startswith("minimedusa.experiments") for n in imports(path))}
+    training = ["train.py", "minimedusa/training/tree_search.py",
+                "minimedusa/training/held_out.py"]
     assert importers == {"minimedusa/assembly/recipe.py", "minimedusa/bench/batches.py",
-                         "train.py", "minimedusa/training/tree_search.py"}, importers
+                         *training}, importers
     assert "register_decoding" in calls(PACKAGE / "assembly" / "recipe.py")
-    assert {"register_training"} <= calls(ROOT / "train.py") & calls(
-        PACKAGE / "training" / "tree_search.py")
+    assert all("register_training" in calls(ROOT / path) for path in training)
 
 
 def test_no_wing_but_the_wiring_reaches_into_speeds_internals():

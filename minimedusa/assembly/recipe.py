@@ -33,7 +33,7 @@ from minimedusa.errors import UserError
 from minimedusa.experiments.draft_layer import HydraPlusPlusHeads, PlusPlusDraft
 from minimedusa.heads import ranked_vocab_size
 from minimedusa.model import Llama
-from minimedusa.speculative_decoding import MedusaDraft, ModelDraft
+from minimedusa.speculative_decoding import DraftModelWithHeads, ModelDraft
 from minimedusa.speculative_sampling import DrawnDraft, speculative
 from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.speed.host_greedy import greedy_for, sampling_for
@@ -105,7 +105,7 @@ class Decoding:
     acceptance: Acceptance | None = None
 
     def decode(self, prompt_ids: list[int], n: int, stop_ids: set[int], cache=None):
-        """The new tokens, step by step (decoding.py's loops)."""
+        """The steps (decoding.Step: the tokens each added, what it verified), one by one."""
         if self.draft is None:
             return plain_decode(self.model, prompt_ids, n, self.sampling, stop_ids, cache)
         return medusa_decode(self.model, self.draft, self.budget, self.acceptance, prompt_ids, n,
@@ -163,13 +163,13 @@ def draft_model(recipe: Recipe) -> tuple[Llama, str]:
 
 def drafted(recipe: Recipe, model: Llama, drafter: Llama) -> Decoding:
     """Speculative decoding (speculative_decoding.py) in the one loop: the draft model's chains
-    (a MedusaDraft where it drafts with heads), verified by greedy acceptance or speculative
-    sampling; each step's k chosen by a Budget over DRAFT_SIZES, its priors the chain steps'
-    latencies, timed with this draft and rule, and KEPT_PRIOR."""
+    (a DraftModelWithHeads where it drafts with heads), verified by greedy acceptance or
+    speculative sampling; each step's k chosen by a Budget over DRAFT_SIZES, its priors the
+    chain steps' latencies, timed with this draft and rule, and KEPT_PRIOR."""
     rule = acceptance_of(recipe, model.embed.weight.device)
     if recipe.draft_model_heads is not None and recipe.temperature == 0:
         inner = build(draft_recipe(recipe), drafter)  # its own trees' Budget
-        draft = MedusaDraft(drafter, inner.draft, inner.budget, inner.acceptance)
+        draft = DraftModelWithHeads(drafter, inner.draft, inner.budget, inner.acceptance)
     else:
         draft = ModelDraft(drafter, recipe.temperature, recipe.top_p, recipe.seed)
     latency, source = machine_latency(model, draft, rule, [k for k in DRAFT_SIZES if k])
@@ -177,7 +177,7 @@ def drafted(recipe: Recipe, model: Llama, drafter: Llama) -> Decoding:
 
     def describe() -> str:
         heads = (f" with its heads ({draft.budget.summary()})"
-                 if isinstance(draft, MedusaDraft) else "")
+                 if isinstance(draft, DraftModelWithHeads) else "")
         kept = f"{draft.kept}/{draft.proposed}" if draft.proposed else "none"
         return (f"speculative decoding, drafts by the {recipe.draft_model} model{heads} (chains "
                 f"of {budget.summary()}, latencies {source}; drafts kept: {kept}), {rule.name}")

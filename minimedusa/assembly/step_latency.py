@@ -67,10 +67,10 @@ def time_one_step(model, draft, acceptance: Acceptance, n: int, cache, features)
         torch.cuda.synchronize()
     start = time.perf_counter()
     if n == 0:
-        _, _, kept = root_step(model, cache, 0, acceptance, None)  # a plain step, picked
+        _, kept = root_step(model, cache, 0, acceptance, None)  # a plain step, picked
     else:
         candidates = draft.tree(model, n, 0, features)
-        _, _, kept = medusa_step(model, candidates, cache, acceptance, None)
+        _, kept = medusa_step(model, candidates, cache, acceptance, None)
     draft.read(kept)
     return time.perf_counter() - start
 

@@ -121,7 +121,7 @@ def timed(steps) -> tuple[list[int], float, int]:
     """Drain a decoding iterator: (tokens, seconds, steps)."""
     start, out, n = time.perf_counter(), [], 0
     for step in steps:
-        out += step
+        out += step.tokens
         n += 1
     return out, time.perf_counter() - start, n
 

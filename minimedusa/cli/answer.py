@@ -6,8 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from minimedusa.decoding import StepStats
-from minimedusa.files.tokenizer import StreamDecoder
+from minimedusa.decoding import Step, StepStats
 
 
 @dataclass
@@ -23,18 +22,19 @@ class Answer:
         return len(self.ids) / max(self.seconds, 1e-9)
 
 
-def decode_answer(steps: Iterator[list[int]], answer: Answer,
-                  stream: StreamDecoder | None = None, start: float | None = None) -> Answer:
-    """Drive a decoding (recipe.Decoding.decode's steps) into `answer`, step by step, printing
-    each step's text to stdout as it is accepted if a `stream` is given. answer.seconds: from
-    `start` (default: now) to the last token, set even where Ctrl-C stops the answer."""
+def decode_answer(steps: Iterator[Step], answer: Answer, stream=None,
+                  start: float | None = None) -> Answer:
+    """Drive a decoding (recipe.Decoding.decode's steps, decoding.Step) into `answer`, step by
+    step, printing each step's text to stdout as it is accepted if a `stream` is given
+    (show.Painted: push(step) -> its text). answer.seconds: from `start` (default: now) to the
+    last token, set even where Ctrl-C stops the answer."""
     start = time.perf_counter() if start is None else start
     try:
-        for new in steps:
-            answer.ids += new
-            answer.stats.record(len(new))
+        for step in steps:
+            answer.ids += step.tokens
+            answer.stats.record(len(step.tokens))
             if stream is not None:
-                print(stream.push(new), end="", flush=True)
+                print(stream.push(step), end="", flush=True)
     finally:
         answer.seconds = time.perf_counter() - start
         if stream is not None:

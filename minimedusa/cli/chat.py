@@ -95,6 +95,7 @@ class Chat:
     def __init__(self, args, model, tokenizer: Tokenizer, decoding):
         self.tokenizer, self.decoding = tokenizer, decoding
         self.max_new_tokens, self.when_full = args.max_new_tokens, args.when_full
+        self.show = args.show  # each answer's tokens coloured by what guessed them (show.py)
         self.context = model.config.max_position_embeddings
         if self.max_new_tokens >= self.context:
             raise UserError(f"--max-new-tokens {self.max_new_tokens} leaves no room for a "
@@ -158,7 +159,7 @@ class Chat:
         try:
             steps = self.decoding.decode(ids, self.max_new_tokens, self.decoding.model.config
                                          .stop_ids, conversation.cache)
-            decode_answer(steps, answer, painted(self.decoding, StreamDecoder(self.tokenizer)))
+            decode_answer(steps, answer, painted(StreamDecoder(self.tokenizer), self.show))
             print(flush=True)
         except KeyboardInterrupt:
             print(flush=True)

@@ -3,15 +3,12 @@ from: the model's own token (the verifier's: each step's last, and every plain s
 accepted guess (head k guesses depth k of the tree: a colour a depth), a context candidate
 (context_candidates.py), or a draft model's guess (speculative_decoding.py).
 
-Watching observes and never decodes: Watched wraps the run's draft and passes every verb through
-unchanged, noting each step's root, candidates and accepted tokens on the way (what the loop
-hands the draft anyway); Painted wraps the stream of text and colours each step's tokens by
-those notes. On a terminal only (and not under NO_COLOR): elsewhere the text is the same as
-without --show.
+Watching reads the steps the loop yields (decoding.Step) and nothing else: a token's origin is
+its kept node's, as the step's Candidates name it. On a terminal only (and not under NO_COLOR):
+elsewhere the text is the same as without --show.
 """
 import os
 import sys
-from dataclasses import replace
 
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.speculative_decoding import ModelDraft
@@ -28,43 +25,21 @@ def showing() -> bool:
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
-class Watched:
-    """A draft (draft.py's five verbs) passed through unchanged, noting for each step the origin
-    of each token the loop will yield: (head depth k, CONTEXT, DRAFT or MODEL) a token;
-    shown: whether the answer's stream is coloured by them (--show; a trace watches too)."""
+def node_origin(candidates, node: int):
+    """What guessed a node of the step's tree: a context chain (CONTEXT), a draft model
+    (DRAFT), or head k (k, the node's depth)."""
+    path = candidates.tree.nodes[node]
+    if path in candidates.context:
+        return CONTEXT
+    return DRAFT if candidates.drafter == "draft model" else len(path)
 
-    def __init__(self, draft, shown: bool = True):
-        self.draft, self.steps, self.chain, self.shown = draft, [], [], shown
 
-    def start(self, prompt_ids, cache) -> None:
-        self.steps = [[MODEL]]  # the prefill's token
-        self.draft.start(prompt_ids, cache)
-
-    def read(self, hidden):
-        return self.draft.read(hidden)
-
-    def match(self, root: int) -> int:
-        group = self.draft.match(root)
-        self.chain = list(self.draft.chain) if isinstance(self.draft, ContextDraft) else []
-        return group
-
-    def tree(self, model, n: int, root: int, features):
-        return self.draft.tree(model, n, root, features)
-
-    def extend(self, tokens: list[int]) -> None:
-        self.steps.append([self.origin(tokens, depth) for depth in range(1, len(tokens) + 1)]
-                          + [MODEL])
-        self.draft.extend(tokens)
-
-    def origin(self, accepted: list[int], depth: int):
-        """What guessed the accepted token at this depth: the context chain (where the path so
-        far is the chain's), a draft model, or head `depth`."""
-        if self.chain[:depth] == accepted[:depth]:
-            return CONTEXT
-        return DRAFT if isinstance(self.draft, ModelDraft) else depth
-
-    def __getattr__(self, name):  # the draft's own state (a budget's, a summary's), as it is
-        return getattr(self.draft, name)
+def origins(step) -> list:
+    """Each of the step's tokens' origin: its kept nodes' (the accepted candidates), then the
+    model's own (the verifier's token; every token of a plain step)."""
+    kept = step.kept[1:] if step.candidates is not None else []
+    said = [node_origin(step.candidates, node) for node in kept] + [MODEL]
+    return (said + [MODEL] * len(step.tokens))[:len(step.tokens)]
 
 
 def colour(origin) -> str:
@@ -79,43 +54,26 @@ def ansi(text: str, origin) -> str:
 
 
 class Painted:
-    """The answer's stream (files/tokenizer.StreamDecoder) with each token painted by its
-    origin (ansi; the trace's page paints in HTML): a step's tokens pushed one by one, the
-    watch's notes read step by step (never consumed: a trace reads them again)."""
+    """The answer's text a step at a time (files/tokenizer.StreamDecoder's), each token painted
+    by paint(text, origin) (ansi on a terminal; trace_page's HTML spans), or (paint None) the
+    step's text as it is."""
 
-    def __init__(self, stream, watched: Watched, paint=ansi):
-        self.stream, self.watched, self.paint, self.step = stream, watched, paint, 0
+    def __init__(self, stream, paint=None):
+        self.stream, self.paint = stream, paint
 
-    def push(self, ids: list[int]) -> str:
-        steps = self.watched.steps
-        origins = steps[self.step] if self.step < len(steps) else []
-        self.step += 1
-        origins = origins + [MODEL] * (len(ids) - len(origins))
+    def push(self, step) -> str:
+        if self.paint is None:
+            return self.stream.push(step.tokens)
         return "".join(self.paint(self.stream.push([token]), origin)
-                       for token, origin in zip(ids, origins))
+                       for token, origin in zip(step.tokens, origins(step)))
 
     def flush(self) -> str:
         return self.stream.flush()
 
 
-def watched(decoding):
-    """The decoding with its draft Watched (already so where a trace watches it), and the
-    legend said once on stderr, where --show may colour (showing); else as it is (plain
-    decoding has no draft: every token is the model's)."""
-    if decoding.draft is None or not showing():
-        return decoding
-    print(legend(decoding.draft), file=sys.stderr)
-    if isinstance(decoding.draft, Watched):
-        decoding.draft.shown = True
-        return decoding
-    return replace(decoding, draft=Watched(decoding.draft))
-
-
-def painted(decoding, stream):
-    """The stream the answer's text goes through: coloured where --show may colour."""
-    if isinstance(decoding.draft, Watched) and decoding.draft.shown and showing():
-        return Painted(stream, decoding.draft)
-    return stream
+def painted(stream, show: bool) -> Painted:
+    """The stream the answer's text goes through: coloured where --show asks and may colour."""
+    return Painted(stream, ansi if show and showing() else None)
 
 
 def innermost(draft):
@@ -124,9 +82,8 @@ def innermost(draft):
 
 
 def legend(draft) -> str:
-    """One line for stderr: each origin the draft can give, in its colour."""
+    """One line for stderr: each origin the run's draft can give, in its colour."""
     parts = ["the model's own token"]
-    draft = draft.draft if isinstance(draft, Watched) else draft
     inner = innermost(draft)
     if isinstance(inner, ModelDraft):
         parts.append(f"{COLOURS[DRAFT]}draft model{RESET}")
@@ -136,3 +93,9 @@ def legend(draft) -> str:
     if isinstance(draft, ContextDraft):
         parts.append(f"{COLOURS[CONTEXT]}context candidate{RESET}")
     return "minimedusa: --show: " + ", ".join(parts)
+
+
+def say_legend(decoding, show: bool) -> None:
+    """--show's legend on stderr, once, where it colours a run that has a draft."""
+    if show and showing() and decoding.draft is not None:
+        print(legend(decoding.draft), file=sys.stderr)

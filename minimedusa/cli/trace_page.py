@@ -6,14 +6,19 @@ time, coloured by the head that guessed them).
 From the top: the run (model, heads, tree, rule, format, machine, tokens/s), the answer
 coloured as --show colours it, a chart of tokens per step along the answer, then a folded
 section (<details>) a step: its tree, each node its candidate token, the head (depth) and rank
-that guessed it and its probabilities (q under the heads, p under the verifier), the kept path
-and the token the verifier added; and a table of the rule's numbers for the candidates it
-judged along the kept path. trace.py notes what is drawn here.
+that guessed it and its probabilities (q under what drafted it, p under the verifier), the
+kept path and the token the verifier added; and a table of the rule's numbers for the
+candidates it judged along the kept path. The skeleton is a jinja2 template (trace_page.html,
+which escapes every text it is given); the SVG is drawn here. trace.py reads the steps.
 """
 from html import escape
+from pathlib import Path
 
-from minimedusa.cli.show import CONTEXT, DRAFT, MODEL, Painted
-from minimedusa.cli.trace import Step, TracedDraft, rule_kind
+import jinja2
+from markupsafe import Markup
+
+from minimedusa.cli.show import CONTEXT, DRAFT, MODEL, Painted, origins
+from minimedusa.cli.trace import judged, nodes_of, rule_of
 from minimedusa.files.tokenizer import StreamDecoder
 
 STYLE = """
@@ -31,22 +36,29 @@ line{stroke:#aaa}line.kept{stroke:#1e8449;stroke-width:2}.bar{fill:#5dade2}
 summary{cursor:pointer}details{margin:.3em 0}
 """
 BOX_W, BOX_H, COL_W, ROW_H = 118, 30, 134, 36
+TEMPLATE = Path(__file__).parent / "trace_page.html"
+# each rule's table: its columns (speculative sampling's a row a child judged, in order)
+HEADS = {"speculative": ("candidate", "r(x)", "q(x)", "coin u", "verdict (u q < r)"),
+         "greedy": ("at", "candidate", "p", "the model's argmax", "verdict"),
+         "typical": ("at", "candidate", "p", "threshold", "verdict"),
+         "rejection": ("at", "candidate", "p", "drawn y ~ p", "verdict")}
 
 
-def page(draft: TracedDraft, yielded: list[list[int]], tokenizer, header: dict) -> str:
-    """The whole page, from the run's trace.TracedDraft (its steps' trace and the tokens'
-    origins), the tokens each step yielded and the run's header (label -> value)."""
-    rows = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v))}</td></tr>"
-                   for k, v in header.items())
-    sections = "".join(step_section(i, step, yielded[i], tokenizer, header["rule kind"])
-                       for i, step in enumerate(draft.trace[:len(yielded)]))
-    return ('<!doctype html><html lang="en"><head><meta charset="utf-8">'
-            f"<title>minimedusa trace</title><style>{STYLE}</style></head><body>"
-            f"<h1>Medusa decoding, step by step</h1><table>{rows}</table>"
-            f"<h2>The answer</h2><p>{legend(draft.steps)}</p>"
-            f'<div class="answer">{answer(draft, yielded, tokenizer)}</div>'
-            f"<h2>Tokens per step</h2>{chart(yielded)}"
-            f"<h2>Steps ({len(yielded)})</h2>{sections}</body></html>\n")
+def page(steps: list, tokenizer, header: dict) -> str:
+    """The whole page, from the run's steps (decoding.Step, as the loop yielded them) and its
+    header (label -> value: header_of)."""
+    answer = []  # (css class, text) a token, as --show paints it
+    painted = Painted(StreamDecoder(tokenizer),
+                      lambda text, origin: answer.append((css_class(origin), text)) or "")
+    for step in steps:
+        painted.push(step)
+    answer.append(("", painted.flush()))
+    seen = {origin for step in steps for origin in origins(step)}
+    template = jinja2.Environment(autoescape=True).from_string(
+        TEMPLATE.read_text(encoding="utf-8"))
+    return template.render(style=STYLE, header=header, legend=legend(seen), answer=answer,
+                           chart=chart(steps), sections=[
+                               section(i, step, tokenizer) for i, step in enumerate(steps)])
 
 
 def css_class(origin) -> str:
@@ -54,35 +66,25 @@ def css_class(origin) -> str:
     return f"o-{origin}" if origin in (MODEL, CONTEXT, DRAFT) else f"h{(origin - 1) % 6 + 1}"
 
 
-def span(text: str, origin) -> str:
-    return f'<span class="{css_class(origin)}">{escape(text)}</span>' if text else ""
-
-
-def legend(origins: list[list]) -> str:
-    """Each origin that occurs in the answer, in its colour."""
-    seen = sorted({o for step in origins for o in step if isinstance(o, int)})
-    names = [(MODEL, "the model's own token")] + [(k, f"head {k}") for k in seen]
+def legend(seen: set) -> list[tuple[str, str]]:
+    """(css class, name) of each origin that occurs in the answer, the model's first."""
+    names = [(MODEL, "the model's own token")]
+    names += [(k, f"head {k}") for k in sorted(o for o in seen if isinstance(o, int))]
     names += [(o, n) for o, n in ((CONTEXT, "context candidate"), (DRAFT, "draft model"))
-              if any(o in step for step in origins)]
-    return " · ".join(span(name, origin) for origin, name in names)
+              if o in seen]
+    return [(css_class(origin), name) for origin, name in names]
 
 
-def answer(draft: TracedDraft, yielded: list[list[int]], tokenizer) -> str:
-    """The answer's text, each token in its origin's colour, as --show streams it."""
-    painted = Painted(StreamDecoder(tokenizer), draft, paint=span)
-    return "".join(painted.push(ids) for ids in yielded) + escape(painted.flush())
-
-
-def chart(yielded: list[list[int]]) -> str:
+def chart(steps: list) -> Markup:
     """Bars: the tokens each step yielded, along the answer."""
-    top, width = max(len(ids) for ids in yielded), 6
+    top, width = max(len(step.tokens) for step in steps), 6
     scale = 80 / top
-    bars = "".join(f'<rect class="bar" x="{30 + i * width}" y="{90 - len(ids) * scale:.0f}" '
-                   f'width="{width - 1}" height="{len(ids) * scale:.0f}"/>'
-                   for i, ids in enumerate(yielded))
-    return (f'<svg width="{40 + len(yielded) * width}" height="110" role="img">'
-            f'<text x="0" y="14">{top}</text><text x="0" y="90">0</text>{bars}'
-            f'<text x="30" y="106" class="small">step 0 … {len(yielded) - 1}</text></svg>')
+    bars = "".join(f'<rect class="bar" x="{30 + i * width}" y="{90 - len(s.tokens) * scale:.0f}" '
+                   f'width="{width - 1}" height="{len(s.tokens) * scale:.0f}"/>'
+                   for i, s in enumerate(steps))
+    return Markup(f'<svg width="{40 + len(steps) * width}" height="110" role="img">'
+                  f'<text x="0" y="14">{top}</text><text x="0" y="90">0</text>{bars}'
+                  f'<text x="30" y="106" class="small">step 0 … {len(steps) - 1}</text></svg>')
 
 
 def shown(tokenizer, token: int) -> str:
@@ -91,18 +93,32 @@ def shown(tokenizer, token: int) -> str:
     return text if len(text) <= 14 else text[:13] + "…"
 
 
-def step_section(i: int, step: Step, ids: list[int], tokenizer, kind: str) -> str:
-    """A folded section: what the step did in one line, its tree and the rule's numbers."""
-    text = escape(tokenizer.decode(ids))
-    if step.kind != "tree":
-        what = ("the prompt's forward: the first token" if step.kind == "prefill"
+def section(i: int, step, tokenizer) -> dict:
+    """A folded section: what the step did in one line; a tree step's tree and rule table."""
+    text = tokenizer.decode(step.tokens)
+    if step.candidates is None:
+        what = ("the prompt's forward: the first token" if i == 0
                 else "a plain step (the Budget chose no tree): one token")
-        return f"<details><summary>step {i}: {what}: “{text}”</summary></details>"
-    kept = len(step.kept) - 1
-    summary = (f"step {i}: tree of {len(step.nodes) - 1} candidates, {kept} kept + the "
-               f"verifier's token: “{text}”")
-    return (f"<details><summary>{summary}</summary>{tree_svg(step, tokenizer)}"
-            f"{numbers_table(step, tokenizer, kind)}</details>")
+        return {"summary": f"step {i}: {what}: “{text}”"}
+    nodes = nodes_of(step)
+    head, rows = table(step, nodes, tokenizer)
+    return {"summary": f"step {i}: tree of {len(nodes) - 1} candidates, {len(step.kept) - 1} kept"
+                       f" + the verifier's token: “{text}”",
+            "tree": tree_svg(step, nodes, tokenizer), "head": head, "rows": rows}
+
+
+def table(step, nodes, tokenizer) -> tuple[tuple, list[list[str]]]:
+    """The rule's numbers for the candidates it judged (trace.judged), as a table's cells."""
+    verdict = lambda child: "kept" if child in step.kept else "rejected"  # noqa: E731
+    said = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
+    kind = rule_of(step.verdict.numbers)
+    if kind == "speculative":
+        return HEADS[kind], [[shown(tokenizer, nodes[c].token), said(r), said(q), said(u),
+                              verdict(c)] for c, r, q, u in judged(step, nodes)]
+    ruler = said if kind == "typical" else (lambda token: shown(tokenizer, token))
+    token = lambda node: shown(tokenizer, nodes[node].token)  # noqa: E731
+    return HEADS[kind], [[token(parent), token(child), said(p), ruler(held), verdict(child)]
+                         for parent, child, p, held in judged(step, nodes)]
 
 
 def layout(paths: list[tuple]) -> dict:
@@ -124,24 +140,23 @@ def layout(paths: list[tuple]) -> dict:
     return place
 
 
-def tree_svg(step: Step, tokenizer) -> str:
+def tree_svg(step, nodes, tokenizer) -> Markup:
     """The step's tree: a box a node (token; head and rank; q and p), the kept path in green,
     the verifier's token after it, dashed."""
-    last = step.nodes[step.kept[-1]].path
-    verifier = last + ("verifier",)
-    place = layout([n.path for n in step.nodes] + [verifier])
-    kept = {step.nodes[k].path for k in step.kept}
+    verifier = nodes[step.kept[-1]].path + ("verifier",)
+    place = layout([n.path for n in nodes] + [verifier])
+    kept = {nodes[k].path for k in step.kept}
     parts = [edge(place[p[:-1]], place[p], p in kept or p == verifier) for p in place if p]
-    for node in step.nodes:
+    for node in nodes:
         cls = "root" if not node.path else "kept" if node.path in kept else ""
         cls += " context" if node.origin == CONTEXT else ""
         parts.append(box(place[node.path], shown(tokenizer, node.token), label(node), cls))
-    parts.append(box(place[verifier], shown(tokenizer, step.verifier), "the verifier's",
-                     "verifier"))
+    parts.append(box(place[verifier], shown(tokenizer, step.verdict.tokens[-1]),
+                     "the verifier's", "verifier"))
     columns = 1 + max(c for c, _ in place.values())
     rows = 1 + max(r for _, r in place.values())
-    return (f'<svg width="{columns * COL_W + 10}" height="{rows * ROW_H + 10}" '
-            f'role="img">{"".join(parts)}</svg>')
+    return Markup(f'<svg width="{columns * COL_W + 10}" height="{rows * ROW_H + 10}" '
+                  f'role="img">{"".join(parts)}</svg>')
 
 
 def label(node) -> str:
@@ -168,45 +183,11 @@ def edge(parent: tuple, child: tuple, kept: bool) -> str:
     return f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}"{style}/>'
 
 
-def numbers_table(step: Step, tokenizer, kind: str) -> str:
-    """The rule's numbers (rule_kind's) for the candidates it judged along the kept path: each
-    kept node's children (speculative sampling: each child it judged, in order, its coin)."""
-    if kind == "speculative":
-        head = "<tr><th>candidate<th>r(x)<th>q(x)<th>coin u<th>verdict (u q &lt; r)"
-        rows = [f"<tr><td>{escape(shown(tokenizer, step.nodes[c].token))}<td>{r:.3f}"
-                f"<td>{q:.3f}<td>{u:.3f}<td>{'kept' if c in step.kept else 'rejected'}"
-                for c, r, q, u in step.coins]
-    else:
-        head = ("<tr><th>at<th>candidate<th>p<th>" +
-                {"greedy": "the model's argmax", "typical": "threshold",
-                 "rejection": "drawn y ~ p"}[kind] + "<th>verdict")
-        rows = [judged_row(step, parent, child, kind, tokenizer)
-                for parent in step.kept for child in children_of(step, parent)]
-    return f"<table>{head}{''.join(rows)}</table>"
-
-
-def children_of(step: Step, parent: int) -> list[int]:
-    path = step.nodes[parent].path
-    return [i for i, n in enumerate(step.nodes) if n.path[:-1] == path and n.path]
-
-
-def judged_row(step: Step, parent: int, child: int, kind: str, tokenizer) -> str:
-    """One candidate a tree rule judged: its parent, its token, p, what p was held to."""
-    at, node = step.judged_at.get(parent, {}), step.nodes[child]
-    ruler = {"greedy": lambda: shown(tokenizer, at["argmax"]),
-             "typical": lambda: f"{at['threshold']:.3f}",
-             "rejection": lambda: shown(tokenizer, at["draw"])}[kind]()
-    verdict = "kept" if child in step.kept else "rejected"
-    return (f"<tr><td>{escape(shown(tokenizer, step.nodes[parent].token))}"
-            f"<td>{escape(shown(tokenizer, node.token))}<td>{node.p:.3f}<td>{escape(ruler)}"
-            f"<td>{verdict}")
-
-
-def header_of(result: dict, recipe, machine: str) -> dict:
-    """The page's header rows from generate.py's result and recipe."""
+def header_of(result: dict, recipe, decoding, machine: str) -> dict:
+    """The page's header rows from generate.py's result, recipe and decoding."""
+    rule = decoding.acceptance.name if decoding.acceptance is not None else "plain decoding"
     return {"model": recipe.folder.name, "decoding (heads, tree, rule)": result["mode"],
-            "rule kind": rule_kind(recipe),
-            "format": f"{result['weights']}, {result['step']} step",
+            "rule": rule, "format": f"{result['weights']}, {result['step']} step",
             "machine": machine, "tokens": result["new_tokens"],
             "tokens/s": result["tokens_per_s"], "steps": result["steps"],
             "tokens per step": result["acceleration_rate"]}

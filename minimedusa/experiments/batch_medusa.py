@@ -18,14 +18,14 @@ sampling of drawn candidates (its draws would need a generator per row).
 Shapes: B rows, N tree nodes (the root first), S attended slots, V vocab, C model dim.
 """
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from minimedusa.acceptance import Acceptance, make_generator
 from minimedusa.batch_decoding import Row, batch_cache, batch_step, refill
-from minimedusa.decoding import cut_at_stop, prefill
+from minimedusa.decoding import Step, cut_at_stop, prefill
 from minimedusa.draft import TreeDraft
 from minimedusa.errors import UserError
 from minimedusa.kv_cache import KVCache
@@ -127,10 +127,11 @@ def batch_medusa_decode(model: Llama, prompts: list[list[int]], max_new_tokens: 
         n = step_budget.choose()
         steps, hidden = batch_medusa_step(model, cache, medusa, n, rows, lengths)
         seconds = step_budget.clock() - clock
-        for b, (row, (nodes, new, accepted)) in enumerate(zip(rows, steps)):
-            lengths[b] += len(nodes)
-            row.answer += cut_at_stop(new, max_new_tokens - len(row.answer), stop_ids)[0]
-            row.hidden = hidden[b, nodes]
+        for b, (row, step) in enumerate(zip(rows, steps)):
+            lengths[b] += len(step.kept)
+            row.answer += cut_at_stop(step.tokens, max_new_tokens - len(row.answer), stop_ids)[0]
+            row.hidden = hidden[b, step.kept]
+            accepted = [step.candidates.tree.nodes[i] for i in step.kept[1:]] if n else []
             # a row's share of the step (a Budget made with rows=B counts B records a step):
             # it weighs the sizes by their tokens a second over all rows
             step_budget.record(n, seconds / len(rows), accepted, medusa.draft.rank)
@@ -181,27 +182,25 @@ def start_medusa_row(model: Llama, cache: KVCache, b: int, prompt: tuple[int, li
 def batch_medusa_step(model: Llama, cache: KVCache, medusa: BatchMedusa, n: int,
                       rows: list[Row], lengths: list[int]):
     """One step of every row, from its root (its last token): a plain step (n = 0) or a tree
-    of n nodes each. Returns ([(accepted node indices, root first; new tokens; accepted node
-    paths)] a row, hidden (B, N, C) at every node)."""
+    of n nodes each. Returns (a decoding.Step a row: its new tokens, kept nodes, candidates and
+    verdict; hidden (B, N, C) at every node)."""
     draft, acceptance = medusa.draft, medusa.acceptance
     roots = [row.answer[-1] for row in rows]
     if n == 0:  # a plain step: every row's root, one token each
         logits, hidden = batch_step(model, cache, torch.tensor(roots, device=cache.device)[:, None],
                                     lengths)  # (B, V), (B, C)
-        steps = [([0], [acceptance.first(logits[b], row.generator).item()], [])
+        steps = [Step([acceptance.first(logits[b], row.generator).item()], [0])
                  for b, row in enumerate(rows)]
         return steps, hidden.unsqueeze(1)  # (B, 1, C): the root's, a row's one node
     drafted = []
     for root, row in zip(roots, rows):  # what the heads read: read for tree steps only
-        step = draft.tree(model, n, root, draft.read(row.hidden))
-        # a graphed draft's tokens live in its graph's buffer: the next row's overwrites them
-        drafted.append(replace(step, tokens=step.tokens.clone()))
+        drafted.append(draft.tree(model, n, root, draft.read(row.hidden)))
     tree = drafted[0].tree  # one size, one tree, every row's
     tokens = torch.stack([c.tokens for c in drafted])  # (B, N)
     logits, hidden = batch_tree_step(model, cache, tree, tokens, lengths)
     steps = []
     for b, row in enumerate(rows):
-        nodes, new = acceptance.accept(logits[b], drafted[b], row.generator)
-        compact_row(cache, b, lengths[b], nodes)
-        steps.append((nodes, new, [tree.nodes[i] for i in nodes[1:]]))
+        verdict = acceptance.accept(logits[b], drafted[b], row.generator)
+        compact_row(cache, b, lengths[b], verdict.kept)
+        steps.append(Step(verdict.tokens, verdict.kept, drafted[b], verdict))
     return steps, hidden

@@ -28,7 +28,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.speed.graphed_draft import GraphedDraft
 from minimedusa.speed.packed_linear import OPERATORS
 from minimedusa.speed.quantized import Int8GroupLinear
-from minimedusa.speculative_sampling import DrawnDraft, proposal_from, step_noise
+from minimedusa.speculative_sampling import DrawnDraft, proposal_from, proposal_q, step_noise
 from minimedusa.tree import MedusaTree
 
 # hidden (C,), root, the tree's ancestors (N, D + 1) and drafting order (4 tensors a depth), the
@@ -136,7 +136,8 @@ class FusedDrawnDraft(DrawnDraft):
         q = torch.softmax(logits[parents].float() / self.temperature, dim=-1)  # (M, V')
         proposal = proposal_from([(tree.nodes[p], q[i], self.column_of[draws[p]])
                                   for i, p in enumerate(parents)], self.heads)
-        return Candidates(tree, tokens, self.rank, proposal)
+        return Candidates(tree, tokens, self.rank, proposal,
+                          q=lambda: proposal_q(tree, tokens, proposal))
 
 
 def fast_draft(draft, model):

@@ -44,4 +44,6 @@ class GraphedDraft(TreeDraft):
         graph.hidden.copy_(features)
         graph.root.fill_(root)
         graph.replay()
-        return Candidates(self.trees[n], graph.tokens, self.rank)
+        # a copy: the step yields its Candidates (decoding.Step), which a watcher may read
+        # after the next step's replay has overwritten the graph's buffer
+        return Candidates(self.trees[n], graph.tokens.clone(), self.rank)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from minimedusa import acceptance
-from minimedusa.acceptance import Acceptance, Sampling
+from minimedusa.acceptance import Acceptance, Sampling, Verdict
 from minimedusa.tree import MedusaTree
 
 
@@ -24,11 +24,12 @@ def host_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
 
 
-def greedy_on_host(logits, tree: MedusaTree, tokens) -> tuple[list[int], list[int]]:
-    """logits (N, V), tokens (N,) -> (the accepted nodes' indices, root first; the new tokens:
-    the accepted candidates, then the next token), what greedy_acceptance followed by
-    accepted_on_host gives."""
-    draws, candidate = host_argmax(logits).tolist(), tokens.tolist()  # (N,) each
+def greedy_on_host(logits, tree: MedusaTree, tokens) -> Verdict:
+    """logits (N, V), tokens (N,) -> the Verdict of acceptance.greedy's rule: the accepted
+    nodes' indices, root first; the new tokens (the accepted candidates, then the next token);
+    the argmax at each node."""
+    argmax = host_argmax(logits)  # (N,)
+    draws, candidate = argmax.tolist(), tokens.tolist()  # (N,) each
     best: list[int] = [0]
     for path in tree.paths_host:  # the first longest, as pick_by_draws' argmax takes it
         depth = 1
@@ -36,7 +37,8 @@ def greedy_on_host(logits, tree: MedusaTree, tokens) -> tuple[list[int], list[in
             depth += 1
         if depth > len(best):
             best = path[:depth]
-    return best, [candidate[i] for i in best[1:]] + [draws[best[-1]]]
+    return Verdict(best, [candidate[i] for i in best[1:]] + [draws[best[-1]]],
+                   {"argmax": argmax})
 
 
 def greedy_walked_on_host() -> Acceptance:

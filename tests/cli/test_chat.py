@@ -36,7 +36,7 @@ CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
 def flat(steps) -> list[int]:
-    return [t for step in steps for t in step]
+    return [t for step in steps for t in step.tokens]
 
 
 # --- the core: a conversation in the caller's cache --------------------------------------------
@@ -134,9 +134,9 @@ def runs(monkeypatch):
             run = {"prompt": list(ids), "answer": [], "prefilled": 0,
                    "kept": 0 if cache is None else cache.length}
             runs.append(run)
-            for new in real_decode(ids, n, stop_ids, cache):
-                run["answer"] += new
-                yield new
+            for step in real_decode(ids, n, stop_ids, cache):
+                run["answer"] += step.tokens
+                yield step
         chosen.decode = decode
         return chosen
 

@@ -1,7 +1,7 @@
 """--show (cli/show.py): on a terminal, the answer streams with each token coloured by what
 guessed it (several colours where the heads' guesses are accepted); through a pipe, the same
-text as without --show, no escape codes; and watching never changes what is decoded, for every
-acceptance rule and seed."""
+text as without --show, no escape codes; and every token yielded, for every acceptance rule
+and seed, has the origin of the node that kept it."""
 import os
 import pty
 import re
@@ -14,9 +14,10 @@ import torch
 from helpers import REPO, cycling_heads, cycling_model
 from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.budget import fixed
-from minimedusa.cli.show import COLOURS, HEAD_COLOURS, Watched
+from minimedusa.cli.show import COLOURS, HEAD_COLOURS, node_origin, origins
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.decoding import medusa_decode
+from minimedusa.draft import Candidates
 from minimedusa.speculative_sampling import DrawnDraft, speculative
 from minimedusa.tree import build_tree
 
@@ -75,9 +76,10 @@ def test_through_a_pipe_show_writes_the_same_text_without_escape_codes(outputs):
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("rule", ["greedy", "typical", "rejection", "speculative"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_watching_never_changes_what_is_decoded(kind, rule, seed):
-    """The same tokens with the draft watched and without, for every rule and seed; and the
-    watch notes an origin for every token yielded."""
+def test_every_token_yielded_has_its_kept_nodes_origin(kind, rule, seed):
+    """Each step's tokens get an origin each, read off the step: a kept node's (head k at depth
+    k, or the context chain's), then the model's own token; guesses are seen where the heads'
+    were accepted. For every rule and seed."""
     model = cycling_model(seed)
     heads = cycling_heads(model, kind, seed)
     tree = build_tree([[0], [1], [0, 0], [0, 0, 0], [1, 0]], heads.config.medusa_num_heads)
@@ -87,20 +89,15 @@ def test_watching_never_changes_what_is_decoded(kind, rule, seed):
     rules = {"greedy": lambda: greedy(), "typical": lambda: typical(0.8),
              "rejection": lambda: rejection(0.8, 1.0, seed),
              "speculative": lambda: speculative(0.8, 1.0, seed)}
-
-    def decode(watch: bool):
-        inner = ContextDraft(draft) if rule == "greedy" else draft
-        if rule == "speculative":  # its draws from a fresh generator each run
-            inner.generator = None
-        chosen = Watched(inner) if watch else inner
-        steps = list(medusa_decode(model, chosen, budget, rules[rule](), [3, 5, 7], 40, set()))
-        return steps, chosen
-    plain_steps, _ = decode(False)
-    watched_steps, watched = decode(True)
-    assert watched_steps == plain_steps
-    assert len(watched.steps) == len(watched_steps)  # a step's origins, for what it yielded
-    assert all(len(o) >= len(s) for o, s in zip(watched.steps, watched_steps))  # (cut: fewer)
-    assert any(o != "model" for s in watched.steps for o in s)  # guesses were accepted
+    inner = ContextDraft(draft) if rule == "greedy" else draft
+    steps = list(medusa_decode(model, inner, budget, rules[rule](), [3, 5, 7], 40, set()))
+    for step in steps:
+        said = origins(step)
+        assert len(said) == len(step.tokens) and said[len(step.kept) - 1:] in ([], ["model"])
+        if step.candidates is not None:
+            paths = [step.candidates.tree.nodes[k] for k in step.kept[1:]]
+            assert all(o in ("context", len(p)) for o, p in zip(said, paths))
+    assert any(o != "model" for step in steps for o in origins(step))  # guesses were accepted
 
 
 def test_show_with_prompts_or_json_is_one_line(tmp_path):
@@ -113,11 +110,11 @@ def test_show_with_prompts_or_json_is_one_line(tmp_path):
         assert end.value.code == 2
 
 
-@torch.inference_mode()
 def test_a_context_candidate_is_told_from_a_heads_guess():
-    """Watched.origin: a token on the step's context chain is the chain's; others the head of
-    their depth (or the draft model's)."""
-    watched = Watched(None)
-    watched.chain = [11, 12]
-    assert watched.origin([11, 12, 13], 2) == "context"
-    assert watched.origin([11, 99, 13], 2) == 2
+    """show.node_origin: a node on the step's context chain is the chain's; others the head of
+    their depth, or a draft model's."""
+    tree = build_tree([[0], [0, 0], [1]])
+    chained = Candidates(tree, torch.tensor([5, 6, 7, 8]), {}, context=((0,), (0, 0)))
+    assert [node_origin(chained, i) for i in (1, 2, 3)] == ["context", 1, "context"]
+    drafted = Candidates(tree, torch.tensor([5, 6, 7, 8]), {}, drafter="draft model")
+    assert node_origin(drafted, 2) == "draft"

@@ -1,22 +1,21 @@
-"""--trace (cli/trace.py, cli/trace_page.py): tracing never changes what is decoded, for every
-rule and seed; the numbers it notes are the rule's own (each verdict follows from them); the
-page has a folded section for every step of the summary line and no remote reference; and
-where Chromium is installed, it renders the page without a console error."""
+"""--trace (cli/trace.py, cli/trace_page.py): the page is read off the steps the loop yields,
+which reading never changes (the same tokens, for every rule and seed, and the same page read
+as the run goes or after it); the numbers it shows are the rule's own (each verdict follows
+from them); the page has a folded section for every step of the summary line and no remote
+reference; and where Chromium is installed, it renders the page without a console error."""
 import re
 import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import REPO, cycling_heads, cycling_model
 from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.budget import fixed
-from minimedusa.assembly.recipe import Decoding, Recipe
-from minimedusa.cli.trace import traced
+from minimedusa.assembly.recipe import Decoding
+from minimedusa.cli.trace import judged, nodes_of
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.speculative_sampling import DrawnDraft, speculative
 from minimedusa.tree import build_tree
@@ -26,9 +25,9 @@ RULES = {"greedy": lambda T, seed: greedy(), "typical": lambda T, seed: typical(
          "speculative": lambda T, seed: speculative(T, 1.0, seed)}
 
 
-def decoded(kind: str, rule: str, seed: int, trace: bool):
-    """A run of the one loop on a tiny model, its decoding traced or not: (steps, the
-    decoding). Greedy runs with context candidates, speculative sampling with drawn ones."""
+def decoding_of(kind: str, rule: str, seed: int) -> Decoding:
+    """The one loop on a tiny model: greedy with context candidates, speculative sampling with
+    drawn ones."""
     model = cycling_model(seed)
     heads = cycling_heads(model, kind, seed)
     tree = build_tree([[0], [1], [0, 0], [0, 0, 0], [1, 0]], heads.config.medusa_num_heads)
@@ -38,51 +37,64 @@ def decoded(kind: str, rule: str, seed: int, trace: bool):
         draft = DrawnDraft(heads, {tree.size - 1: tree}, T, seed)
     if rule == "greedy":
         draft = ContextDraft(draft)
-    decoding = Decoding(model, lambda: rule, draft=draft, budget=budget,
-                        acceptance=RULES[rule](T, seed))
-    if trace:
-        recipe = Recipe(folder=Path("."), device=torch.device("cpu"), weight_format="float32",
-                        acceptance=rule, temperature=T, seed=seed)
-        decoding = traced(decoding, recipe)
-    return list(decoding.decode([3, 5, 7], 40, set())), decoding
+    return Decoding(model, lambda: rule, draft=draft, budget=budget,
+                    acceptance=RULES[rule](T, seed))
+
+
+def read(step):
+    """What the page reads of a step: its nodes (tokens, q, p, origins) and the rule's rows."""
+    if step.candidates is None:
+        return None
+    nodes = nodes_of(step)
+    return nodes, judged(step, nodes)
+
+
+def decoded(kind: str, rule: str, seed: int, reading: bool) -> tuple[list, list]:
+    """(the steps, what the page reads of each, read as each came: None where not reading)."""
+    steps, seen = [], []
+    for step in decoding_of(kind, rule, seed).decode([3, 5, 7], 40, set()):
+        steps.append(step)
+        seen.append(read(step) if reading else None)
+    return steps, seen
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_tracing_never_changes_what_is_decoded(kind, rule, seed):
-    steps, _ = decoded(kind, rule, seed, trace=False)
-    traced_steps, decoding = decoded(kind, rule, seed, trace=True)
-    assert traced_steps == steps
-    trace = decoding.draft.trace
-    assert len(trace) == len(steps) and trace[0].kind == "prefill"
-    assert any(len(step.kept) > 1 for step in trace[1:])  # guesses were kept: a test that can see
+def test_reading_the_steps_changes_nothing_and_reads_the_same_after_the_run(kind, rule, seed):
+    """The same tokens read step by step as when nothing reads them; and what was read of each
+    step as it came is what reading it after the run gives (a step's values are its own, not
+    a buffer a later step overwrites)."""
+    steps, _ = decoded(kind, rule, seed, reading=False)
+    read_steps, seen = decoded(kind, rule, seed, reading=True)
+    assert [s.tokens for s in read_steps] == [s.tokens for s in steps]
+    assert seen == [read(step) for step in read_steps]
+    assert any(len(step.kept) > 1 for step in read_steps[1:])  # guesses were kept: it can see
 
 
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_each_verdict_follows_from_the_rules_noted_numbers(rule, seed):
+def test_each_verdict_follows_from_the_rules_own_numbers(rule, seed):
     """greedy keeps a child iff it is its parent's argmax; rejection sampling iff it is the
     token drawn there; typical acceptance iff its p passes the threshold; speculative sampling
     iff its coin u q < r; and each step's last token is the verifier's."""
-    steps, decoding = decoded("hydra", rule, seed, trace=True)
-    for tokens, step in zip(steps[1:-1], decoding.draft.trace[1:-1]):  # the last: cut short
-        if step.kind != "tree":
+    steps, _ = decoded("hydra", rule, seed, reading=False)
+    for step in steps[1:-1]:  # the last: cut short
+        if step.candidates is None:
             continue
-        assert tokens[-1] == step.verifier and len(tokens) == len(step.kept)
+        nodes = nodes_of(step)
+        assert step.tokens[-1] == step.verdict.tokens[-1] and len(step.tokens) == len(step.kept)
+        assert step.tokens[:-1] == [nodes[k].token for k in step.kept[1:]]
         if rule == "speculative":
-            kept = [child for child, r, q, coin in step.coins if coin * q < r]
+            kept = [child for child, r, q, coin in judged(step, nodes) if coin * q < r]
             assert kept == step.kept[1:]
             continue
-        for parent in step.kept:
-            at = step.judged_at.get(parent, {})  # a leaf judged nothing
-            for child, node in enumerate(step.nodes):
-                if node.path[:-1] != step.nodes[parent].path or not node.path:
-                    continue
-                passes = {"greedy": node.token == at["argmax"],
-                          "rejection": node.token == at.get("draw"),
-                          "typical": node.p > at.get("threshold", 2.0)}[rule]
-                assert passes == (child in step.kept), (rule, node, at)
+        threshold = step.verdict.numbers.get("threshold")
+        for parent, child, p, held in judged(step, nodes):
+            passes = {"greedy": nodes[child].token == held,
+                      "rejection": nodes[child].token == held,
+                      "typical": p is not None and threshold is not None and p > held}[rule]
+            assert passes == (child in step.kept), (rule, nodes[child], held)
 
 
 POEM = ["--prompt", "Write a short poem about the sea.", "--max-new-tokens", "64"]

@@ -82,16 +82,16 @@ def test_draws_follow_the_law_and_never_a_zero_probability_token(seed):
 def test_sampled_decoding_is_reproducible_per_seed():
     model = tiny_model()
     run = lambda seed: [t for s in plain_decode(model, [3, 4, 5], 20,  # noqa: E731
-                                                 Sampling(1.0, 0.9, seed), set()) for t in s]
+                                                 Sampling(1.0, 0.9, seed), set()) for t in s.tokens]
     assert run(1) == run(1)
     assert run(1) != run(2)
 
 
 def test_decoding_stops_at_eos_and_yields_it():
     model = tiny_model()
-    free = [t for s in plain_decode(model, [3, 4, 5], 10, Sampling(), set()) for t in s]
+    free = [t for s in plain_decode(model, [3, 4, 5], 10, Sampling(), set()) for t in s.tokens]
     stop = free[4]
-    out = [t for s in plain_decode(model, [3, 4, 5], 10, Sampling(), {stop}) for t in s]
+    out = [t for s in plain_decode(model, [3, 4, 5], 10, Sampling(), {stop}) for t in s.tokens]
     assert out == free[:free.index(stop) + 1]
 
 

@@ -38,7 +38,7 @@ from minimedusa.tree import build_tree
 
 
 def flat(steps):
-    return [t for step in steps for t in step]
+    return [t for step in steps for t in step.tokens]
 
 
 def random_prompts(seed: int, n: int, longest: int) -> list[list[int]]:

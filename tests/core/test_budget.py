@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from helpers import copycat_model, tiny_model
 from minimedusa.acceptance import Sampling, greedy, typical
 from minimedusa.budget import Budget, batch_latency, grow_tree, nested_trees
-from minimedusa.cli import latency_cache
+from minimedusa.assembly import latency_cache
 from minimedusa.assembly.latency_cache import latency_key, machine_latency
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import RankedDraft, TreeDraft
@@ -214,7 +214,7 @@ def test_switching_tree_sizes_mid_run_keeps_greedy_output_identical_to_plain(see
                     {n: rng.uniform(0.5, 2) for n in [0, *sizes]},
                     clock=lambda: rng.random())  # a lying clock
     prompt = [3, 5, 7, 3, 5]
-    flat = lambda steps: [t for step in steps for t in step]  # noqa: E731
+    flat = lambda steps: [t for step in steps for t in step.tokens]  # noqa: E731
     draft = RankedDraft(heads) if ranked else TreeDraft(heads, trees, rank)
     medusa = flat(medusa_decode(model, draft, budget, greedy(), prompt, 60, set()))
     assert medusa == flat(plain_decode(model, prompt, 60, Sampling(), set()))

@@ -129,13 +129,13 @@ def test_decoding_with_context_candidates_stays_lossless_and_accepts_the_chain()
             p += torch.randn(p.shape, generator=g, dtype=p.dtype)
     trees, rank = nested_trees(NODES[:8], [4, 8], 4, model.config.vocab_size, "cpu")
     prompt = [3, 5, 7, 9, 3, 5, 7, 9, 3]
-    plain = [t for s in plain_decode(model, prompt, 48, Sampling(), set()) for t in s]
+    plain = [t for s in plain_decode(model, prompt, 48, Sampling(), set()) for t in s.tokens]
     steps = {}
     for context in (False, True):
         budget = Budget([0, 4, 8], {4: 2.0, 8: 2.0}, {0: 1.0, 4: 1.0, 8: 1.0})
         draft = TreeDraft(heads, trees, rank)
         draft = ContextDraft(draft) if context else draft
         out = list(medusa_decode(model, draft, budget, greedy(), prompt, 48, set()))
-        assert [t for s in out for t in s] == plain
+        assert [t for s in out for t in s.tokens] == plain
         steps[context] = len(out)
     assert steps[True] < steps[False]

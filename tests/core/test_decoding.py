@@ -82,7 +82,7 @@ def test_lossless_test_sees_real_acceptance(kind):
     tree = build_tree([[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     stats = StepStats()
     for step in medusa_decode(model, *fixed(heads, tree), greedy(), [5, 6, 7], 60, set()):
-        stats.record(len(step))
+        stats.record(len(step.tokens))
     assert stats.acceleration_rate > 1.5
     assert flat(medusa_decode(model, *fixed(heads, tree), greedy(), [5, 6, 7], 60, set())) == \
         flat(plain_decode(model, [5, 6, 7], 60, Sampling(), set()))
@@ -103,9 +103,9 @@ def test_cache_after_medusa_steps_equals_plain_forward_of_accepted_sequence(devi
     sequence, hidden = prompt + [logits[0].argmax().item()], hidden[-1]
     for _ in range(n_steps):
         candidates = Candidates(tree, tree_tokens(heads, model, tree, sequence[-1], hidden), {})
-        new, _, kept = medusa_step(model, candidates, cache, greedy(), None)
+        step, kept = medusa_step(model, candidates, cache, greedy(), None)
         hidden = kept[-1]
-        sequence += new
+        sequence += step.tokens
         n = len(sequence) - 1  # the cache holds all but the newest token (the next root)
         assert cache.length == n
         expected = KVCache.for_model(model, capacity=n)
@@ -134,8 +134,11 @@ def test_greedy_on_the_host_accepts_what_greedy_on_the_device_accepts(choices, s
     tokens = torch.tensor([draws[parent[i]].item() if torch.rand((), generator=g) < agree
                            else torch.randint(0, VOCAB, (), generator=g).item()
                            for i in range(tree.size)])
-    on_device = accepted_on_host(tree, tokens, *greedy_acceptance(logits, tree, tokens))
-    assert greedy_on_host(logits, tree, tokens) == on_device
+    path, length, next_token, numbers = greedy_acceptance(logits, tree, tokens)
+    on_host = greedy_on_host(logits, tree, tokens)
+    assert (on_host.kept, on_host.tokens) == accepted_on_host(tree, tokens, path, length,
+                                                               next_token)
+    assert on_host.numbers["argmax"].tolist() == numbers["argmax"].tolist()
 
 
 @settings(max_examples=30, deadline=None)
@@ -147,8 +150,8 @@ def test_typical_with_vanishing_thresholds_accepts_every_path_fully(choices, see
     logits = 3 * torch.randn(tree.size, VOCAB, generator=g)  # (N, V)
     tokens = torch.randint(0, VOCAB, (tree.size,), generator=g)
     accept = typical(temperature, eps=1e-30, delta=1e-30)
-    nodes, _ = accept.accept(logits, Candidates(tree, tokens, {}), None)
-    assert len(nodes) - 1 == tree.num_heads  # the deepest path, accepted to its leaf
+    kept = accept.accept(logits, Candidates(tree, tokens, {}), None).kept
+    assert len(kept) - 1 == tree.num_heads  # the deepest path, accepted to its leaf
 
 
 @settings(max_examples=20, deadline=None)
@@ -160,4 +163,4 @@ def test_every_typical_step_yields_at_least_one_token(choices, seed, temperature
     tree = build_tree(choices, num_heads=4)
     steps = list(medusa_decode(model, *fixed(heads, tree), typical(temperature, eps, 0.3),
                                [1, 2], 25, set()))
-    assert all(len(s) >= 1 for s in steps) and sum(map(len, steps)) == 25
+    assert all(len(s.tokens) >= 1 for s in steps) and sum(len(s.tokens) for s in steps) == 25

@@ -30,7 +30,7 @@ VOCAB = 64
 
 
 def flat(steps):
-    return [t for step in steps for t in step]
+    return [t for step in steps for t in step.tokens]
 
 
 def test_fresh_hydra_heads_guess_what_fresh_shared_medusa_heads_guess():

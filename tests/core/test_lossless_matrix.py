@@ -56,7 +56,7 @@ def steps_of(model, draft, budget, prompt) -> tuple[list, float]:
     budget.clock = itertools.count().__next__
     steps = list(medusa_decode(model, draft, budget, greedy_for(model.embed.weight.device),
                                prompt, NEW, set()))
-    tokens = [t for step in steps for t in step]
+    tokens = [t for step in steps for t in step.tokens]
     return tokens, len(tokens) / len(steps)
 
 

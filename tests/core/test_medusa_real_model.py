@@ -59,8 +59,8 @@ def test_medusa_greedy_equals_plain_greedy_on_the_default_model(smollm2_packed, 
         prompt = reference["greedy"]["cases"][i]["prompt_ids"]
         medusa = []
         for step in medusa_decode(model, *fixed(heads, tree), greedy(), prompt, new, set()):
-            medusa += step
-            stats.record(len(step))
+            medusa += step.tokens
+            stats.record(len(step.tokens))
         assert medusa == plain_greedy(model, tuple(prompt), new), f"case {i}"
     assert stats.acceleration_rate > 1.0  # candidates were accepted, not only rejected
 
@@ -80,8 +80,8 @@ def test_shipped_heads_decode_as_plain_greedy_and_accept(smollm2_packed, referen
         prompt = case["prompt_ids"]
         medusa = []
         for step in medusa_decode(model, *fixed(heads, tree), greedy(), prompt, NEW, set()):
-            medusa += step
-            stats.record(len(step))
+            medusa += step.tokens
+            stats.record(len(step.tokens))
         assert medusa == plain_greedy(model, tuple(prompt), NEW)
     assert stats.acceleration_rate > 1.3  # trained heads: many candidates accepted
 

@@ -42,7 +42,7 @@ def sampled_sequences(verify, table, ranks, root: int, n: int, seed: int) -> Cou
         sequence = []
         while len(sequence) < M:
             tokens = candidates(sequence[-1] if sequence else root, ranks)
-            path, length, next_token = verify(table[tokens], TREE, tokens, g)
+            path, length, next_token, _ = verify(table[tokens], TREE, tokens, g)
             sequence += tokens[TREE.paths[path, 1:int(length) + 1]].tolist() + [int(next_token)]
         counts[tuple(sequence[:M])] += 1
     return counts
@@ -69,7 +69,7 @@ def test_the_steps_accept_candidates_so_the_test_is_not_of_plain_sampling():
     g, emitted, steps = torch.Generator().manual_seed(0), 0, 500
     for root in range(steps):
         tokens = candidates(root % V, ranks)
-        _, length, _ = rejection_acceptance(table[tokens], TREE, tokens, g, 0.7, 1.0)
+        _, length, _, _ = rejection_acceptance(table[tokens], TREE, tokens, g, 0.7, 1.0)
         emitted += int(length) + 1
     assert emitted / steps > 1.3
 
@@ -80,7 +80,7 @@ def next_token_from_p_not_the_residual(temperature):
         path, length, _ = pick_by_draws(torch.multinomial(probs, 1, generator=g)[:, 0], tree,
                                         tokens)
         last = tree.paths[path, length]
-        return path, length, torch.multinomial(probs[last], 1, generator=g)[0]
+        return path, length, torch.multinomial(probs[last], 1, generator=g)[0], {}
     return verify
 
 

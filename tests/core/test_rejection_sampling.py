@@ -32,7 +32,7 @@ def medusa_samples(accept: Acceptance, kind="medusa") -> Counter:
     draft = PlusPlusDraft(draft) if kind == "hydra++" else draft  # read through its layer
     return Counter(tuple(t for step in medusa_decode(model, draft, budget,
                                                      dataclasses.replace(accept, seed=s), [1, 2],
-                                                     NEW, set()) for t in step)
+                                                     NEW, set()) for t in step.tokens)
                    for s in range(RUNS))
 
 
@@ -52,7 +52,7 @@ def resampling_from_p_not_the_residual(temperature: float) -> Acceptance:
         draws = torch.multinomial(probs, 1, generator=g).squeeze(-1)
         path, length, _ = pick_by_draws(draws, tree, tokens)
         last = tree.paths[path, length]
-        return path, length, torch.multinomial(probs[last], 1, generator=g)[0]
+        return path, length, torch.multinomial(probs[last], 1, generator=g)[0], {}
     return Acceptance("wrong", on_device(verify), rejection(temperature).first)
 
 
@@ -99,7 +99,7 @@ def default_path_samples(accept: Acceptance | None, runs: int,
         answer = list(medusa_decode(model, ContextDraft(inner), budget,
                                     dataclasses.replace(rule, seed=s),
                                     PROMPT, 4, set()))
-        flat = [t for step in answer for t in step]
+        flat = [t for step in answer for t in step.tokens]
         counts[tuple(flat[:2])] += 1
         tokens, steps = tokens + len(flat), steps + len(answer)
     return counts, tokens / steps

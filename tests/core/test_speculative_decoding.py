@@ -20,7 +20,7 @@ from helpers import goodness_of_fit, model_folder, perturbed, tiny_model
 from generate import main as generate_main
 from dataclasses import replace
 
-from minimedusa.acceptance import Acceptance, Sampling, greedy, probabilities
+from minimedusa.acceptance import Acceptance, Sampling, Verdict, greedy, probabilities
 from minimedusa.budget import Budget, FixedSize
 from minimedusa.assembly.recipe import Recipe, build, decoding_model, draft_model
 from minimedusa.context_candidates import merged_tree
@@ -28,7 +28,7 @@ from minimedusa.files.default_model import DEFAULT_HEADS_DIR
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.draft import TreeDraft
 from minimedusa.heads import MedusaHeads
-from minimedusa.speculative_decoding import (MedusaDraft, ModelDraft, chain_paths,
+from minimedusa.speculative_decoding import (DraftModelWithHeads, ModelDraft, chain_paths,
                                              chain_proposal)
 from minimedusa.speculative_sampling import speculative, verify_drawn
 from minimedusa.tree import build_tree
@@ -48,7 +48,7 @@ def draft_of(target, scale: float, seed: int):
 
 
 def tokens_of(steps) -> list[int]:
-    return [t for step in steps for t in step]
+    return [t for step in steps for t in step.tokens]
 
 
 def rule_of(sampling: Sampling) -> Acceptance:
@@ -78,13 +78,14 @@ def test_greedy_is_the_targets_plain_greedy_for_any_draft_and_k(seed, k, prompt)
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_draft_decoding_with_its_heads_drafts_the_targets_greedy_text(seed):
-    """Medusa inside the draft (MedusaDraft: medusa_decode on the draft's cache each round,
-    several drafts a forward where its heads guess right): the target's plain greedy text."""
+    """Medusa inside the draft (DraftModelWithHeads: medusa_decode on the draft's cache each
+    round, several drafts a forward where its heads guess right): the target's plain greedy
+    text."""
     target = tiny_model(seed)
     draft = draft_of(target, 0.02, seed)
     heads = perturbed(MedusaHeads.for_model(draft, 3, shared_lm_head=True), seed, 0.01)
     tree = build_tree([[0], [0, 0], [1], [0, 0, 0]], 3)
-    proposer = MedusaDraft(draft, TreeDraft(heads, {4: tree}), FixedSize(4), greedy())
+    proposer = DraftModelWithHeads(draft, TreeDraft(heads, {4: tree}), FixedSize(4), greedy())
     steps = list(medusa_decode(target, proposer, FixedSize(6), greedy(), [5, 9, 11], 60, set()))
     assert tokens_of(steps) == tokens_of(plain_decode(target, [5, 9, 11], 60, Sampling(),
                                                        set()))
@@ -128,12 +129,12 @@ def test_a_draft_kept_where_the_target_disagreed_is_caught():
     exact = greedy()
 
     def one_too_many(logits, candidates, generator):
-        nodes, new = exact.accept(logits, candidates, generator)
-        chain = candidates.tokens.tolist()
+        verdict = exact.accept(logits, candidates, generator)
+        nodes, new, chain = verdict.kept, verdict.tokens, candidates.tokens.tolist()
         if len(nodes) < len(chain):  # the next draft too, then the argmax after it
             nodes = nodes + [len(nodes)]
             new = new[:-1] + [chain[nodes[-1]], int(logits[nodes[-1]].argmax())]
-        return nodes, new
+        return Verdict(nodes, new, verdict.numbers)
     rule = Acceptance("greedy, one too many", one_too_many, exact.first)
     target = tiny_model(3)
     got, _ = speculative_tokens(target, draft_of(target, 0.05, 3), FixedSize(4), [5, 9], 60,
@@ -151,9 +152,9 @@ def chain_kept(rows: torch.Tensor, drafted: list[int], laws: torch.Tensor, g) ->
     """The one loop's verifier on the chain as ModelDraft hands it (its tree, its Proposal):
     (drafts kept, the closing token); rows (k + 1, V) the target's p along the chain."""
     tree = merged_tree(chain_paths(len(drafted)), torch.device("cpu"))
-    nodes, new = verify_drawn(lambda node: rows[node], tree, torch.tensor([0, *drafted]),
-                              chain_proposal(drafted, list(laws)), g)
-    return len(nodes) - 1, new[-1]
+    verdict = verify_drawn(lambda node: rows[node], tree, torch.tensor([0, *drafted]),
+                           chain_proposal(drafted, list(laws)), g)
+    return len(verdict.kept) - 1, verdict.tokens[-1]
 
 
 def chain_sample(p_table, q_table, k: int, n: int, seed: int, keep=chain_kept) -> Counter:
@@ -252,7 +253,7 @@ def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default
         prompt = case["prompt_ids"]
         got = tokens_of(decoding.decode(prompt, 32, set()))
         assert got == tokens_of(plain_decode(target, prompt, 32, Sampling(), set()))
-        assert isinstance(decoding.draft, MedusaDraft) == (decoding is decodings[1])
+        assert isinstance(decoding.draft, DraftModelWithHeads) == (decoding is decodings[1])
         assert decoding.draft.kept > 0.6 * decoding.draft.proposed > 0  # 77-96% where measured
 
 

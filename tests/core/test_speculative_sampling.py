@@ -67,7 +67,7 @@ def sequences(tree, table, guesses, temperature, top_p, n, seed, draft_temperatu
             root = sequence[-1] if sequence else 0
             tokens, proposal = drawn_step(tree, table, guesses, root, temperature, g,
                                           draft_temperature, ids)
-            _, new = verify_drawn(probs[tokens].__getitem__, tree, tokens, proposal, g)
+            new = verify_drawn(probs[tokens].__getitem__, tree, tokens, proposal, g).tokens
             sequence += new
             emitted, steps = emitted + len(new), steps + 1
         counts[tuple(sequence[:M])] += 1
@@ -148,8 +148,8 @@ def test_one_candidate_is_accepted_with_probability_one_minus_tv(seed):
                                               gumbel_noise((1, len(q_logits)), g, "cpu"))
         x = columns[0, 0].item()
         proposal = Proposal(q={(): q}, columns={(): [x]}, draws={(): [x]})
-        nodes, _ = verify_drawn(lambda node: p, tree, torch.tensor([0, x]), proposal, g)
-        accepted += len(nodes) - 1
+        kept = verify_drawn(lambda node: p, tree, torch.tensor([0, x]), proposal, g).kept
+        accepted += len(kept) - 1
     expected = 1 - 0.5 * (p - q).abs().sum().item()
     sigma = (expected * (1 - expected) / n) ** 0.5
     assert abs(accepted / n - expected) < 5 * sigma, (accepted / n, expected)
@@ -166,7 +166,7 @@ def drawn_samples(kind: str, temperature: float, top_p: float, context: bool) ->
         draft.seed, draft.generator = s + 10_000, None
         steps = medusa_decode(model, outer, budget, dataclasses.replace(rule, seed=s), [1, 2],
                               3, set())
-        counts[tuple(t for step in steps for t in step)] += 1
+        counts[tuple(t for step in steps for t in step.tokens)] += 1
     return counts
 
 

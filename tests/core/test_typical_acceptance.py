@@ -28,7 +28,7 @@ def one_child(root: list[float], candidate: int, temperature: float, eps: float,
     tree = build_tree([[0]], num_heads=1)
     logits = torch.stack([logits_of(root, temperature), torch.zeros(len(root))])  # (N, V)
     tokens = torch.tensor([0, candidate])  # (N,): the root's own token, then the candidate
-    _, length, next_token = typical_acceptance(logits, tree, tokens, None, temperature, eps,
+    _, length, next_token, _ = typical_acceptance(logits, tree, tokens, None, temperature, eps,
                                                delta)
     return int(length), int(next_token)
 
@@ -72,7 +72,7 @@ def test_the_threshold_reads_p_at_the_temperature_asked():
     tree = build_tree([[0]], num_heads=1)
     logits = torch.stack([logits_of(logits_probabilities), logits_of([0.7, 0.1, 0.1, 0.1])])
     for temperature, accepted in ((1.0, 1), (0.5, 0)):
-        _, length, _ = typical_acceptance(logits, tree, torch.tensor([0, 1]), None, temperature,
+        _, length, _, _ = typical_acceptance(logits, tree, torch.tensor([0, 1]), None, temperature,
                                           eps, 100.0)
         assert int(length) == accepted
 
@@ -85,7 +85,7 @@ def test_between_equally_long_paths_the_more_likely_wins(order):
     root = [0.1, 0.5, 0.35, 0.05]  # tokens 1 and 2 both pass eps = 0.09
     logits = torch.stack([logits_of(root)] + [logits_of([0.7, 0.1, 0.1, 0.1])] * 2)
     tokens = torch.tensor([0, *order])  # nodes 1 and 2 hold tokens order[0] and order[1]
-    path, length, _ = typical_acceptance(logits, tree, tokens, None, 1.0, 0.09, 0.3)
+    path, length, _, _ = typical_acceptance(logits, tree, tokens, None, 1.0, 0.09, 0.3)
     last = tree.paths[path, length]
     assert int(length) == 1 and int(tokens[last]) == 1  # token 1, p = 0.5 over 0.35
 
@@ -95,7 +95,7 @@ def test_the_next_token_is_the_argmax_at_the_last_accepted_node():
     logits = torch.stack([logits_of([0.1, 0.8, 0.05, 0.05]),  # root: candidate 1 passes
                           logits_of([0.05, 0.05, 0.1, 0.8]),  # node 1: candidate 2 fails
                           logits_of([0.9, 0.05, 0.03, 0.02])])
-    path, length, next_token = typical_acceptance(logits, tree, torch.tensor([0, 1, 2]), None,
+    path, length, next_token, _ = typical_acceptance(logits, tree, torch.tensor([0, 1, 2]), None,
                                                   1.0, 0.2, 0.3)
     assert int(length) == 1 and int(tree.paths[path, length]) == 1
     assert int(next_token) == 3  # node 1's argmax, not a sample, not node 2's

@@ -35,7 +35,7 @@ VOCAB = 64
 
 
 def flat(steps):
-    return [t for step in steps for t in step]
+    return [t for step in steps for t in step.tokens]
 
 
 def test_a_fresh_draft_layer_passes_the_hidden_states_through():
@@ -70,13 +70,13 @@ def test_the_draft_cache_equals_a_fresh_prefill_of_the_accepted_sequence(choices
     sequence = prompt + [logits[0].argmax().item()]
     for plain in plain_steps[:n_steps]:
         if plain:
-            new, _, kept = root_step(model, cache, sequence[-1], greedy(), None)
+            step, kept = root_step(model, cache, sequence[-1], greedy(), None)
         else:
             candidates = Candidates(tree, tree_tokens(heads, model, tree, sequence[-1], features),
                                     {})
-            new, _, kept = medusa_step(model, candidates, cache, greedy(), None)
+            step, kept = medusa_step(model, candidates, cache, greedy(), None)
         features = read_accepted(heads, draft_cache, kept)
-        sequence += new
+        sequence += step.tokens
     n = len(sequence) - 1  # both caches hold all but the newest token
     assert cache.length == draft_cache.length == n
     all_hidden = model.hidden_states(torch.tensor([sequence[:n]]), torch.arange(n)[None],
@@ -110,7 +110,7 @@ def test_decoding_reads_what_training_feeds_the_layer(tiny_setup):
         _, hidden = prefill(model, cache, prompt[None])
         decoded.append(draft.read(hidden))  # row 0: predicts answer[0]
         for token in answer[:-1].tolist():
-            _, _, kept = root_step(model, cache, token, greedy(), None)
+            _, kept = root_step(model, cache, token, greedy(), None)
             decoded.append(draft.read(kept))  # row i: the state after answer[i - 1]
     # the stored rows are bfloat16, so the two agree to bfloat16's precision
     torch.testing.assert_close(trained, torch.stack(decoded), rtol=0.05, atol=0.05)

@@ -34,7 +34,7 @@ def test_greedy_decoding_reproduces_reference_continuations(smollm2, reference):
     eos = {smollm2.config.eos_token_id}
     for case in reference["greedy"]["cases"]:
         steps = plain_decode(smollm2, case["prompt_ids"], n, Sampling(), eos)
-        assert [t for step in steps for t in step] == case["output_ids"], case["kind"]
+        assert [t for step in steps for t in step.tokens] == case["output_ids"], case["kind"]
 
 
 def test_tokenizer_encodes_reference_ids_and_round_trips(tokenizer, reference):

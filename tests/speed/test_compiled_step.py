@@ -75,9 +75,9 @@ def test_compiled_medusa_greedy_equals_compiled_plain_greedy_and_never_recompile
     prompt = torch.randint(2, 64, (prompt_len,), generator=torch.Generator().manual_seed(seed))
     with torch.compiler.set_stance("fail_on_recompile"):
         plain = [t for s in plain_decode(compiled, prompt.tolist(), 24, Sampling(), set())
-                 for t in s]
+                 for t in s.tokens]
         medusa = [t for s in medusa_decode(compiled, *fixed(heads, tree), greedy(),
-                                           prompt.tolist(), 24, set()) for t in s]
+                                           prompt.tolist(), 24, set()) for t in s.tokens]
     assert medusa == plain
 
 

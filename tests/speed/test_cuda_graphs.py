@@ -40,7 +40,7 @@ def pair(request):
 
 
 def flat(steps):
-    return [t for step in steps for t in step]
+    return [t for step in steps for t in step.tokens]
 
 
 def test_graph_step_swaps_the_blocks_and_captures_a_plain_step_and_the_budgets_sizes(pair):
@@ -123,8 +123,8 @@ def test_caches_taking_turns_in_the_static_cache_keep_their_entries(pair):
                                                                                  [9, 8, 7, 6])]
     interleaved = [[], []]
     for a, b in zip(*runs):
-        interleaved[0] += a
-        interleaved[1] += b
+        interleaved[0] += a.tokens
+        interleaved[1] += b.tokens
     assert interleaved == [flat(plain_decode(eager, p, 30, Sampling(), set()))
                            for p in ([1, 2, 3], [9, 8, 7, 6])]
 

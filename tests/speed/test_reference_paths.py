@@ -160,7 +160,7 @@ def test_the_fused_step_in_float32_gives_its_eager_step_to_float32_rounding(path
 
 
 def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
-    return [t for step in plain_decode(model, prompt, n, Sampling(), set()) for t in step]
+    return [t for step in plain_decode(model, prompt, n, Sampling(), set()) for t in step.tokens]
 
 
 def shipped_draft(model):
@@ -197,7 +197,7 @@ def test_each_paths_medusa_and_batch_write_the_reference_text(paths, device, fmt
     for i, case in enumerate(cases):
         steps = list(medusa_decode(model, draft, budget, greedy_for(torch.device(device)),
                                    case["prompt_ids"], N, set()))
-        medusa = [t for s in steps for t in s]
+        medusa = [t for s in steps for t in s.tokens]
         accepted += len(medusa) - len(steps)
         assert medusa == batch[i], case["kind"]
         assert parting(batch[i], case["output_ids"], case["top2_margin"],
@@ -266,7 +266,7 @@ def test_a_fast_step_that_passes_the_check_is_kept(paths, reference):
 def test_generate_falls_back_to_eager_where_its_step_fails(monkeypatch, capsys):
     """generate.py with a broken step plugged in: one notice line, and the eager step's
     answer (the reference's: "The capital of France is Paris.")."""
-    from minimedusa.cli import recipe
+    from minimedusa.assembly import recipe
     real = recipe.plug_in
 
     def plug_in_broken(model, weight_format, compile_flag):

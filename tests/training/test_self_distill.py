@@ -25,7 +25,7 @@ def test_batched_answers_equal_each_prompt_decoded_alone(seed, lengths, max_new)
     rows = answer_batch(model, prompts, max_new, Sampling(), stop, None)
     for prompt, (answer, hidden) in zip(prompts, rows):
         assert answer == [t for s in plain_decode(model, prompt, max_new, Sampling(), stop)
-                          for t in s]
+                          for t in s.tokens]
         # hidden[i] is the state at the token before answer[i]
         seq = prompt + answer[:-1]
         T = len(seq)
