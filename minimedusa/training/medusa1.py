@@ -113,16 +113,46 @@ def split_validation(answers: list) -> tuple[list, list]:
 
 def read_rows(folder: Path, num_heads: int, tokenizer_fingerprint: str,
               vocab_size: int) -> tuple[Rows, Rows]:
-    """(train, validation) rows from every shard's stored hidden states."""
-    answers = read_answers(folder, tokenizer_fingerprint, vocab_size)
-    return tuple(rows_of(part, num_heads) for part in split_validation(answers))
+    """(train, validation) rows from every shard's stored hidden states. The states are read
+    into one tensor, a shard at a time, the validation rows its tail: a large folder's states
+    (5 GB for 4.6M answer tokens) are never held twice, as concatenating answers would."""
+    answers = read_answers(folder, tokenizer_fingerprint, vocab_size, with_hidden=False)
+    train, val = split_validation(answers)
+    hidden = stacked_hidden(folder, sum(len(a) for _, a, _ in answers))  # (M, C)
+    m = sum(len(a) for _, a, _ in train)
+    return (Rows(hidden[:m], *answer_tokens(train, num_heads)),
+            Rows(hidden[m:], *answer_tokens(val, num_heads)))
+
+
+def stacked_hidden(folder: Path, rows: int) -> torch.Tensor:
+    """Every shard's hidden states, in order, in one (rows, C) tensor filled shard by shard."""
+    hidden, at = None, 0
+    for shard in sorted(folder.glob("shard-*.safetensors")):
+        try:
+            with safe_open(shard, framework="pt") as st:
+                part = st.get_tensor("hidden")  # (n, C)
+        except Exception as e:  # safetensors reports truncation/corruption with varied types
+            raise DataError(unreadable(shard, e)) from None
+        if hidden is None:
+            hidden = torch.empty(rows, part.shape[-1], dtype=part.dtype)
+        if part.dim() != 2 or at + len(part) > rows or part.shape[1] != hidden.shape[1]:
+            raise DataError(f"{shard}: its hidden states do not match its answers' tokens")
+        hidden[at:at + len(part)] = part
+        at += len(part)
+    if at != rows:
+        raise DataError(f"{folder}: {at} hidden states for {rows} answer tokens")
+    return hidden
+
+
+def answer_tokens(answers: list[tuple], num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets (M, K), the tokens Hydra heads read (M, K)) of answers, answer after answer."""
+    return (torch.cat([head_targets(a, num_heads) for _, a, _ in answers]),
+            torch.cat([head_inputs(a, num_heads) for _, a, _ in answers]))
 
 
 def rows_of(answers: list[tuple], num_heads: int) -> Rows:
     """The rows of answers (prompt ids, answer ids (n,), hidden (n, C)), answer after answer."""
-    return Rows(torch.cat([h for _, _, h in answers]),
-                torch.cat([head_targets(a, num_heads) for _, a, _ in answers]),
-                torch.cat([head_inputs(a, num_heads) for _, a, _ in answers]))
+    return Rows(torch.cat([h for _, _, h in answers]), *answer_tokens(answers, num_heads))
 
 
 def head_logits(heads, hidden: torch.Tensor, tokens: torch.Tensor | None, model,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import train
 from helpers import REPO
@@ -17,7 +17,8 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.files.heads_files import HEADS_FILE
 from minimedusa.model import causal_mask
 from minimedusa.training.self_distill import tokenizer_fingerprint
-from minimedusa.training.medusa1 import IGNORE, DataError, head_targets, medusa_loss, read_rows
+from minimedusa.training.medusa1 import (IGNORE, DataError, head_targets, medusa_loss,
+                                         read_answers, read_rows, rows_of, split_validation)
 from minimedusa.files.weights import load_model
 
 
@@ -56,6 +57,29 @@ def test_only_answer_tokens_are_rows(tiny_setup):
     train_rows, val_rows = read_rows(data, 3, tokenizer_fingerprint(model_dir), 64)
     answers = sum(int(load_file(p)["answer_ids"].numel()) for p in data.glob("shard-*"))
     assert train_rows.targets.shape[0] + val_rows.targets.shape[0] == answers
+
+
+def test_rows_read_shard_by_shard_are_the_answers_rows(tiny_setup):
+    """read_rows fills one tensor shard by shard (never holding the states twice): the same rows,
+    train and validation, as the answers' own concatenated (rows_of)."""
+    model_dir, data = tiny_setup
+    fingerprint = tokenizer_fingerprint(model_dir)
+    read = read_rows(data, 3, fingerprint, 64)
+    answers = split_validation(read_answers(data, fingerprint, 64))
+    for got, part in zip(read, answers):
+        expected = rows_of(part, 3)
+        for field in ("hidden", "targets", "tokens"):
+            assert torch.equal(getattr(got, field), getattr(expected, field)), field
+
+
+def test_hidden_states_that_do_not_match_their_answers_are_one_line(tiny_setup, tmp_path):
+    model_dir, data = tiny_setup
+    shutil.copy(data / "meta.json", tmp_path / "meta.json")
+    shard = load_file(data / "shard-00000.safetensors")
+    save_file({**shard, "hidden": shard["hidden"][:-1].contiguous()},
+              tmp_path / "shard-00000.safetensors")  # one state short
+    with pytest.raises(DataError, match="hidden states"):
+        read_rows(tmp_path, 3, tokenizer_fingerprint(model_dir), 64)
 
 
 def test_loss_falls_when_overfitting_one_batch(tiny_setup):
