@@ -38,10 +38,12 @@ with quiet_interrupt():  # torch loads for seconds: Ctrl-C there ends in one lin
     from minimedusa.cli.trace_page import header_of, page
     from minimedusa.assembly.recipe import (Decoding, Recipe, build, decoding_heads, decoding_model,
                                        draft_model)
+    from minimedusa.assembly.draft_model import draft_format
     from minimedusa.assembly.trees import decoding_tree, tree_spec
     from minimedusa.decoding import check_context
     from minimedusa.files.default_model import DEFAULT_HEADS_DIR, ensure_default_model
-    from minimedusa.speed.weight_formats import QUANTIZED, describe_weights
+    from minimedusa.speed.defaults import describe_weights
+    from minimedusa.speed.weight_formats import FLOAT32
     from minimedusa.files.tokenizer import StreamDecoder, Tokenizer, largest_id
     from minimedusa.files.outputs import check_writable, write_atomically
     from minimedusa.speed.machine import device_name
@@ -79,14 +81,14 @@ def load(args):
         raise UserError(f"model folder {folder} does not exist")
     tokenizer = Tokenizer.from_folder(folder)
     probe = probe_ids(args, tokenizer, read_config(folder))  # a prompt too big: refused here
-    device, weight_format = device_and_format(args, folder)  # the machine's: speed/defaults.py
+    device, fmt = device_and_format(args, folder)  # the machine's: speed/defaults.py
     drafter = None
     if args.draft is not None:
         if args.chat:  # its two caches are a run's, not a conversation's
             raise UserError("--draft decodes a prompt or a file of them, not a chat")
         if args.dtype == "auto":
-            weight_format = "float32"  # the model's own text: its float32 weights verify
-    recipe = recipe_of(args, folder, device, weight_format)
+            fmt = FLOAT32  # the model's own text: its float32 weights verify
+    recipe = recipe_of(args, folder, device, fmt)
     if args.draft is not None:
         # first: what its loading holds for a while comes before the target's weights are in,
         # not on top of them (the peak resident memory: weights/HISTORY.md, session 29)
@@ -95,20 +97,20 @@ def load(args):
     # step's on the prompt's first tokens (eager where they part: speed/reference_check.py)
     model, step = decoding_model(recipe, lambda model: check_flags(args, model, tokenizer),
                                  probe)
-    rounded = weight_format == "int8" or (weight_format in ("int4", "w4a8")
-                                          and not four_bit_checkpoint(folder))
-    return (model, step, describe_weights(model.config, weight_format, rounded, device),
-            tokenizer, drafter, recipe)
+    # lossy where it rounds, but for a 4-bit format's reading of a 4-bit file (its grid found)
+    rounded = fmt.rounds and not (fmt.four_bit and four_bit_checkpoint(folder))
+    return (model, step, describe_weights(model.config, fmt, rounded, device), tokenizer, drafter,
+            recipe)
 
 
-def recipe_of(args, folder, device, weight_format: str) -> Recipe:
+def recipe_of(args, folder, device, fmt) -> Recipe:
     """The flags' recipe: context candidates with the adapted trees only; --draft's chains
     verified by greedy acceptance, or by speculative sampling above temperature 0."""
     heads = heads_spec(args)
     rule = acceptance_kind(args) if heads else "greedy"
     if args.draft is not None and args.temperature > 0:
         rule = "speculative"
-    return Recipe(folder=folder, device=device, weight_format=weight_format, compile=args.compile,
+    return Recipe(folder=folder, device=device, weight_format=fmt, compile=args.compile,
                   heads=heads, draft_vocab=args.draft_vocab, tree=args.tree,
                   context=args.context and args.tree in (None, "ranked"), acceptance=rule,
                   temperature=args.temperature, top_p=args.top_p, eps=args.eps, delta=args.delta,
@@ -178,7 +180,8 @@ def drafting_heads(args) -> str | None:
     itself rounded; greedy only (sampling needs each draft's law), and not with --baseline."""
     if args.draft is None or args.baseline or args.temperature > 0:
         return None
-    own = args.model is None and args.draft in QUANTIZED and DEFAULT_HEADS_DIR.is_dir()
+    own = (args.model is None and draft_format(args.draft) is not None
+           and DEFAULT_HEADS_DIR.is_dir())
     return args.heads if args.heads is not None else str(DEFAULT_HEADS_DIR) if own else None
 
 
@@ -207,7 +210,7 @@ def run(args) -> dict:
             "seconds": round(seconds, 4), "tokens_per_s": round(len(output) / seconds, 2),
             "load_seconds": round(loaded, 3), "mode": decode.describe(),
             "device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
-            "format": recipe.weight_format, "weights": weights, "step": step}
+            "format": recipe.weight_format.name, "weights": weights, "step": step}
     if args.trace is not None:
         header = header_of(result, recipe, decode, device_name(weight.device))
         write_atomically(args.trace, lambda tmp: tmp.write_text(

@@ -19,6 +19,7 @@ from minimedusa.files.weights import load_model, save_model
 from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.speed import group_kernel, sanitizer
 from minimedusa.speed.c_kernels import kernels_folder
+from minimedusa.speed.weight_formats import format_named
 from helpers import DEVICES, REFERENCE, model_folder, tiny_model
 
 # every run draws the same examples (a seed per test): a failure seen on one machine is replayed
@@ -85,7 +86,7 @@ def smollm2_packed(request, default_model_dir):
     beside them. The real-model decoding checks run on it (on the 2-core AVX2 EPYC 98 s where
     the plain core took 134); the reference checks on the plain core (smollm2)."""
     model, _ = decoding_model(Recipe(folder=default_model_dir, device=request.param,
-                                     weight_format="float32"))  # eager
+                                     weight_format=format_named("float32")))  # eager
     return model
 
 

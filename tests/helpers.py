@@ -28,8 +28,8 @@ from minimedusa.speed.fused_block import fusable, fuse_blocks
 from minimedusa.speed.fused_draft import fusable_draft
 from minimedusa.speed.grids import GROUP, dequantize_int4, quantize_int4
 from minimedusa.speed.host_greedy import greedy_for
-from minimedusa.speed.reference_check import FORMAT_ERROR, SAME_FORMAT
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.reference_check import SAME_FORMAT
+from minimedusa.speed.weight_formats import apply_format, format_named
 from minimedusa.tree import build_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ def greedy_pair(model, heads, tree, prompt: list[int], new: int) -> tuple[list, 
 # unit between the two moves what follows by a fraction of a logit: the largest measured (both
 # steps) times 1.5, rounded up to 0.05 (3 fixture chats x 48 positions on a 2-core Xeon with
 # AMX, records/xeon-amx/step-error-xeon-amx.txt): bfloat16 0.75, int8 0.75, int4 0.56, w4a8
-# 1.09. Pairs not measured keep the two formats' error, SAME_FORMAT * FORMAT_ERROR.
+# 1.09. Pairs not measured keep the two formats' error, SAME_FORMAT * the format's error.
 STEP_ERROR = {("float32", torch.float32): 1e-3, ("int4", torch.float32): 1e-3,
               ("bfloat16", torch.bfloat16): 1.15, ("int8", torch.bfloat16): 1.15,
               ("int4", torch.bfloat16): 0.85, ("w4a8", torch.float32): 1.65}
@@ -148,7 +148,7 @@ STEP_ERROR = {("float32", torch.float32): 1e-3, ("int4", torch.float32): 1e-3,
 
 def step_error(fmt: str, activations: torch.dtype) -> float:
     """The bound of a fast step against its own format's eager step (STEP_ERROR)."""
-    return STEP_ERROR.get((fmt, activations), SAME_FORMAT * FORMAT_ERROR[fmt])
+    return STEP_ERROR.get((fmt, activations), SAME_FORMAT * format_named(fmt).error)
 
 
 # --- negative controls of the reference check: steps broken as steps break ----------------
@@ -289,7 +289,7 @@ def fused(model, weight_format: str, dtype: torch.dtype):
         pytest.skip("this CPU's group_kernel.c multiplies bfloat16 rows only")
     if weight_format == "bfloat16" and not group_kernel.multiplies_bfloat16():
         pytest.skip("this CPU's group_kernel.c does not multiply bfloat16 weights")
-    model = apply_format(model, weight_format).to(dtype)
+    model = apply_format(model, format_named(weight_format)).to(dtype)
     assert fusable(model) is None
     fuse_blocks(model)
     return model
@@ -313,13 +313,13 @@ def hydra_draft_setup(seed: int, dtype: torch.dtype, vocabulary: int = 0, scale:
     many tokens, if any), whose draft fuses."""
     if dtype == torch.float32 and not group_kernel.takes_float32():
         pytest.skip("this CPU's group_kernel.c multiplies bfloat16 rows only")
-    model = apply_format(four_bit_model(seed), "int4").to(dtype)
+    model = apply_format(four_bit_model(seed), format_named("int4")).to(dtype)
     heads = perturbed(HydraHeads.for_model(model, 4, num_layers=2).float(), seed, scale)
     if vocabulary:
         ids = torch.randperm(model.config.vocab_size,
                              generator=torch.Generator().manual_seed(seed))[:vocabulary]
         heads.vocabulary = DraftVocabulary(ids.sort().values, model.lm_head)
-    heads = apply_format(heads, "int4").to(dtype)  # plug_in_heads' format, in `dtype`
+    heads = apply_format(heads, format_named("int4")).to(dtype)  # plug_in_heads', in `dtype`
     assert fusable_draft(heads, model) is None
     return model, heads
 

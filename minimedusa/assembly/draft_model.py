@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from minimedusa.errors import UserError
-from minimedusa.speed.weight_formats import QUANTIZED
+from minimedusa.speed.weight_formats import FORMATS
 
 DRAFT_SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # k, the drafts a step; 0: a target's plain step
 KEPT_PRIOR = 0.9  # a draft token's chance to be kept, until the run has measured it
@@ -21,15 +21,23 @@ def expected_tokens() -> dict[int, float]:
     return {k: 1 + sum(KEPT_PRIOR ** i for i in range(1, k + 1)) for k in DRAFT_SIZES if k}
 
 
+def draft_format(spec: str):
+    """The weight format --draft names (one that rounds: the target's own file read into it), or
+    None: a model folder."""
+    fmt = FORMATS.get(spec)
+    return fmt if fmt is not None and fmt.rounds else None
+
+
 def check_draft(spec: str, folder: Path) -> None:
     """--draft names a quantized format, or a model folder whose tokenizer is the target's
     (in `folder`): else one line, before anything loads."""
-    if spec in QUANTIZED:
+    if draft_format(spec) is not None:
         return
     draft_folder = Path(spec)
     if not (draft_folder / "config.json").is_file():
-        raise UserError(f"--draft {spec}: neither a weight format ({', '.join(QUANTIZED)}) nor a "
-                        "model folder (with config.json)")
+        rounding = ", ".join(name for name, fmt in FORMATS.items() if fmt.rounds)
+        raise UserError(f"--draft {spec}: neither a weight format ({rounding}) nor a model "
+                        "folder (with config.json)")
     if vocabulary(draft_folder) != vocabulary(folder):
         raise UserError(f"--draft {spec}: its tokenizer.json is not the target's ({folder}): a "
                         "draft's tokens must be the target's")

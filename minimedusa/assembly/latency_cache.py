@@ -49,7 +49,7 @@ def drafter_words(draft) -> str:
     h = heads.config
     vocab = "" if heads.vocabulary is None else f", draft vocabulary {heads.vocabulary.ids.numel()}"
     return (f"{h.head_kind} heads {h.medusa_num_heads}x{h.medusa_num_layers}"
-            f"{' shared' if h.shared_lm_head else ''}{vocab}, {weight_format(heads)}")
+            f"{' shared' if h.shared_lm_head else ''}{vocab}, {weight_format(heads).name}")
 
 
 def read_cache_file() -> tuple[dict, str | None]:

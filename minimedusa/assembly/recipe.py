@@ -22,7 +22,8 @@ from minimedusa import acceptance, experiments
 from minimedusa.acceptance import Acceptance, Sampling
 from minimedusa.budget import Budget, FixedSize
 from minimedusa.assembly.heads_reading import read_heads
-from minimedusa.assembly.draft_model import DRAFT_SIZES, check_draft, expected_tokens
+from minimedusa.assembly.draft_model import (DRAFT_SIZES, check_draft, draft_format,
+                                             expected_tokens)
 from minimedusa.assembly.latency_cache import machine_latency
 from minimedusa.assembly.load import formatted_model, machine_format
 from minimedusa.assembly.trees import budget_trees, decoding_tree, tree_spec
@@ -39,7 +40,6 @@ from minimedusa.speed.fused_draft import fast_draft
 from minimedusa.speed.host_greedy import greedy_for, sampling_for
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
 from minimedusa.speed.reference_check import checked_step
-from minimedusa.speed.weight_formats import QUANTIZED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ class Recipe:
     named field by field where it is made: sixteen in a row would be read by position."""
     folder: Path  # the model's
     device: torch.device
-    weight_format: str  # weight_formats.py's: float32, bfloat16, int8, int4 or w4a8
+    weight_format: object  # weight_formats.py's FLOAT32, BFLOAT16, INT8, INT4, W4A8 (FORMATS)
     compile: bool | None = None  # --compile: None the machine's faster step, False eager
     heads: str | None = None  # a heads folder or untrained:K; None: plain decoding
     draft_vocab: int | None = None  # tokens the heads rank (None: the machine's default)
@@ -147,8 +147,9 @@ def draft_recipe(recipe: Recipe) -> Recipe:
     format; its step as recipe.compile asks; its heads recipe.draft_model_heads."""
     spec = recipe.draft_model
     check_draft(spec, recipe.folder)
-    if spec in QUANTIZED:
-        where, device, fmt = recipe.folder, torch.device("cpu"), spec
+    fmt = draft_format(spec)
+    if fmt is not None:
+        where, device = recipe.folder, torch.device("cpu")
     else:
         where, device = Path(spec), recipe.device
         fmt = machine_format(device, where)

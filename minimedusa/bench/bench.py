@@ -47,7 +47,7 @@ from minimedusa.errors import UserError, entry_point
 from minimedusa.speed.memory_bandwidth import implied_bandwidth, streaming_bandwidth
 from minimedusa.bench.step_profile import report_profile
 from minimedusa.files.tokenizer import Tokenizer
-from minimedusa.speed.weight_formats import activation_dtype
+from minimedusa.speed.weight_formats import dtype_format
 
 
 def warm_up(engines: Engines, tokenizer) -> None:
@@ -156,8 +156,8 @@ def main(argv=None):
             check_writable(path, flag)  # before minutes of work
     questions = questions_to_time(args.questions, args.per_category)  # before the loading
     folder = args.model or ensure_default_model(DEFAULT_MODEL_DIR)
-    device, weight_format = device_and_format(args, folder)
-    dtype = activation_dtype(weight_format)
+    device, fmt = device_and_format(args, folder)
+    dtype = fmt.activation_dtype()
     tokenizer = Tokenizer.from_folder(folder)
     if args.generate:
         report_generate_processes(args, questions, machine_key(device, dtype), tokenizer, folder)
@@ -166,8 +166,8 @@ def main(argv=None):
     if not (args.batch or args.profile or args.no_reference):  # before the run's model loads
         prompts = [question_ids(tokenizer, q) for q in questions]
         references = reference_answers(folder, device, prompts, args.max_new_tokens)
-        check = same_as_reference_of(references, weight_format, str(dtype)[6:], device)
-    recipe = Recipe(folder=folder, device=device, weight_format=weight_format,
+        check = same_as_reference_of(references, fmt, dtype_format(dtype), device)
+    recipe = Recipe(folder=folder, device=device, weight_format=fmt,
                     compile=args.compile, seed=0)
     model, step = decoding_model(recipe)
     print(f"decoding step: {step}", file=sys.stderr)

@@ -10,14 +10,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from minimedusa.bench.engines import Engines, engine
+from minimedusa.assembly.draft_model import draft_format
 from minimedusa.assembly.recipe import Recipe, decoding_model, draft_model
 from minimedusa.speed.memory_bandwidth import module_bytes
-from minimedusa.speed.weight_formats import QUANTIZED
+from minimedusa.speed.weight_formats import FLOAT32
 
 
 def draft_engines(args, folder: Path, device, engines: Engines) -> None:
     """The float32 target, its plain engines and its engines drafted by --draft, into engines."""
-    recipe = Recipe(folder=folder, device=device, weight_format="float32", compile=args.compile)
+    recipe = Recipe(folder=folder, device=device, weight_format=FLOAT32, compile=args.compile)
     target, step = decoding_model(recipe)
     drafted = replace(recipe, draft_model=args.draft)
     drafter, draft_step = draft_model(drafted)  # read once, for every drafted engine
@@ -31,7 +32,7 @@ def draft_engines(args, folder: Path, device, engines: Engines) -> None:
         engines.run[f"[float32] drafted by {args.draft}{suffix}"] = engine(
             replace(drafted, temperature=T, acceptance=rule), target, drafter=drafter)
         engines.step_bytes[f"[float32] plain{suffix}"] = module_bytes(target)
-    if args.draft not in QUANTIZED:  # another model: the heads are the target's
+    if draft_format(args.draft) is None:  # another model: the heads are the target's
         return
     # greedy: the draft decoding with the first --heads, as generate.py's drafting_heads
     engines.run[f"[float32] drafted by {args.draft} with heads"] = engine(

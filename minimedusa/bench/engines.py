@@ -27,6 +27,7 @@ from minimedusa.files.heads_files import read_calibration
 from minimedusa.heads import ranked_vocab_size
 from minimedusa.speed.memory_bandwidth import module_bytes
 from minimedusa.speed.plug_in import eager_step
+from minimedusa.speed.weight_formats import format_named
 
 
 EAGER = " (eager)"  # the name's suffix of an engine timed with the decoding step eager
@@ -62,7 +63,7 @@ def engines_to_time(args, recipe: Recipe, model, tokenizer) -> Engines:
         engines.step_bytes["plain" + EAGER] = engines.step_bytes["plain"]
     medusa_engines(args, recipe, model, engines)
     for name in args.formats:
-        format_engines(args, replace(recipe, weight_format=name), engines)
+        format_engines(args, replace(recipe, weight_format=format_named(name)), engines)
     hf = (None if args.no_transformers else
           load_transformers(recipe.folder, recipe.device, model.embed.weight.dtype))
     if hf is not None:
@@ -78,9 +79,9 @@ def format_engines(args, recipe: Recipe, engines: Engines) -> None:
     """--formats: plain decoding and Medusa greedy with the first --heads (the tree as the other
     engines pick it) with the model in the recipe's weight format, as "[name] plain" and so on."""
     model, step = decoding_model(recipe)
-    print(f"[{recipe.weight_format}] decoding step: {step}", file=sys.stderr)
+    print(f"[{recipe.weight_format.name}] decoding step: {step}", file=sys.stderr)
     heads = decoding_heads(args.heads[0], model)
-    label = f"[{recipe.weight_format}] "
+    label = f"[{recipe.weight_format.name}] "
     plain = {label + "plain": engine(recipe, model)}
     if args.eager_too:
         plain[label + "plain" + EAGER] = eager_engine(plain[label + "plain"], model)

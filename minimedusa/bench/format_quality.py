@@ -6,9 +6,10 @@ Held-out chats: the last --prompts seed prompts (the shipped heads trained on th
 never MT-Bench, the evaluation) answered greedily by the float32 model. Every format then reads
 the same prompt + answer in one forward, and at every answer position we compare it with float32:
 top-1 agreement (the same next token), the mean KL(p_float32 || p_format) and the most any
-token gained on float32's top one (the largest shift: speed/reference_check.FORMAT_ERROR is 1.5x
-the largest over a format's steps, which --steps scores too: fused, compiled). A format whose
-top-1 agreement is under 98% is never a default (speed/defaults.default_format).
+token gained on float32's top one (the largest shift: a format's `error`, its reference check's
+bound in weight_formats.py, is 1.5x the largest over its steps, which --steps scores too: fused,
+compiled). A format whose top-1 agreement is under 98% is never a default
+(speed/defaults.default_format).
 So does llama.cpp, where llama-cpp-python is installed and the model is the default one: its
 logits of the same tokens, from the GGUF the model came from (Q4_1 weights, and 8-bit
 activations in its products: Q8_1), as the yardstick its users already accept.
@@ -35,12 +36,12 @@ from minimedusa.training.seed_prompts import seed_prompts
 from minimedusa.training.self_distill import answer_batch
 from minimedusa.files.tokenizer import Tokenizer
 from minimedusa.speed.reference_check import largest_shift
-from minimedusa.speed.weight_formats import FORMATS
+from minimedusa.speed.weight_formats import FLOAT16, FLOAT32, FORMATS, format_named
 from minimedusa.files.weights import load_model
 
 MIN_AGREEMENT = 0.98  # below this, a format is not a default
 # float32 is the reference; float16 is a GPU format
-CPU_FORMATS = tuple(name for name in FORMATS if name not in ("float32", "float16"))
+CPU_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt not in (FLOAT32, FLOAT16))
 
 
 def held_out_chats(model, tokenizer: Tokenizer, n: int, max_new_tokens: int) -> list[tuple]:
@@ -93,7 +94,7 @@ def llama_cpp_log_probs(folder: Path, chats: list[tuple]) -> list[torch.Tensor] 
 def compare(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dict:
     """Top-1 agreement and mean KL(reference || candidate) over every answer position, and the
     most any token gained on the reference's top one (reference_check.largest_shift: what the
-    check's FORMAT_ERROR bounds), at most and at its 99.9th percentile."""
+    check's bound, a format's `error`), at most and at its 99.9th percentile."""
     ref, cand = torch.cat(reference), torch.cat(candidate)  # (positions, V)
     agree = (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
     kl = F.kl_div(cand, ref, log_target=True, reduction="none").sum(-1).mean().item()
@@ -104,13 +105,13 @@ def compare(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dic
             "positions": ref.shape[0], "default_ok": agree >= MIN_AGREEMENT}
 
 
-def step_models(folder: Path, name: str):
-    """(words, model) for each step of format `name` this machine runs besides the eager one
+def step_models(folder: Path, fmt):
+    """(words, model) for each step of format `fmt` this machine runs besides the eager one
     (--steps): fused where the blocks fuse, compiled where a compiler works."""
     seen = set()
     for compile_flag in (None, True):
         model, step = decoding_model(Recipe(folder=folder, device=torch.device("cpu"),
-                                            weight_format=name, compile=compile_flag))
+                                            weight_format=fmt, compile=compile_flag))
         kind = step.split(" ")[0]  # "fused", "compiled" or "eager"
         if kind not in seen and kind != "eager":
             seen.add(kind)
@@ -131,7 +132,7 @@ def main(argv=None):
                    f"{', '.join(CPU_FORMATS)})")
     p.add_argument("--steps", action="store_true",
                    help="also score each format's fast steps (fused, compiled) where they run: "
-                   "their largest shifts set speed/reference_check.FORMAT_ERROR")
+                   "their largest shifts set each format's bound (weight_formats.py's error)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.out is not None:
@@ -143,11 +144,12 @@ def main(argv=None):
     reference = [answer_log_probs(float32, prompt, answer) for prompt, answer in chats]
     results = {}
     for name in args.formats or CPU_FORMATS:
+        fmt = format_named(name)
         model, _ = decoding_model(Recipe(folder=folder, device=torch.device("cpu"),
-                                         weight_format=name, compile=False))  # eager
+                                         weight_format=fmt, compile=False))  # eager
         results[name] = compare(reference, [answer_log_probs(model, p, a) for p, a in chats])
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-        for kind, fast in step_models(folder, name) if args.steps else ():
+        for kind, fast in step_models(folder, fmt) if args.steps else ():
             results[f"{name} {kind}"] = compare(reference, [answer_log_probs(fast, p, a)
                                                             for p, a in chats])
             print(f"{name} {kind}: {results[name + ' ' + kind]}", file=sys.stderr, flush=True)

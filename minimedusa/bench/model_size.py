@@ -42,7 +42,7 @@ from minimedusa.cli.flags import Parser, format_list, positive_int
 from minimedusa.model import Llama, LlamaConfig
 from minimedusa.speed.cache_folder import cache_root
 from minimedusa.speed.machine import AVX2_ENVIRONMENT, machine_key
-from minimedusa.speed.weight_formats import FORMATS
+from minimedusa.speed.weight_formats import FORMATS, format_named
 
 REPO = Path(__file__).resolve().parents[2]
 # real models' shapes (their config.json's sizes), with the default model's tokenizer: the
@@ -120,9 +120,9 @@ def run_measured(command: list[str], timeout: float) -> tuple[str, float, int]:
         return out.read(), seconds, usage.ru_maxrss * 1024  # Linux counts it in KB
 
 
-def format_flags(weight_format: str) -> list[str]:
-    return (["--quantize", weight_format] if weight_format in ("int8", "int4", "w4a8")
-            else ["--dtype", weight_format])
+def format_flags(name: str) -> list[str]:
+    """generate.py's flags for the format of this name: --quantize one that rounds, else --dtype."""
+    return ["--quantize" if format_named(name).rounds else "--dtype", name]
 
 
 def generate_run(folder: Path, weight_format: str, threads: int, tokens: int) -> dict:
@@ -142,9 +142,10 @@ import sys, torch
 from pathlib import Path
 from minimedusa.bench.step_profile import forward_times, shape_times
 from minimedusa.assembly.recipe import Recipe, decoding_model
+from minimedusa.speed.weight_formats import format_named
 torch.set_num_threads(int(sys.argv[3]))
 model, _ = decoding_model(Recipe(folder=Path(sys.argv[1]), device=torch.device("cpu"),
-                                 weight_format=sys.argv[2], compile=None))
+                                 weight_format=format_named(sys.argv[2]), compile=None))
 print(shape_times(model) if sys.argv[4] == "profile" else forward_times(model, rows=(1, 2, 4, 8)))
 """
 

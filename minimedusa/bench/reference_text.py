@@ -15,7 +15,8 @@ import torch
 from minimedusa.bench.llama_cpp_tools import BINDING, COMPLETION
 from minimedusa.decoding import decode_step, new_cache, prefill
 from minimedusa.files.weights import load_model
-from minimedusa.speed.reference_check import FORMAT_ERROR, SAME_FORMAT, margins, parting
+from minimedusa.speed.reference_check import SAME_FORMAT, margins, parting
+from minimedusa.speed.weight_formats import format_named
 
 OUTSIDE = (COMPLETION, BINDING)  # other programs' engines, on other weights: not checked
 
@@ -52,19 +53,18 @@ def reference_answers(folder: Path, device, prompts: list[list[int]], n: int) ->
     return answers
 
 
-def engine_format(name: str, main_format: str, transformers_dtype: str) -> str | None:
+def engine_format(name: str, main_format, transformers_format):
     """The weight format whose bound an engine's answers are held to: "[int8] plain" int8's,
     transformers its dtype's, this project's other engines the run's format; None for the
     sampling engines (their text is drawn) and other programs' (llama.cpp rounds otherwise)."""
     if "T=" in name or name in OUTSIDE:
         return None
     if name.startswith("["):
-        return name[1:name.index("]")]
-    return transformers_dtype if name == "transformers" else main_format
+        return format_named(name[1:name.index("]")])  # the name engines.format_engines gave
+    return transformers_format if name == "transformers" else main_format
 
 
-def same_as_reference_of(references: list[tuple], main_format: str, transformers_dtype: str,
-                         device):
+def same_as_reference_of(references: list[tuple], main_format, transformers_format, device):
     """same_as_reference(engine's name, question index, its answer): whether the answer is the
     reference's text by the margin rule, at the engine's format's bound (on CUDA twice that:
     the reference, eager bfloat16, carries a format's error too); None where not checked
@@ -72,11 +72,11 @@ def same_as_reference_of(references: list[tuple], main_format: str, transformers
     scale = SAME_FORMAT if reference_dtype(device) != torch.float32 else 1.0
 
     def same_as_reference(name: str, i: int, answer: list[int]) -> bool | None:
-        fmt = engine_format(name, main_format, transformers_dtype)
+        fmt = engine_format(name, main_format, transformers_format)
         if fmt is None:
             return None
         tokens, gaps = references[i]
-        return parting(answer, tokens, gaps, scale * FORMAT_ERROR[fmt]) is None
+        return parting(answer, tokens, gaps, scale * fmt.error) is None
     return same_as_reference
 
 

@@ -76,15 +76,16 @@ PATHS = {"AMX tiles": (switch_tiles, True), "dot products": (switch_tiles, False
          "VNNI": (switch_vnni, True), "AVX2 code": (switch_vnni, False)}
 
 
+# whether this process has a format's first path (its row_paths' first)
+USES = {"AMX tiles": uses_tiles, "VNNI": uses_vnni}
+
+
 def kernel_paths(model) -> tuple[str, ...]:
-    """The paths product_times compares side by side: AMX tiles against AVX-512 BF16's dot
-    products (int4's bfloat16 rows), AVX-512 VNNI against the AVX2 code (w4a8's quantized rows)
-    where this process uses the first; else one, unnamed."""
-    if uses_tiles() and weight_format(model) == "int4":
-        return ("AMX tiles", "dot products")
-    if uses_vnni() and weight_format(model) == "w4a8":
-        return ("VNNI", "AVX2 code")
-    return ("",)
+    """The paths product_times compares side by side (the format's row_paths): AMX tiles
+    against AVX-512 BF16's dot products (int4's bfloat16 rows), AVX-512 VNNI against the AVX2
+    code (w4a8's quantized rows) where this process uses the first; else one, unnamed."""
+    paths = weight_format(model).row_paths
+    return paths if paths and USES[paths[0]]() else ("",)
 
 
 @torch.inference_mode()

@@ -1,15 +1,26 @@
-"""The machine's defaults, where no flag asks otherwise: the weight format a model decodes in,
-the tree a fixed-tree run starts from, the most nodes a grown tree may have, and how many
-tokens the heads rank. Each follows what runs fastest where it was measured (weights/RESULTS.md,
-"Today's figures" and the log's entries it cites); a flag overrides each.
+"""The machine's defaults, where no flag asks otherwise: the weight format a model decodes in
+(and the summary line's word for a faster one), the tree a fixed-tree run starts from, the most
+nodes a grown tree may have, and how many tokens the heads rank. Each follows what runs fastest
+where it was measured (weights/RESULTS.md, "Today's figures" and the log's entries it cites); a
+flag overrides each.
 """
 import torch
 
 from minimedusa.speed import group_kernel
-from minimedusa.speed.weight_formats import bf16_is_native, faster_four_bit
+from minimedusa.speed.format_layers import of_real_size
+from minimedusa.speed.machine import forced_avx2
+from minimedusa.speed.packed_linear import ONEDNN_LINEAR
+from minimedusa.speed.weight_formats import BFLOAT16, FLOAT32, INT4, W4A8
 
 
-def default_format(device: torch.device, four_bit: bool = False) -> str:
+def bf16_is_native() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (avx512_bf16, AMX, or Arm's),
+    not run as an AVX2 CPU (machine.forced_avx2)."""
+    return (ONEDNN_LINEAR and not forced_avx2()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def default_format(device: torch.device, four_bit: bool = False):
     """generate.py's format for a model when none is asked for: bfloat16 on CUDA. On a CPU, for
     a model whose weights came from a 4-bit file (`four_bit`: assembly/load.four_bit_checkpoint; its
     4-bit weights then lose nothing), where group_kernel.c multiplies them:
@@ -22,12 +33,40 @@ def default_format(device: torch.device, four_bit: bool = False) -> str:
     Otherwise bfloat16 where that is native (half float32's bytes, a step as flat in the
     tree's size), else float32."""
     if device.type == "cuda":
-        return "bfloat16"
+        return BFLOAT16
     if four_bit and group_kernel.kernel_problem() is None:
         return faster_four_bit()  # w4a8 on the kernel's AVX2 path, int4 on AVX-512 BF16's
     if four_bit and bf16_is_native():
-        return "int4"  # through torch's kernel
-    return "bfloat16" if bf16_is_native() else "float32"
+        return INT4  # through torch's kernel
+    return BFLOAT16 if bf16_is_native() else FLOAT32
+
+
+def faster_four_bit():
+    """The faster of the 4-bit formats where group_kernel.c multiplies: w4a8 on a CPU with AVX2
+    and no AVX-512 BF16, whose integer products there beat AVX2's float ones (a 1.1B model of
+    TinyLlama's shape: 1.2-1.3x int4's tokens a second, weights/RESULTS.md), else int4."""
+    if group_kernel.takes_float32() and not group_kernel.multiplies_bfloat16():
+        return W4A8
+    return INT4
+
+
+def describe_weights(config, fmt, rounded: bool, device: torch.device) -> str:
+    """The summary line's words for the weights: the format and its size; where they were
+    rounded from the file's (lossy), so; and for a model of real size in a float format on a
+    CPU where group_kernel.c multiplies, the faster 4-bit format's size (faster there: fewer
+    bytes a token)."""
+    said = f"{fmt.name} weights, {fmt.weight_bytes(config) / 1e9:.2f} GB"
+    if rounded:
+        said += (", rounded from the file's (lossy: python -m minimedusa.bench.format_quality "
+                 "--model DIR measures how much)")
+    elif (not fmt.rounds and device.type == "cpu" and of_real_size(config)
+          and group_kernel.kernel_problem() is None):
+        fast = faster_four_bit()
+        said += (f"; --quantize {fast.name}: {fast.weight_bytes(config) / 1e9:.2f} GB, faster "
+                 "here, lossy")
+    elif fmt is faster_four_bit() and of_real_size(config):
+        said += " (the faster 4-bit format on this CPU)"
+    return said
 
 
 def default_tree(device: torch.device) -> str:

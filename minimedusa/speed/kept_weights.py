@@ -27,9 +27,8 @@ from minimedusa.speed.cache_folder import cache_folder
 from minimedusa.speed.machine import cpu_features
 from minimedusa.speed.quantized import (Int4A8KernelLinear, Int4A16KernelLinear, Int4KernelLinear,
                                         Int4Linear, Int8Linear)
-from minimedusa.speed.weight_formats import LARGE, activation_dtype, block_weights
+from minimedusa.speed.format_layers import LARGE, block_weights
 
-KEPT_FORMATS = ("int8", "int4", "w4a8")  # the formats that round: the others read as stored
 LAYERS = {cls.__name__: cls for cls in (Int8Linear, Int4Linear, Int4KernelLinear,
                                         Int4A8KernelLinear, Int4A16KernelLinear)}
 # the code whose output a kept file holds: a change there is another key
@@ -37,19 +36,19 @@ SOURCES = [Path(__file__).parent / name for name in ("grids.py", "quantized.py",
                                                       "group_kernel.py")]
 
 
-def kept_file(folder: Path, weight_format: str) -> Path:
-    """Where a model folder's blocks in `weight_format` are kept: named by the folder (and a
+def kept_file(folder: Path, fmt) -> Path:
+    """Where a model folder's blocks in format `fmt` are kept: named by the folder (and a
     hash of its full path, so two folders of one name do not share a file)."""
     folder = Path(folder).resolve()
     tag = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
-    return cache_folder() / "weights" / f"{folder.name}-{tag}-{weight_format}.safetensors"
+    return cache_folder() / "weights" / f"{folder.name}-{tag}-{fmt.name}.safetensors"
 
 
-def weights_key(files: list[Path], weight_format: str) -> str:
+def weights_key(files: list[Path], fmt) -> str:
     """16 hex digits of everything the kept blocks depend on (the module's docstring); files:
     the model's as stored (its config.json and safetensors files)."""
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    parts = [json.dumps(stats), weight_format, str(activation_dtype(weight_format)),
+    parts = [json.dumps(stats), fmt.name, str(fmt.activation_dtype()),
              cpu_features(), str(group_kernel.kernel_problem() is None), torch.__version__,
              c_kernels.sources_digest(), *(source.read_text() for source in SOURCES)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -81,10 +80,11 @@ def rebuilt_layer(kind: str, sizes: list[int], tensors: dict[str, torch.Tensor])
     return layer
 
 
-def worth_keeping(config, weight_format: str) -> bool:
-    """Whether a model's rounded blocks are kept: a format that rounds, and a model of real size
-    (weight_formats.LARGE: below, rounding again costs about what reading them back would)."""
-    return weight_format in KEPT_FORMATS and block_weights(config) >= LARGE
+def worth_keeping(config, fmt) -> bool:
+    """Whether a model's rounded blocks are kept: a format that rounds (the others read as
+    stored), and a model of real size (format_layers.LARGE: below, rounding again costs about
+    what reading them back would)."""
+    return fmt.rounds and block_weights(config) >= LARGE
 
 
 def quantized_layers(block: nn.Module) -> dict[str, nn.Module]:
@@ -139,12 +139,12 @@ class KeptBlocks:
             raise KeptBlocksError(f"{self.path}: block {i} is not whole")
 
 
-def read_kept(folder: Path, weight_format: str, key: str) -> KeptBlocks | None:
+def read_kept(folder: Path, fmt, key: str) -> KeptBlocks | None:
     """The kept blocks of this model and format, if a file holds them under today's key
     (weights_key); None (the model is read and rounded) where there is none, it is another
     key's, or damaged."""
-    path = kept_file(folder, weight_format)
-    if weight_format not in KEPT_FORMATS or not path.is_file():
+    path = kept_file(folder, fmt)
+    if not fmt.rounds or not path.is_file():
         return None
     try:
         with safe_open(path, framework="pt", device="cpu") as kept:

@@ -2,7 +2,7 @@
 layers after building the model: model.py and decoding.py never learn that a C kernel or a
 compiled graph exists.
 
-    step = plug_in(model, "int4", compile_flag=None)   # "fused (the blocks one C++ call)"
+    step = plug_in(model, INT4, compile_flag=None)   # "fused (the blocks one C++ call)"
 
 1. the weight format (weight_formats.py): prepacked, quantized or 4-bit layers swapped in;
 2. the step: where the blocks' products are group_kernel.c's int4 layers, each block swapped
@@ -34,17 +34,18 @@ from minimedusa.speed.packed_linear import MIN_ROWS, PackedLinear
 from minimedusa.speed.quantized import (BF16KernelLinear, Int4A8KernelLinear,
                                         Int4A16KernelLinear, Int4KernelLinear, Int4Linear,
                                         Int8A16GroupLinear, Int8GroupLinear, Int8Linear)
-from minimedusa.speed.weight_formats import QUANTIZED, apply_format, weight_format
+from minimedusa.speed.weight_formats import apply_format, weight_format
 
 
-def plug_in(model: Llama, weight_format: str, compile_flag: bool | None) -> str:
-    """Make a loaded model fast in place: its weight format, then its step as --compile asks
+def plug_in(model: Llama, fmt, compile_flag: bool | None) -> str:
+    """Make a loaded model fast in place: its weight format `fmt` (weight_formats.py's), then
+    its step as --compile asks
     (None: on a CPU fused where fused_block.fusable, else compiled where a compiler works; on
     CUDA in CUDA graphs, of compiled blocks where torch.compile works there, else of the eager
     blocks; True: compiled, in CUDA graphs on CUDA; False: eager).
     Returns how the step runs, in words: "fused (the blocks one C++ call)", "compiled (warm-up
     3.4 s)", "CUDA graphs of the compiled blocks (9 captured in 6.1 s)", or "eager" and why."""
-    apply_format(model, weight_format)
+    apply_format(model, fmt)
     if compile_flag is False:
         return "eager (--no-compile)"
     device = model.embed.weight.device
@@ -99,7 +100,7 @@ def how_it_runs(model: Llama) -> str:
     block runs its products (how many, at least how many rows)."""
     block = model.layers[0]
     fmt = weight_format(model)
-    weights = f" | {fmt} weights" if fmt in QUANTIZED else ""  # the dtype says the rest
+    weights = f" | {fmt.name} weights" if fmt.rounds else ""  # the dtype says the rest
     if any(isinstance(layer, BF16KernelLinear) for layer in block.modules()):
         weights = " | bfloat16 weights (group_kernel.c)"
     if any(isinstance(layer, Int4A8KernelLinear) for layer in block.modules()):

@@ -29,17 +29,10 @@ from minimedusa.model import Llama, at_least_float32, causal_mask
 from minimedusa.speed.plug_in import eager_step, unplug_step
 from minimedusa.speed.weight_formats import weight_format
 
-# The most a format moves any token's logit against the reference's top token (largest_shift
-# against eager float32), for every step of the format: the largest measured, times 1.5,
-# rounded up to 0.05. Measured by python -m minimedusa.bench.format_quality --steps (48
-# held-out chats, 128 tokens each, 4,968 positions; on a 2-core Xeon with AMX,
-# records/xeon-amx/format-quality-steps-xeon-amx.json): bfloat16 0.90 (its fused step), int8
-# 2.98 (compiled), int4 1.11 (compiled), w4a8 1.36 (fused). float32's steps sum in other orders
-# only; bfloat16's bound serves float16 (CUDA only, unmeasured: 3 bits finer than bfloat16).
-FORMAT_ERROR = {"float32": 0.01, "bfloat16": 1.35, "float16": 1.35, "int8": 4.5, "int4": 1.7,
-                "w4a8": 2.05}
-# two paths of one format each carry the format's error: a CUDA step held to the eager bfloat16
-# reference, and generate.py's check of its fast step (checked_step), a net for gross faults
+# A format's bound is its `error` (weight_formats.py: the most its steps moved a logit, as
+# measured, times 1.5). Two paths of one format each carry the format's error: a CUDA step held
+# to the eager bfloat16 reference, and generate.py's check of its fast step (checked_step), a
+# net for gross faults
 SAME_FORMAT = 2.0
 
 def margins(reference: torch.Tensor) -> torch.Tensor:
@@ -116,13 +109,13 @@ def checked_step(model: Llama, step: str, ids: list[int]) -> str:
     if step.startswith("eager"):
         return step
     fmt = weight_format(model)  # plug_in's
-    bound = SAME_FORMAT * FORMAT_ERROR[fmt]
+    bound = SAME_FORMAT * fmt.error
     shift = step_disagreement(model, ids)
     if shift <= bound:
         return step
     unplug_step(model)
     print(f"minimedusa: the {step} step moved the prompt's logits by {shift:.2f} from the "
-          f"eager step's, more than {fmt}'s {bound:.2f}: decoding eagerly (slower; "
+          f"eager step's, more than {fmt.name}'s {bound:.2f}: decoding eagerly (slower; "
           "--no-compile says the same; please report this with your machine's lscpu)",
           file=sys.stderr)
     return "eager (the fast step failed the reference check)"

@@ -15,9 +15,8 @@ import torch
 
 from minimedusa.budget import grow_tree
 from minimedusa.files.heads_files import read_calibration
-from minimedusa.speed import group_kernel
 from minimedusa.assembly.latency_cache import latency_key, read_cached
-from minimedusa.speed.weight_formats import QUANTIZED
+from minimedusa.speed.weight_formats import FLOAT16, FORMATS, format_named
 from minimedusa.files.checkpoint import CHECKPOINT
 from minimedusa.files.outputs import lock_folder, write_json
 from minimedusa.cli.flags import positive_int
@@ -69,7 +68,8 @@ def add_flags(p) -> None:
 
 
 STAGES = 3
-DECODE_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")
+# the formats stage 3 may time: a CPU's (float16 is a GPU's)
+DECODE_FORMATS = ("auto", *(name for name, fmt in FORMATS.items() if fmt is not FLOAT16))
 
 
 def check_model_folder(folder: Path) -> None:
@@ -153,17 +153,15 @@ def tree_stage(args, folder: Path, device, say) -> None:
     generate.py (tree_search.py). Done when both the calibration and this machine's step
     latencies are there. A CPU format (--decode-format int4 after training on a GPU) is
     calibrated and timed on the CPU, where generate.py will decode in it."""
-    weight_format = decode_format(args.decode_format, device, folder)
-    if weight_format in QUANTIZED:
+    fmt = decode_format(args.decode_format, device, folder)
+    if fmt.rounds:
         device = torch.device("cpu")
     # timed on the step generate.py decodes with where that costs no warm-up (int4, w4a8, and
     # bfloat16 where group_kernel.c multiplies it: the fused step, ~2.5x faster than their
     # eager one: a tree's worth is another there); other formats on their eager step (a
     # compiled one's warm-up: minutes on a 2-core CPU)
-    fused = weight_format in ("int4", "w4a8") or (weight_format == "bfloat16"
-                                                  and group_kernel.multiplies_bfloat16())
-    step = None if fused else False
-    recipe = Recipe(folder=folder, device=device, weight_format=weight_format, compile=step,
+    step = None if fmt.fused() else False
+    recipe = Recipe(folder=folder, device=device, weight_format=fmt, compile=step,
                     heads=str(args.out))
     model, _ = decoding_model(recipe)
     heads = decoding_heads(recipe.heads, model)
@@ -178,10 +176,10 @@ def tree_stage(args, folder: Path, device, say) -> None:
     time_sizes(recipe, model, heads, nodes, probs, MAX_NODES)
 
 
-def decode_format(name: str, device, folder: Path) -> str:
+def decode_format(name: str, device, folder: Path):
     """--decode-format's weight format: the one named, or generate.py's default for this
     machine and model."""
-    return machine_format(device, folder) if name == "auto" else name
+    return machine_format(device, folder) if name == "auto" else format_named(name)
 
 
 def from_model(args, medusa1, train_loop) -> None:

@@ -131,8 +131,9 @@ def answering_model(folder: Path, device, dtype):
     prepacked where that pays on a CPU (speed/packed_linear.py; answering never trains it, so
     the packed copy stays right). 64 seed prompts x 48 tokens on the 2-core AVX2 EPYC: 34.9 /
     39.9 s -> 30.6 / 32.1 s, the same 64 answers."""
+    from minimedusa.speed.weight_formats import dtype_format
     model, _ = decoding_model(Recipe(folder=folder, device=device,
-                                     weight_format=str(dtype).removeprefix("torch.")))
+                                     weight_format=dtype_format(dtype)))
     return model
 
 

@@ -152,7 +152,8 @@ def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path
     steps = result["steps_by_tree_size"]["medusa greedy"]
     assert sum(steps.values()) == result["totals"]["medusa greedy"]["steps"] - 8  # - prefills
     device = pick_device("auto")  # the GPU where there is one
-    assert result["machine"].startswith(f"{device.type}/{machine_format(device, tiny_folder)}/")
+    fmt = machine_format(device, tiny_folder)
+    assert result["machine"].startswith(f"{device.type}/{fmt.name}/")
 
 
 def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):

@@ -25,7 +25,7 @@ from minimedusa.cli.chat import COMMANDS
 from minimedusa.heads import HydraHeads
 from minimedusa.kv_cache import KVCache
 from minimedusa.speed.packed_linear import ONEDNN_LINEAR
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 from minimedusa.tree import build_tree
 
 # eager steps (what is checked here is not the compiled step) and float32 whatever the CPU
@@ -48,7 +48,7 @@ def test_a_prompts_rows_are_the_same_bits_however_it_is_split():
     same logits, hidden states, keys and values, to the bit (prepacked float32 products: the
     decoding's own; torch's float64 products round by the row count)."""
     model = apply_format(tiny_model(0, dtype=torch.float32, max_position_embeddings=1024),
-                         "float32")
+                         format_named("float32"))
     prompt = torch.randint(0, 64, (1, 600), generator=torch.Generator().manual_seed(0))
     whole, parts, stepped = (KVCache.for_model(model, 600) for _ in range(3))
     logits, hidden = prefill(model, whole, prompt)

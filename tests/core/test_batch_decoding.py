@@ -32,7 +32,7 @@ from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compile_blocks, compiler_problem
 from minimedusa.speed.fused_draft import fast_draft
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 from minimedusa.training.self_distill import answer_batch
 from minimedusa.tree import build_tree
 
@@ -354,7 +354,7 @@ def test_the_compiled_steps_batches_answer_as_its_batch_1_steps():
     problem = compiler_problem()
     if problem is not None:
         pytest.skip(f"torch.compile does not work here: {problem}")
-    model = apply_format(tiny_model(3, dtype=torch.float32), "float32")
+    model = apply_format(tiny_model(3, dtype=torch.float32), format_named("float32"))
     compile_blocks(model)
     prompts = random_prompts(3, 5, 10)
     answers = dict(batch_decode(model, prompts, 12, Sampling(), {1}, 3))

@@ -24,7 +24,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.speed.compiled_step import compiler_problem
 from minimedusa.speed.fused_block import is_fused
 from minimedusa.speed.plug_in import plug_in
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 from minimedusa.tree import build_tree
 
 pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
@@ -40,10 +40,10 @@ def format_model(weight_format: str, step: str, seed: int):
         pytest.skip(f"w4a8 multiplies in group_kernel.c only: {group_kernel.kernel_problem()}")
     model = cycling_model(seed, hidden_size=64, intermediate_size=128)
     if step == "eager":
-        return apply_format(model, weight_format)
+        return apply_format(model, format_named(weight_format))
     if step == "compiled" and compiler_problem() is not None:
         pytest.skip(f"no compiled step here: {compiler_problem()}")
-    how = plug_in(model, weight_format, None if step == "fused" else True)
+    how = plug_in(model, format_named(weight_format), None if step == "fused" else True)
     if step == "fused" and not is_fused(model):
         pytest.skip(f"the blocks do not fuse here ({how})")
     return model
@@ -70,7 +70,8 @@ MATRIX = ([(f, "eager") for f in ("float32", "bfloat16", "int8", "int4", "w4a8")
 def test_medusa_greedy_equals_the_formats_plain_greedy_and_accepts(weight_format, step, kind):
     for seed in (1, 2):
         model = format_model(weight_format, step, seed)
-        heads = apply_format(cycling_heads(model, kind, seed).float().eval(), weight_format)
+        heads = apply_format(cycling_heads(model, kind, seed).float().eval(),
+                             format_named(weight_format))
         prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
         tree = build_tree(TREE, num_heads=4)
         medusa, plain, per_step = greedy_pair(model, heads, tree, prompt, NEW)
@@ -84,7 +85,8 @@ def test_every_kind_of_draft_stays_lossless_and_accepts(draft, weight_format, st
     """Trees the heads rank each step, a chain copied from the sequence merged in, and the
     Budget moving between nested trees and plain steps: each the same tokens as plain greedy."""
     model = format_model(weight_format, step, 3)
-    heads = apply_format(cycling_heads(model, "medusa", 3).float().eval(), weight_format)
+    heads = apply_format(cycling_heads(model, "medusa", 3).float().eval(),
+                         format_named(weight_format))
     prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     prompt += prompt  # a repeat, for the context candidates to find
     _, plain, _ = greedy_pair(model, heads, build_tree(TREE, num_heads=4), prompt, NEW)

@@ -17,6 +17,7 @@ from minimedusa.draft import TreeDraft
 from minimedusa.heads import DraftVocabulary
 from minimedusa.model import causal_mask
 from minimedusa.speed.plug_in import plug_in, plug_in_heads
+from minimedusa.speed.weight_formats import format_named
 from helpers import (ALPHA, argmax_a_quarter_of_the_time, chi_square_p_value, goodness_of_fit,
                     NEW, plain_samples, rejection_setup as setup, RUNS)
 from minimedusa.experiments.draft_layer import PlusPlusDraft
@@ -76,7 +77,7 @@ def default_path():
     model = cycling_model(1, hidden_size=64, intermediate_size=128)
     model.lm_head.weight.mul_(0.006)  # logits ~5, not ~750: a distribution to sample from
     heads = cycling_heads(model, "hydra", 1)
-    plug_in(model, "int4", None)
+    plug_in(model, format_named("int4"), None)
     heads.vocabulary = DraftVocabulary(torch.arange(48), model.lm_head)
     return model, plug_in_heads(heads.float(), model)
 

@@ -31,6 +31,7 @@ from minimedusa.heads import MedusaHeads
 from minimedusa.speculative_decoding import (DraftModelWithHeads, ModelDraft, chain_paths,
                                              chain_proposal)
 from minimedusa.speculative_sampling import speculative, verify_drawn
+from minimedusa.speed.weight_formats import format_named
 from minimedusa.tree import build_tree
 
 ALPHA = 1e-4
@@ -242,8 +243,8 @@ def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default
     the shipped heads (as generate.py --draft int4 does): the float32 model's plain greedy
     tokens exactly, and most drafts kept (the system prompt's chat, of near-ties, fewest: a
     draft cache rewound wrong keeps few, its drafts following text the target never wrote)."""
-    recipe = Recipe(folder=default_model_dir, device=torch.device("cpu"), weight_format="float32",
-                    compile=False, draft_model="int4")
+    recipe = Recipe(folder=default_model_dir, device=torch.device("cpu"),
+                    weight_format=format_named("float32"), compile=False, draft_model="int4")
     target, _ = decoding_model(recipe)
     drafter, _ = draft_model(recipe)  # fused
     decodings = [build(recipe, target, drafter=drafter),  # as generate.py's, with its heads

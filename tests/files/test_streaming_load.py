@@ -13,7 +13,7 @@ import torch
 from helpers import REPO
 from minimedusa.files.weights import load_model, save_model
 from minimedusa.model import Llama, LlamaConfig
-from minimedusa.speed.weight_formats import block_format
+from minimedusa.speed.weight_formats import format_named
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
                                 reason="peak memory is read from Linux's /proc")
@@ -25,15 +25,16 @@ import sys, torch
 from pathlib import Path
 from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.speed import group_kernel
+from minimedusa.speed.weight_formats import format_named
 group_kernel.kernel_problem()
 decoding_model(Recipe(folder=Path(sys.argv[1]), device=torch.device("cpu"),
-                      weight_format=sys.argv[2]))
+                      weight_format=format_named(sys.argv[2])))
 def status(key):
     return int(dict(line.split(":", 1) for line in open("/proc/self/status"))[key].split()[0])
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
 model, _ = decoding_model(Recipe(folder=Path(sys.argv[1]), device=torch.device("cpu"),
-                                 weight_format=sys.argv[2]))
+                                 weight_format=format_named(sys.argv[2])))
 print((status("VmHWM") - before) * 1024)
 """
 CONFIG = dict(vocab_size=1024, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
@@ -81,9 +82,10 @@ def test_loading_peaks_at_the_formats_bytes_and_one_block_not_the_whole_model(
 
 def test_a_block_formatted_as_read_equals_the_model_formatted_after(model_folder):
     """The same bits, streamed or not: the format's rounding sees the weights as stored."""
-    streamed = load_model(model_folder, "cpu", None, convert_block=block_format("int8"))
+    streamed = load_model(model_folder, "cpu", None,
+                          convert_block=format_named("int8").block_format())
     whole = load_model(model_folder, "cpu", None)
-    block_format("int8")(whole.layers[3])
+    format_named("int8").block_format()(whole.layers[3])
     for (name, a), b in zip(streamed.layers[3].state_dict().items(),
                             whole.layers[3].state_dict().values()):
         assert torch.equal(a, b), name

@@ -1,4 +1,4 @@
-"""What the summary line says of the weights (weight_formats.describe_weights): the format's
+"""What the summary line says of the weights (defaults.describe_weights): the format's
 size, true to the bytes the loaded model holds; "rounded ... lossy" exactly where the file's
 weights were not on the format's grid; int4's size beside a float format for a model of real
 size, where group_kernel.c multiplies."""
@@ -9,9 +9,10 @@ from helpers import four_bit_model, tiny_model
 from minimedusa.files.weights import save_model
 from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.assembly.load import four_bit_checkpoint
-from minimedusa.speed import group_kernel, weight_formats
+from minimedusa.speed import format_layers, group_kernel
+from minimedusa.speed.defaults import describe_weights
 from minimedusa.speed.kept_weights import layer_tensors, quantized_layers
-from minimedusa.speed.weight_formats import describe_weights, weight_bytes
+from minimedusa.speed.weight_formats import format_named
 
 CPU = torch.device("cpu")
 
@@ -30,8 +31,9 @@ def held_bytes(model) -> int:
 def test_the_size_said_is_the_size_held(weight_format, tmp_path):
     save_model(tiny_model(0, dtype=torch.float32, hidden_size=128, intermediate_size=256,
                           vocab_size=256), tmp_path)
-    model, _ = decoding_model(Recipe(folder=tmp_path, device=CPU, weight_format=weight_format))
-    said = weight_bytes(model.config, weight_format)
+    fmt = format_named(weight_format)
+    model, _ = decoding_model(Recipe(folder=tmp_path, device=CPU, weight_format=fmt))
+    said = fmt.weight_bytes(model.config)
     assert abs(said - held_bytes(model)) <= 0.05 * said
 
 
@@ -41,18 +43,20 @@ def test_rounded_weights_are_said_to_be_lossy_and_a_four_bit_files_are_not(tmp_p
     assert four_bit_checkpoint(tmp_path / "four bit")
     assert not four_bit_checkpoint(tmp_path / "random")
     config = four_bit_model(0).config
-    assert "lossy" not in describe_weights(config, "int4", False, CPU)
-    assert describe_weights(config, "int4", True, CPU).startswith(
+    int4 = format_named("int4")
+    assert "lossy" not in describe_weights(config, int4, False, CPU)
+    assert describe_weights(config, int4, True, CPU).startswith(
         "int4 weights, 0.00 GB, rounded from the file's (lossy")
 
 
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,
                     reason="int4 is said to be faster only where group_kernel.c multiplies")
 def test_a_large_model_in_a_float_format_is_told_int4s_size(monkeypatch):
-    config = tiny_model(0).config
-    assert "--quantize int4" not in describe_weights(config, "bfloat16", False, CPU)
-    monkeypatch.setattr(weight_formats, "LARGE", 0)  # as if of real size
-    said = describe_weights(config, "bfloat16", False, CPU)
-    assert said.endswith(f"; --quantize int4: {weight_bytes(config, 'int4') / 1e9:.2f} GB, "
+    config, bfloat16 = tiny_model(0).config, format_named("bfloat16")
+    assert "--quantize int4" not in describe_weights(config, bfloat16, False, CPU)
+    monkeypatch.setattr(format_layers, "LARGE", 0)  # as if of real size
+    said = describe_weights(config, bfloat16, False, CPU)
+    int4 = format_named("int4")
+    assert said.endswith(f"; --quantize int4: {int4.weight_bytes(config) / 1e9:.2f} GB, "
                          "faster here, lossy")
-    assert "--quantize" not in describe_weights(config, "bfloat16", False, torch.device("meta"))
+    assert "--quantize" not in describe_weights(config, bfloat16, False, torch.device("meta"))

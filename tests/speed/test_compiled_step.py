@@ -18,7 +18,7 @@ from minimedusa.decoding import (decode_step, medusa_decode, new_cache, plain_de
                                  tree_forward)
 from minimedusa.heads import MedusaHeads
 from minimedusa.tree import build_tree
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 
 pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
 
@@ -31,7 +31,8 @@ def compiled():
     problem = compiler_problem()
     if problem is not None:
         pytest.skip(f"torch.compile does not work here: {problem}")
-    model = apply_format(copycat_model(5, embed_scale=3.0, dtype=torch.float32), "float32")
+    model = apply_format(copycat_model(5, embed_scale=3.0, dtype=torch.float32),
+                         format_named("float32"))
     compile_blocks(model)
     warm_up(model)
     return model
@@ -90,9 +91,9 @@ from helpers import tiny_model
 from minimedusa.batch_decoding import batch_step
 from minimedusa.kv_cache import KVCache
 from minimedusa.speed.compiled_step import compile_blocks
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 model = apply_format(tiny_model(3, dtype=torch.float32, hidden_size=96, intermediate_size=200),
-                     "float32")
+                     format_named("float32"))
 compile_blocks(model)
 tokens, logits = torch.tensor([[5], [9]]), []
 for stance in ("default", "force_eager"):

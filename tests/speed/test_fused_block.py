@@ -16,7 +16,7 @@ from minimedusa.model import causal_mask
 from minimedusa.speed import group_kernel
 from minimedusa.speed.fused_block import fusable, is_fused
 from minimedusa.speed.plug_in import how_it_runs, plug_in
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 from minimedusa.tree import build_tree
 
 pytestmark = [pytest.mark.kernels,
@@ -27,8 +27,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def test_plug_in_fuses_the_blocks_of_an_int4_model_its_state_dict_names_unchanged():
     model = four_bit_model(0)
-    names = list(apply_format(four_bit_model(0), "int4").state_dict())
-    assert plug_in(model, "int4", None) == "fused (the blocks one C++ call)"
+    names = list(apply_format(four_bit_model(0), format_named("int4")).state_dict())
+    assert plug_in(model, format_named("int4"), None) == "fused (the blocks one C++ call)"
     assert is_fused(model) and "fused step" in how_it_runs(model)
     assert list(model.state_dict()) == names  # the same Block modules, only run otherwise
 
@@ -87,7 +87,7 @@ def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed, dtype
         model = fused(model, "int4", dtype)
         heads = (perturbed(MedusaHeads.for_model(model, 4, num_layers=1), seed, 0.05)
                  if kind == "medusa" else HydraHeads.for_model(model, 4))
-        heads = apply_format(heads.float().eval(), "int4").to(dtype)
+        heads = apply_format(heads.float().eval(), format_named("int4")).to(dtype)
         tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
         prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
@@ -95,10 +95,10 @@ def test_medusa_greedy_on_a_fused_step_equals_its_plain_greedy(kind, seed, dtype
 
 
 def test_a_model_the_fused_step_does_not_serve_says_why():
-    model = apply_format(four_bit_model(0), "float32")
+    model = apply_format(four_bit_model(0), format_named("float32"))
     assert fusable(model) == ("its products are not group_kernel.c's int4 or bfloat16 layers "
                               "without biases")
-    half = apply_format(four_bit_model(0), "int4").half()
+    half = apply_format(four_bit_model(0), format_named("int4")).half()
     assert fusable(half) == "its activations are float16, not float32 or bfloat16"
-    wide_heads = apply_format(four_bit_model(0, head_dim=288), "int4")
+    wide_heads = apply_format(four_bit_model(0, head_dim=288), format_named("int4"))
     assert fusable(wide_heads) == "its head dim 288 is over the C attention's 256"

@@ -18,7 +18,7 @@ from minimedusa.speed.fused_draft import (FusedDrawnDraft, FusedHydraDraft, fast
                                           fusable_draft)
 from minimedusa.speculative_sampling import DrawnDraft
 from minimedusa.speed.plug_in import plug_in_heads
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 from minimedusa.tree import build_tree
 from helpers import flat, four_bit_model, hydra_draft_setup as setup, trees
 
@@ -76,17 +76,18 @@ def test_medusa_greedy_with_the_fused_draft_equals_plain_greedy(seed):
 
 
 def test_the_fused_draft_is_swapped_in_for_hydra_heads_it_serves():
-    model = apply_format(four_bit_model(0), "int4")  # its activations as this CPU's int4 has them
+    # its activations as this CPU's int4 has them
+    model = apply_format(four_bit_model(0), format_named("int4"))
     heads = plug_in_heads(HydraHeads.for_model(model, 3, num_layers=2).float(), model)
     tree = build_tree([[0], [1]], num_heads=3)
     assert isinstance(fast_draft(TreeDraft(heads, {2: tree}), model), FusedHydraDraft)
 
 
 def test_heads_the_fused_draft_does_not_serve_say_why():
-    model = apply_format(four_bit_model(0), "int4")
+    model = apply_format(four_bit_model(0), format_named("int4"))
     medusa = plug_in_heads(MedusaHeads.for_model(model, 2, shared_lm_head=True).float(), model)
     assert fusable_draft(medusa, model).startswith("they are not Hydra heads")
-    float_model = apply_format(four_bit_model(0), "float32")
+    float_model = apply_format(four_bit_model(0), format_named("float32"))
     hydra = plug_in_heads(HydraHeads.for_model(float_model, 2).float(), float_model)
     tree = build_tree([[0], [1]], num_heads=2)
     assert type(fast_draft(TreeDraft(hydra, {2: tree}), float_model)) is TreeDraft

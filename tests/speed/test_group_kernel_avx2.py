@@ -15,7 +15,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.errors import UserError
 from minimedusa.speed.c_kernels import build, flags
 from minimedusa.speed.machine import ISA_VARIABLE, cpu_features
-from minimedusa.speed.weight_formats import bf16_is_native
+from minimedusa.speed.defaults import bf16_is_native
 from minimedusa.speed.grids import dequantize_int4, eight_bit_groups, quantize_int4
 from helpers import eight_bit_weight, four_bit_weight, w4a8_reference
 

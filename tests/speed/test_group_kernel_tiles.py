@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from minimedusa.speed import group_kernel
 from minimedusa.speed.plug_in import how_it_runs, plug_in
+from minimedusa.speed.weight_formats import format_named
 from minimedusa.speed.grids import eight_bit_groups
 from minimedusa.speed.quantized import Int4KernelLinear, Int8GroupLinear
 from helpers import eight_bit_weight, four_bit_model, four_bit_weight
@@ -62,5 +63,5 @@ def test_a_rows_bits_on_tiles_are_the_same_wherever_it_sits_among_40_rows():
 
 def test_a_model_on_tiles_says_so():
     model = four_bit_model(0)
-    plug_in(model, "int4", None)
+    plug_in(model, format_named("int4"), None)
     assert "(group_kernel.c, AMX tiles)" in how_it_runs(model)

@@ -20,7 +20,7 @@ from minimedusa.speed import attention_kernel, group_kernel
 from minimedusa.speed.grids import eight_bit_groups
 from minimedusa.speed.quantized import (BF16KernelLinear, Int4A8KernelLinear, Int4A16KernelLinear,
                                         Int4KernelLinear, Int8A16GroupLinear, Int8GroupLinear)
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 from helpers import (eight_bit_weight, four_bit_model, four_bit_weight, fused,
                     hydra_draft_setup as draft_setup, quantized_rows, within_rounding)
 
@@ -182,7 +182,8 @@ def fused_models():
     for heads, kv_heads in ((4, 2), (8, 2)):
         config = dict(num_attention_heads=heads, num_key_value_heads=kv_heads)
         models[heads] = (fused(four_bit_model(1, **config), "int4", torch.bfloat16),
-                         apply_format(four_bit_model(1, **config), "int4").to(torch.bfloat16))
+                         apply_format(four_bit_model(1, **config),
+                                      format_named("int4")).to(torch.bfloat16))
     return models
 
 

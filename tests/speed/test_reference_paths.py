@@ -4,7 +4,7 @@ step forced along the fixture's greedy chats (every position checked: the logits
 the margin rule), its Medusa tree step and its batch of rows decoding freely (the margin rule,
 and equal to the same path's plain greedy); each fast step against the eager step of its
 format. A path may part from the reference only where the reference's top-2 margin is under
-its format's bound (reference_check.FORMAT_ERROR, measured by format_quality --steps).
+its format's bound (its `error`, weight_formats.py, measured by format_quality --steps).
 Negative controls (conftest.BROKEN): steps broken as steps break (keys written one slot early,
 a mask that hides a token's own key, a loop one block short, activations narrower than the
 format's) fail every check here, and generate.py falls back to its eager step, with one line,
@@ -39,8 +39,8 @@ from minimedusa.speed.fused_block import fusable, fuse_blocks
 from minimedusa.speed.machine import AVX2_ENVIRONMENT, cpu_features
 from minimedusa.speed.plug_in import eager_step
 from minimedusa.speed.host_greedy import greedy_for
-from minimedusa.speed.reference_check import (FORMAT_ERROR, checked_step, largest_shift,
-                                              parting, probe_logits)
+from minimedusa.speed.reference_check import checked_step, largest_shift, parting, probe_logits
+from minimedusa.speed.weight_formats import format_named
 from minimedusa.tree import build_tree
 
 FORMATS = ("float32", "bfloat16", "int8", "int4", "w4a8")
@@ -65,7 +65,8 @@ def path_model(folder, device: str, fmt: str, step: str):
     if step == "compiled" and compiler_problem() is not None:
         return f"no compiled step here: {compiler_problem()}"
     model, how = decoding_model(Recipe(folder=folder, device=torch.device(device),
-                                       weight_format=fmt, compile=COMPILE_FLAG[step]))
+                                       weight_format=format_named(fmt),
+                                       compile=COMPILE_FLAG[step]))
     if not how.startswith(HOW[step]):
         return f"{fmt}'s step here is {how}, not {step}"
     return model
@@ -133,7 +134,7 @@ def assert_keeps_the_reference(logits: list, reference_logits: list, cases: list
 def test_each_paths_plain_step_keeps_the_reference_at_every_position(paths, reference_logits,
                                                                      device, fmt, step):
     logits = paths.logits((device, fmt, step))
-    assert_keeps_the_reference(logits, reference_logits, paths.cases, FORMAT_ERROR[fmt])
+    assert_keeps_the_reference(logits, reference_logits, paths.cases, format_named(fmt).error)
     if step != "eager":  # and the eager step of its own format, at the precision they share
         bound = step_error(fmt, paths.model((device, fmt, step)).embed.weight.dtype)
         for got, eager in zip(logits, paths.logits((device, fmt, "eager"))):
@@ -149,7 +150,7 @@ def test_the_fused_step_in_float32_gives_its_eager_step_to_float32_rounding(path
     could not see it."""
     if not group_kernel.takes_float32() or group_kernel.kernel_problem() is not None:
         pytest.skip("this CPU's group_kernel.c does not take float32 rows")
-    model = formatted_model(default_model_dir, "cpu", "int4").to(torch.float32)
+    model = formatted_model(default_model_dir, "cpu", format_named("int4")).to(torch.float32)
     assert fusable(model) is None
     fuse_blocks(model)
     fast = [forced_logits(model, case, N) for case in paths.cases]
@@ -201,7 +202,7 @@ def test_each_paths_medusa_and_batch_write_the_reference_text(paths, device, fmt
         accepted += len(medusa) - len(steps)
         assert medusa == batch[i], case["kind"]
         assert parting(batch[i], case["output_ids"], case["top2_margin"],
-                       FORMAT_ERROR[fmt]) is None, case["kind"]
+                       format_named(fmt).error) is None, case["kind"]
     assert accepted > 0  # the tree step ran with candidates accepted, not plain steps only
 
 
@@ -226,7 +227,7 @@ def test_a_broken_step_fails_the_logits_rule(float32_model, reference, reference
     cases = reference["greedy"]["cases"]
     with pytest.raises(AssertionError):  # within the chats' first 12 positions
         assert_keeps_the_reference([forced_logits(fast, c, 12) for c in cases],
-                                   reference_logits, cases, FORMAT_ERROR[fmt])
+                                   reference_logits, cases, format_named(fmt).error)
 
 
 @pytest.mark.parametrize("kind", [kind for kind, fmt in BROKEN if fmt == "int8"])
@@ -238,7 +239,7 @@ def test_a_broken_float32_step_fails_the_margin_rule_on_its_own_text(float32_mod
     which is why the logits rule holds every position above."""
     fast = broken(float32_model, kind)
     partings = [parting(plain_greedy(fast, c["prompt_ids"], 8), c["output_ids"],
-                        c["top2_margin"], FORMAT_ERROR["float32"])
+                        c["top2_margin"], format_named("float32").error)
                 for c in reference["greedy"]["cases"]]  # within 8 tokens
     assert any(p is not None for p in partings)
 
@@ -260,7 +261,7 @@ def test_a_step_that_fails_the_check_falls_back_to_the_eager_step(float32_model,
 def test_a_fast_step_that_passes_the_check_is_kept(paths, reference):
     model = paths.model(("cpu", "int4", "fused"))
     ids = reference["greedy"]["cases"][0]["prompt_ids"]
-    assert checked_step(model, "fused", ids) == "fused" and model.weight_format == "int4"
+    assert checked_step(model, "fused", ids) == "fused" and model.weight_format.name == "int4"
 
 
 def test_generate_falls_back_to_eager_where_its_step_fails(monkeypatch, capsys):

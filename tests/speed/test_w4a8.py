@@ -21,7 +21,7 @@ from minimedusa.speed import group_kernel
 from minimedusa.speed.grids import dequantize_int8_groups, quantize_int8_groups
 from minimedusa.speed.quantized import Int4A8KernelLinear, Int4A16KernelLinear, Int8A16GroupLinear
 from minimedusa.speed.plug_in import how_it_runs
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 from minimedusa.tree import build_tree
 
 pytestmark = [pytest.mark.kernels, needs_group_kernel]
@@ -118,7 +118,7 @@ def test_w4a8s_vnni_path_gives_its_avx2_codes_bits(seed, rows, floats):
 
 @pytest.mark.skipif(not group_kernel.uses_vnni(), reason="group_kernel.c has no VNNI path here")
 def test_the_step_profile_times_w4a8s_products_on_vnni_and_on_the_avx2_code_in_turns():
-    model = apply_format(four_bit_model(0), "w4a8")
+    model = apply_format(four_bit_model(0), format_named("w4a8"))
     text = product_times(model, rows=(1, 2), rounds=1)
     assert "head's, VNNI\n" in text and "head's, AVX2 code\n" in text
     assert group_kernel.uses_vnni()  # back on afterwards, as the process had it
@@ -129,9 +129,9 @@ def test_a_model_in_w4a8_stays_close_to_float32_and_says_so():
     tokens, positions, mask = torch.randint(0, 64, (1, 9)), torch.arange(9)[None], causal_mask(0, 9)
     with torch.inference_mode():
         reference, _ = model(tokens, positions, mask)
-        w4a8 = apply_format(model, "w4a8")
+        w4a8 = apply_format(model, format_named("w4a8"))
         logits, _ = w4a8(tokens, positions, mask)
-    assert w4a8.weight_format == "w4a8" and type(w4a8.lm_head) is Int8A16GroupLinear
+    assert w4a8.weight_format.name == "w4a8" and type(w4a8.lm_head) is Int8A16GroupLinear
     assert all(isinstance(block.attn.wo, Int4A8KernelLinear) and
                isinstance(block.mlp.gate_up, Int4A8KernelLinear) for block in w4a8.layers)
     assert all(type(layer) is Int4A16KernelLinear for block in w4a8.layers
@@ -149,10 +149,10 @@ def test_medusa_greedy_equals_w4a8s_plain_greedy(kind, seed):
     """On a model where candidates are accepted (copycat) and on a 4-bit model with an 8-bit LM
     head, heads in the same format."""
     for model in (copycat_model(seed, dtype=torch.float32), four_bit_model(seed)):
-        model = apply_format(model, "w4a8")
+        model = apply_format(model, format_named("w4a8"))
         heads = (perturbed(MedusaHeads.for_model(model, 4, num_layers=1), seed, 0.05)
                  if kind == "medusa" else HydraHeads.for_model(model, 4))
-        heads = apply_format(heads.float().eval(), "w4a8")
+        heads = apply_format(heads.float().eval(), format_named("w4a8"))
         tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
         prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from helpers import (copycat_model, eight_bit_weight, flat, four_bit_model, four_bit_weight,
                     needs_group_kernel, perturbed, perturbed_hydra_pp, tiny_model)
 from minimedusa.budget import fixed
-from minimedusa.speed import defaults, group_kernel, weight_formats
+from minimedusa.speed import defaults, format_layers, group_kernel
 from minimedusa.acceptance import Sampling, greedy
 from minimedusa.decoding import medusa_decode, plain_decode
 from minimedusa.heads import DraftVocabulary, HydraHeads, MedusaHeads
@@ -21,7 +21,8 @@ from minimedusa.speed.grids import (GROUP, dequantize_int4, dequantize_int8,
                                     dequantize_int8_groups, eight_bit_groups, on_four_bit_grid,
                                     quantize_int4, quantize_int8, quantize_int8_groups)
 from minimedusa.speed.quantized import Int4KernelLinear, Int4Linear, Int8GroupLinear, Int8Linear
-from minimedusa.speed.weight_formats import activation_dtype, apply_format, bf16_is_native
+from minimedusa.speed.defaults import bf16_is_native
+from minimedusa.speed.weight_formats import apply_format, format_named
 from minimedusa.files.weights import save_model
 
 
@@ -152,17 +153,17 @@ def test_int4_keeps_an_lm_head_on_an_eight_bit_grid_in_it_and_a_draft_vocabulary
     grid stays bfloat16."""
     model = four_bit_model(3)
     float32 = model.lm_head.weight.clone()
-    model = apply_format(model, "int4")
+    model = apply_format(model, format_named("int4"))
     assert isinstance(model.lm_head, Int8GroupLinear) and model.lm_head.wide  # float32 logits
     assert torch.equal(model.lm_head.weight, float32)  # where bfloat16 would round it
     heads = HydraHeads.for_model(model, 2)
     ids = torch.arange(1, 64, 4)  # 16 tokens: the kernel multiplies blocks of 16 outputs
     heads.vocabulary = DraftVocabulary(ids, model.lm_head)
-    heads = apply_format(heads.float(), "int4")
+    heads = apply_format(heads.float(), format_named("int4"))
     assert isinstance(heads.vocabulary.lm_head, Int8GroupLinear)
     assert not heads.vocabulary.lm_head.wide  # the draft's logits: only guesses
     assert torch.equal(heads.vocabulary.lm_head.weight, model.lm_head.weight[ids])
-    off_grid = apply_format(tiny_model(3, dtype=torch.float32), "int4")
+    off_grid = apply_format(tiny_model(3, dtype=torch.float32), format_named("int4"))
     assert not isinstance(off_grid.lm_head, Int8GroupLinear)
 
 
@@ -189,9 +190,10 @@ def test_a_four_bit_checkpoint_decodes_with_8_bit_activations_only_without_avx51
     monkeypatch.setattr(defaults.group_kernel, "multiplies_bfloat16", lambda: bf16)
     monkeypatch.setattr(defaults, "bf16_is_native", lambda: bf16)
     cpu = torch.device("cpu")
-    assert defaults.default_format(cpu, four_bit=True) == expected
-    assert defaults.default_format(cpu, four_bit=False) == ("bfloat16" if bf16 else "float32")
-    assert defaults.default_format(torch.device("cuda"), four_bit=True) == "bfloat16"
+    assert defaults.default_format(cpu, four_bit=True) is format_named(expected)
+    assert defaults.default_format(cpu, four_bit=False) is format_named("bfloat16" if bf16
+                                                                         else "float32")
+    assert defaults.default_format(torch.device("cuda"), four_bit=True) is format_named("bfloat16")
 
 
 @pytest.mark.skipif(not bf16_is_native(), reason="this CPU has no native bfloat16 (oneDNN)")
@@ -214,9 +216,9 @@ def test_a_model_in_a_format_stays_close_to_float32(name):
     tokens, positions, mask = torch.randint(0, 64, (1, 9)), torch.arange(9)[None], causal_mask(0, 9)
     with torch.inference_mode():
         reference, _ = model(tokens, positions, mask)
-        formatted = apply_format(model, name)
+        formatted = apply_format(model, format_named(name))
         logits, _ = formatted(tokens, positions, mask)
-    assert formatted.weight_format == name
+    assert formatted.weight_format is format_named(name)
     error = (logits.float() - reference).abs().max() / reference.abs().max()
     assert error <= {"float32": 1e-6, "bfloat16": 2e-2, "int8": 2e-2, "int4": 2e-2}[name]
 
@@ -248,7 +250,7 @@ def test_int4_rounds_the_heads_layers_to_eight_bit_groups_and_keeps_their_guesse
     within half a step of each group's grid (and float16's rounding of the step), and the
     heads' logits stay those of float32 heads to within the rounding (what they guess; what is
     accepted is the model's)."""
-    model = apply_format(four_bit_model(0), "int4")
+    model = apply_format(four_bit_model(0), format_named("int4"))
     heads = (perturbed(MedusaHeads.for_model(model, 3, num_layers=1), 0, 0.05) if kind == "medusa"
              else perturbed(HydraHeads.for_model(model, 3), 0, 0.05)).float().eval()
     float32 = {name: m.weight.clone() for name, m in heads.named_modules()
@@ -264,10 +266,10 @@ def test_int4_rounds_the_heads_layers_to_eight_bit_groups_and_keeps_their_guesse
     with torch.inference_mode():
         before = (heads(hidden, lm_head) if kind == "medusa"
                   else heads(hidden, tokens, embed, lm_head))
-        heads = apply_format(heads, "int4")
-        after = (heads(hidden.to(activation_dtype("int4")), model.lm_head) if kind == "medusa"
-                 else heads(hidden.to(activation_dtype("int4")), tokens, model.embed,
-                            model.lm_head))
+        heads = apply_format(heads, format_named("int4"))
+        rows = hidden.to(format_named("int4").activation_dtype())
+        after = (heads(rows, model.lm_head) if kind == "medusa"
+                 else heads(rows, tokens, model.embed, model.lm_head))
     rounded = {name: m for name, m in heads.named_modules() if isinstance(m, Int8GroupLinear)}
     assert float32 and set(float32) <= set(rounded)
     for name, w in float32.items():
@@ -287,10 +289,10 @@ def test_medusa_greedy_equals_the_formats_plain_greedy(name, kind, seed):
     where candidates are accepted (copycat), and with perturbed heads that are often wrong.
     A tiny model's top-2 logits rarely tie; the default model's in bfloat16 do, and there the
     two decodes may part (weight_formats.py), which this test does not claim otherwise."""
-    model = apply_format(copycat_model(seed, dtype=torch.float32), name)
+    model = apply_format(copycat_model(seed, dtype=torch.float32), format_named(name))
     heads = (perturbed(MedusaHeads.for_model(model, 4, num_layers=1), seed, 0.05)
              if kind == "medusa" else HydraHeads.for_model(model, 4))
-    heads = apply_format(heads.float().eval(), name)
+    heads = apply_format(heads.float().eval(), format_named(name))
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     plain = flat(plain_decode(model, prompt, 40, Sampling(), set()))
@@ -305,11 +307,11 @@ def test_medusa_greedy_equals_the_formats_plain_greedy(name, kind, seed):
 def test_medusa_greedy_equals_int4s_plain_greedy_with_an_eight_bit_lm_head(seed, kind):
     """As above, the LM head (verifying every row) and the heads' drafts in 8-bit groups (their
     layers, a Hydra++ draft layer's too, rounded to them)."""
-    model = apply_format(four_bit_model(seed), "int4")
+    model = apply_format(four_bit_model(seed), format_named("int4"))
     assert isinstance(model.lm_head, Int8GroupLinear)
     heads = (HydraHeads.for_model(model, 4) if kind == "hydra"
              else perturbed_hydra_pp(model, 4, seed, 0.05))
-    heads = apply_format(heads.float().eval(), "int4")
+    heads = apply_format(heads.float().eval(), format_named("int4"))
     assert any(isinstance(m, Int8GroupLinear) for m in heads.modules())
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], num_heads=4)
     prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -330,17 +332,18 @@ def test_a_real_size_models_lm_head_is_rounded_to_8_bit_groups(name, tied, tmp_p
     those of that weight. A smaller model's head stays as its file holds it."""
     model = tiny_model(0, dtype=torch.float32, tie_word_embeddings=tied)
     save_model(model, tmp_path)
-    monkeypatch.setattr(weight_formats, "LARGE", 0)
-    loaded = apply_format(formatted_model(tmp_path, torch.device("cpu"), name), name)
+    fmt = format_named(name)
+    monkeypatch.setattr(format_layers, "LARGE", 0)
+    loaded = apply_format(formatted_model(tmp_path, torch.device("cpu"), fmt), fmt)
     assert isinstance(loaded.lm_head, Int8GroupLinear) and loaded.lm_head.wide
     q, scales = quantize_int8_groups(model.lm_head.weight)
     rounded = dequantize_int8_groups(q, scales.half().float())
     assert torch.equal(loaded.lm_head.weight, rounded)
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    rows = x.to(activation_dtype(name))
+    rows = x.to(fmt.activation_dtype())
     y = loaded.lm_head(rows)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, rows.float() @ rounded.T, rtol=1e-3, atol=1e-3)
-    monkeypatch.setattr(weight_formats, "LARGE", 10 ** 12)
-    small = apply_format(formatted_model(tmp_path, torch.device("cpu"), name), name)
+    monkeypatch.setattr(format_layers, "LARGE", 10 ** 12)
+    small = apply_format(formatted_model(tmp_path, torch.device("cpu"), fmt), fmt)
     assert not isinstance(small.lm_head, Int8GroupLinear)

@@ -25,7 +25,7 @@ from minimedusa.acceptance import greedy
 from minimedusa.assembly.load import machine_format
 from minimedusa.assembly.recipe import Recipe, build, decoding_heads, decoding_model, timed_parts
 from minimedusa.draft import TreeDraft
-from minimedusa.speed.weight_formats import apply_format
+from minimedusa.speed.weight_formats import apply_format, format_named
 
 # these tests time steps and read their cache: each its own folder (conftest.py)
 pytestmark = pytest.mark.usefixtures("fresh_latency_cache")
@@ -39,7 +39,7 @@ def test_heads_read_features_in_their_own_dtype_in_training_and_calibration():
     heads = MedusaHeads.for_model(model, 2).eval().requires_grad_(False)  # own projections
     rows = Rows(torch.randn(24, model.config.hidden_size), torch.randint(0, 64, (24, 2)))
     expected = head_accuracies(heads, model, rows, ranks=3)
-    in_bf16 = apply_format(MedusaHeads.for_model(model, 2).eval(), "bfloat16")
+    in_bf16 = apply_format(MedusaHeads.for_model(model, 2).eval(), format_named("bfloat16"))
     assert torch.allclose(head_accuracies(in_bf16, model, rows, ranks=3), expected, atol=0.1)
     metrics = head_metrics(in_bf16, model, rows, "cpu")
     assert len(metrics["top1"]) == 2
@@ -121,8 +121,8 @@ def test_calibrated_heads_get_nested_grown_trees_and_latencies_measured_once(tmp
     save_heads(heads, tmp_path)
     (tmp_path / CALIBRATION).write_text(json.dumps({"accuracy": [[0.6, 0.2], [0.4, 0.1],
                                                                   [0.3, 0.1]]}))
-    recipe = Recipe(folder=tmp_path, device=torch.device("cpu"), weight_format="float32",
-                    heads=str(tmp_path))
+    recipe = Recipe(folder=tmp_path, device=torch.device("cpu"),
+                    weight_format=format_named("float32"), heads=str(tmp_path))
     decoding = build(recipe, model, heads)
     trees, budget = decoding.draft.trees, decoding.budget
     nodes, _ = grow_tree(read_calibration(tmp_path), 16)
