@@ -2,8 +2,9 @@
 wing (speed/, training/, files/, bench/, assembly/, cli/, experiments/) and reads no attribute a wing gives
 its objects; no module imports itself back through others, nor more than a reader can hold in
 mind; the README reads the core in an order of its imports; medusa_decode takes the paper's
-loop's parts, no switch; every file and function stays small enough to read in one sitting,
-with room under each limit (ROOM)."""
+loop's parts, no switch; a weight format is an object, its name compared nowhere but in its
+registry; every file and function stays small enough to read in one sitting, with room under
+each limit (ROOM)."""
 import ast
 import inspect
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch.nn as nn
 
 from minimedusa.decoding import medusa_decode
+from minimedusa.speed.weight_formats import FORMATS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "minimedusa"
@@ -97,6 +99,34 @@ def calls(path: Path) -> set[str]:
     """The names a file calls (f(...) and x.f(...))."""
     return {getattr(n.func, "id", getattr(n.func, "attr", None))
             for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+
+
+def names_a_format(node: ast.AST) -> bool:
+    """A string constant that is a weight format's name, or a tuple, set or list holding one."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in FORMATS
+    return isinstance(node, (ast.Tuple, ast.Set, ast.List)) and any(map(names_a_format, node.elts))
+
+
+def format_name_comparisons(source: str) -> list[str]:
+    """Every comparison in `source` of something with a format's name (== "int4", in ("int4",
+    "w4a8")), as line: code. A name listed (argparse's choices, a dict's keys) compares nothing."""
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare)
+            and any(map(names_a_format, [node.left, *node.comparators]))]
+
+
+def test_a_weight_format_is_an_object_its_name_compared_only_by_its_registry():
+    """A format is chosen once (weight_formats.format_named, assembly/load.py) and carried: what
+    differs between formats is an attribute or a method of the object (fmt.rounds, fmt.fused(),
+    fmt.error), never a test of its name outside speed/weight_formats.py. And the check sees
+    what it is for: a comparison planted in a source is found, a list of choices is not."""
+    assert len(format_name_comparisons('if fmt == "int4" or name in ("int8", "w4a8"): pass')) == 2
+    assert not format_name_comparisons('p.add_argument("--q", choices=("int4",))\nd = {"int4": 1}')
+    registry = PACKAGE / "speed" / "weight_formats.py"
+    for path in [p for p in PACKAGE.rglob("*.py") if p != registry] + ENTRY_POINTS:
+        found = format_name_comparisons(path.read_text())
+        assert not found, f"{path.relative_to(ROOT)} compares a format's name: {found}"
 
 
 def test_experiments_plug_in_by_one_call_where_the_recipe_and_training_start():
