@@ -1,7 +1,8 @@
 """What the summary line says of the weights (defaults.describe_weights): the format's
 size, true to the bytes the loaded model holds; "rounded ... lossy" exactly where the file's
-weights were not on the format's grid; int4's size beside a float format for a model of real
-size, where group_kernel.c multiplies."""
+weights were not on the format's grid; the faster 4-bit format's size (w4a8 on an AVX2 CPU,
+int4 on AVX-512 BF16's) beside a float format for a model of real size, where group_kernel.c
+multiplies."""
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from minimedusa.files.weights import save_model
 from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.assembly.load import four_bit_checkpoint
 from minimedusa.speed import format_layers, group_kernel
-from minimedusa.speed.defaults import describe_weights
+from minimedusa.speed.defaults import describe_weights, faster_four_bit
 from minimedusa.speed.kept_weights import layer_tensors, quantized_layers
 from minimedusa.speed.weight_formats import format_named
 
@@ -50,13 +51,13 @@ def test_rounded_weights_are_said_to_be_lossy_and_a_four_bit_files_are_not(tmp_p
 
 
 @pytest.mark.skipif(group_kernel.kernel_problem() is not None,
-                    reason="int4 is said to be faster only where group_kernel.c multiplies")
-def test_a_large_model_in_a_float_format_is_told_int4s_size(monkeypatch):
+                    reason="4 bits are said to be faster only where group_kernel.c multiplies")
+def test_a_large_model_in_a_float_format_is_told_the_faster_four_bit_formats_size(monkeypatch):
     config, bfloat16 = tiny_model(0).config, format_named("bfloat16")
-    assert "--quantize int4" not in describe_weights(config, bfloat16, False, CPU)
+    assert "--quantize" not in describe_weights(config, bfloat16, False, CPU)
     monkeypatch.setattr(format_layers, "LARGE", 0)  # as if of real size
     said = describe_weights(config, bfloat16, False, CPU)
-    int4 = format_named("int4")
-    assert said.endswith(f"; --quantize int4: {int4.weight_bytes(config) / 1e9:.2f} GB, "
+    fast = faster_four_bit()  # w4a8 on an AVX2 CPU, int4 on AVX-512 BF16's
+    assert said.endswith(f"; --quantize {fast.name}: {fast.weight_bytes(config) / 1e9:.2f} GB, "
                          "faster here, lossy")
     assert "--quantize" not in describe_weights(config, bfloat16, False, torch.device("meta"))
