@@ -22,6 +22,7 @@ from minimedusa.assembly.trees import tree_choices
 from minimedusa.decoding import StepStats, decode_step, medusa_decode, new_cache, prefill
 from minimedusa.files.default_model import DEFAULT_HEADS_DIR, PAPER_HEADS_DIR
 from minimedusa.tree import build_tree
+from minimedusa.speed import sanitizer
 
 pytestmark = pytest.mark.kernels  # every test here runs a C kernel or operator
 
@@ -100,4 +101,9 @@ def test_generate_by_default_answers_as_its_baseline(reference, capsys):
         default, baseline = answers
         assert default["format"] == baseline["format"] and default["step"] == baseline["step"]
         assert default["output_ids"] == baseline["output_ids"]
-        assert default["acceleration_rate"] > 1.2 and baseline["acceleration_rate"] == 1.0
+        assert baseline["acceleration_rate"] == 1.0
+        # under the sanitizers the instrumented kernels make each row of a tree dear (a 1-node
+        # step ~1.4x a plain one, 16 nodes ~10x): the Budget, timing them, rightly picks no tree
+        # there, so more than one token a step is checked where the kernels are the real ones
+        if not sanitizer.sanitizers():
+            assert default["acceleration_rate"] > 1.2
