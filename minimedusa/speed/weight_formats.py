@@ -41,7 +41,7 @@ from minimedusa.speed.quantized import (bfloat16_layers, four_bit_layers, int4_l
 
 class Float32:
     """The file's weights in float32, as PackedLinear (packed_linear.py): oneDNN's prepacked
-    layout, 4 bytes a weight. Every format has this class's members (read by duck typing)."""
+    layout, 4 bytes a weight. The other formats are this class with what differs overridden."""
     name = "float32"  # the flags', the cache keys' and the summary line's
     dtype = torch.float32  # what the file is read in (None: as stored, then rounded)
     rounds = False  # whether it rounds the file's weights as it reads them (kept_weights.py)
@@ -75,7 +75,13 @@ class Float32:
         return model_bytes(config, self.dtype.itemsize, self.dtype.itemsize, False)
 
 
-class BFloat16:
+class Float16(Float32):
+    """The whole model in float16 (a GPU's format): 2 bytes a weight."""
+    name, dtype = "float16", torch.float16
+    error = 1.35  # bfloat16's bound (unmeasured, CUDA only: 3 bits finer than bfloat16)
+
+
+class BFloat16(Float32):
     """The whole model in bfloat16: 2 bytes a weight. Where the CPU has avx512_bf16 the blocks'
     products are group_kernel.c's (BF16KernelLinear: its VDPBF16PS loop, the weights read once
     for any rows), and the blocks one fused call (fused_block.py); elsewhere the layers are
@@ -83,12 +89,7 @@ class BFloat16:
     or AMX (torch.ops.mkldnn._is_mkldnn_bf16_supported), and is slower than float32 there
     otherwise."""
     name, dtype = "bfloat16", torch.bfloat16
-    rounds, four_bit, kernel_only = False, False, False
     error = 1.35  # measured 0.90 (its fused step)
-    row_paths = ()
-
-    def activation_dtype(self) -> torch.dtype:
-        return self.dtype
 
     def fused(self) -> bool:
         return group_kernel.multiplies_bfloat16()  # BF16KernelLinear's blocks fuse
@@ -97,71 +98,29 @@ class BFloat16:
         # group_kernel.c's, where it multiplies bfloat16
         return converted(lambda block: bfloat16_layers([block]), self.dtype)
 
-    def head_format(self):
-        return None
 
-    def format_heads(self, module: nn.Module) -> None:
-        pass
-
-    def weight_bytes(self, config) -> int:
-        return model_bytes(config, self.dtype.itemsize, self.dtype.itemsize, False)
-
-
-class Float16:
-    """The whole model in float16 (a GPU's format): 2 bytes a weight."""
-    name, dtype = "float16", torch.float16
-    rounds, four_bit, kernel_only = False, False, False
-    error = 1.35  # bfloat16's bound (unmeasured, CUDA only: 3 bits finer than bfloat16)
-    row_paths = ()
-
-    def activation_dtype(self) -> torch.dtype:
-        return self.dtype
-
-    def fused(self) -> bool:
-        return False
-
-    def block_format(self):
-        return converted(None, self.dtype)
-
-    def head_format(self):
-        return None
-
-    def format_heads(self, module: nn.Module) -> None:
-        pass
-
-    def weight_bytes(self, config) -> int:
-        return model_bytes(config, self.dtype.itemsize, self.dtype.itemsize, False)
-
-
-class Int8:
+class Int8(Float32):
     """Weight-only int8 with a float scale per output channel, ~1 byte a weight, through torch's
     _weight_int8pack_mm, vectorised for bfloat16 activations only (so the rest of the model runs
     in bfloat16); the LM head and the heads' projections too."""
     name, dtype = "int8", None
-    rounds, four_bit, kernel_only = True, False, False
+    rounds = True
     error = 4.5  # measured 2.98 (compiled)
-    row_paths = ()
 
     def activation_dtype(self) -> torch.dtype:
         return torch.bfloat16
 
-    def fused(self) -> bool:
-        return False
-
     def block_format(self):
         return converted(quantize_linear_layers, self.activation_dtype())
 
-    def head_format(self):
-        return None  # read in the file's dtype: format_heads rounds it
-
     def format_heads(self, module: nn.Module) -> None:
-        quantize_linear_layers(module)  # the LM head, the heads' layers
+        quantize_linear_layers(module)  # the LM head, the heads' layers (read in the file's dtype)
 
     def weight_bytes(self, config) -> int:
         return model_bytes(config, 1.0, self.activation_dtype().itemsize, True)  # a byte each
 
 
-class Int4:
+class Int4(Float32):
     """The blocks' weights in 4 bits, a scale and a minimum per 32 input features (the GGUF's
     Q4_1 layout), through torch's _weight_int4pack_mm_for_cpu, bfloat16 activations (float32
     where group_kernel.c's AVX2 path multiplies: it works in float32 anyway); the heads' layers
@@ -178,9 +137,10 @@ class Int4:
     bfloat16's, and the file's own values, which bfloat16 rounds; the model's logits in
     float32, where bfloat16 would tie close ones); any other stays bfloat16."""
     name, dtype = "int4", None
-    rounds, four_bit, kernel_only = True, True, False
+    rounds, four_bit = True, True
     error = 1.7  # measured 1.11 (compiled)
     row_paths = ("AMX tiles", "dot products")  # AMX against AVX-512 BF16, its bfloat16 rows
+    eight_bit_rows = False  # W4a8's: 8-bit activations in two products of a block, the heads'
 
     def activation_dtype(self) -> torch.dtype:
         if group_kernel.takes_float32() and not group_kernel.multiplies_bfloat16():
@@ -192,13 +152,15 @@ class Int4:
 
     def block_format(self):
         layer = int4_layer()  # chosen once here (a line on stderr where its kernel is missing)
-        return converted(lambda block: four_bit_layers([block], layer), self.activation_dtype())
+        return converted(lambda block: four_bit_layers([block], layer,
+                                                       activations8=self.eight_bit_rows),
+                         self.activation_dtype())
 
     def head_format(self):
-        return four_bit_head(activations16=False)
+        return four_bit_head(activations16=self.eight_bit_rows)
 
     def format_heads(self, module: nn.Module) -> None:
-        four_bit_heads(module, activations16=False)
+        four_bit_heads(module, activations16=self.eight_bit_rows)
 
     def weight_bytes(self, config) -> int:
         # 4 bits, and a float16 scale and minimum a group of 32; an 8-bit LM head
@@ -206,7 +168,7 @@ class Int4:
                            rounds_lm_head(config))
 
 
-class W4a8:
+class W4a8(Int4):
     """int4's weights times 8-bit activations (each row's groups of 32 quantized with a scale,
     as llama.cpp does in its own Q4_1 decoding) in the attention's output and the MLP's input
     products (quantized.EIGHT_BIT_INPUTS), 16-bit ones in the other two (wqkv, down: within
@@ -218,33 +180,16 @@ class W4a8:
     float32 (format_quality.py) stays above llama.cpp's own Q4_1 decoding's, whose every product
     takes 8-bit activations; the machine's default for a 4-bit checkpoint where only the AVX2
     path multiplies (speed/defaults.py; the figures: weights/RESULTS.md)."""
-    name, dtype = "w4a8", None
-    rounds, four_bit, kernel_only = True, True, True
+    name = "w4a8"
+    kernel_only = True
     error = 2.05  # measured 1.36 (fused)
     row_paths = ("VNNI", "AVX2 code")  # AVX-512 VNNI against AVX2, its 8-bit rows
+    eight_bit_rows = True
 
     def activation_dtype(self) -> torch.dtype:
         if group_kernel.takes_float32():
             return torch.float32  # its rows quantized from float32, not bfloat16's rounding
         return torch.bfloat16
-
-    def fused(self) -> bool:
-        return True
-
-    def block_format(self):
-        layer = int4_layer()
-        return converted(lambda block: four_bit_layers([block], layer, activations8=True),
-                         self.activation_dtype())
-
-    def head_format(self):
-        return four_bit_head(activations16=True)
-
-    def format_heads(self, module: nn.Module) -> None:
-        four_bit_heads(module, activations16=True)
-
-    def weight_bytes(self, config) -> int:
-        return model_bytes(config, 0.625, self.activation_dtype().itemsize,
-                           rounds_lm_head(config))
 
 
 # the formats, one object each: what the recipe and the model carry
