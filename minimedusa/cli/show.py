@@ -81,7 +81,7 @@ def innermost(draft):
     return draft.draft if isinstance(draft, ContextDraft) else draft
 
 
-def legend(draft) -> str:
+def draft_legend(draft) -> str:
     """One line for stderr: each origin the run's draft can give, in its colour."""
     parts = ["the model's own token"]
     inner = innermost(draft)
@@ -98,4 +98,4 @@ def legend(draft) -> str:
 def say_legend(decoding, show: bool) -> None:
     """--show's legend on stderr, once, where it colours a run that has a draft."""
     if show and showing() and decoding.draft is not None:
-        print(legend(decoding.draft), file=sys.stderr)
+        print(draft_legend(decoding.draft), file=sys.stderr)

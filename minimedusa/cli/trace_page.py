@@ -56,7 +56,7 @@ def page(steps: list, tokenizer, header: dict) -> str:
     seen = {origin for step in steps for origin in origins(step)}
     template = jinja2.Environment(autoescape=True).from_string(
         TEMPLATE.read_text(encoding="utf-8"))
-    return template.render(style=STYLE, header=header, legend=legend(seen), answer=answer,
+    return template.render(style=STYLE, header=header, legend=answer_legend(seen), answer=answer,
                            chart=chart(steps), sections=[
                                section(i, step, tokenizer) for i, step in enumerate(steps)])
 
@@ -66,7 +66,7 @@ def css_class(origin) -> str:
     return f"o-{origin}" if origin in (MODEL, CONTEXT, DRAFT) else f"h{(origin - 1) % 6 + 1}"
 
 
-def legend(seen: set) -> list[tuple[str, str]]:
+def answer_legend(seen: set) -> list[tuple[str, str]]:
     """(css class, name) of each origin that occurs in the answer, the model's first."""
     names = [(MODEL, "the model's own token")]
     names += [(k, f"head {k}") for k in sorted(o for o in seen if isinstance(o, int))]
