@@ -140,7 +140,7 @@ class Int4(Float32):
     rounds, four_bit = True, True
     error = 1.7  # measured 1.11 (compiled)
     row_paths = ("AMX tiles", "dot products")  # AMX against AVX-512 BF16, its bfloat16 rows
-    eight_bit_rows = False  # w4a8's integer rows: 8-bit in two products a block, 16-bit in the LM head
+    eight_bit_rows = False  # w4a8's: 8-bit rows in two products a block, 16-bit in the LM head
 
     def activation_dtype(self) -> torch.dtype:
         if group_kernel.takes_float32() and not group_kernel.multiplies_bfloat16():
