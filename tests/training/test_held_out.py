@@ -5,6 +5,7 @@ import json
 
 import torch
 
+from helpers import perturbed
 from minimedusa.assembly.heads_reading import read_heads
 from minimedusa.files.heads_files import save_heads
 from minimedusa.files.weights import load_model
@@ -17,13 +18,9 @@ CPU = torch.device("cpu")
 
 
 def saved_heads(model, folder, num_heads: int, seed: int) -> str:
-    """Heads with random projections (the paper's zero start would make every head the model's
+    """Heads randomly perturbed (the paper's zero start would make every head the model's
     next-token guess): each position's hidden state matters to what they guess."""
-    torch.manual_seed(seed)
-    heads = MedusaHeads.for_model(model, num_heads)
-    for p in heads.parameters():
-        p.data.normal_(0, 0.05)
-    save_heads(heads, folder)
+    save_heads(perturbed(MedusaHeads.for_model(model, num_heads), seed, 0.05), folder)
     return str(folder)
 
 
