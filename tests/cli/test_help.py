@@ -5,10 +5,14 @@ import sys
 
 import pytest
 
-COMMANDS = ["generate", "train", "minimedusa.bench.bench", "minimedusa.bench.format_quality",
-            "minimedusa.training.tree_search", "minimedusa.training.self_distill",
-            "minimedusa.training.seed_prompts", "minimedusa.files.default_model",
-            "minimedusa.files.export_v1", "minimedusa.bench.model_size"]
+from helpers import REPO
+
+# the two scripts and every module run with `python -m` (those with a __main__ block), found, so
+# that a new command cannot be left out
+MODULES = [path for path in (REPO / "minimedusa").rglob("*.py")
+           if '__name__ == "__main__"' in path.read_text()]
+COMMANDS = ["generate", "train", *sorted(
+    path.relative_to(REPO).with_suffix("").as_posix().replace("/", ".") for path in MODULES)]
 
 
 @pytest.mark.parametrize("module", COMMANDS)
