@@ -23,7 +23,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("--heads", action="append", default=None,
                    help="heads to time: a folder, untrained:K, untrained-shared:K or "
                    "untrained-hydra:K; "
-                   "repeat to compare several (default: the default model's trained heads)")
+                   "repeat to compare several (with --generate: a default process for each, "
+                   "interleaved) (default: the default model's trained heads)")
     p.add_argument("--draft-vocab", type=non_negative_int, nargs="+", default=[None], metavar="N",
                    help="the heads rank only their N most frequent tokens (0: the whole "
                    "vocabulary; several values: one engine each, --profile the first; "

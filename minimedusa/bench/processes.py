@@ -1,7 +1,9 @@
 """generate.py as a user runs it: `python -m minimedusa.bench --generate`.
 
 One generate.py process per question, its default flags against --baseline (plus
---baseline-flags, e.g. "--dtype float32 --no-compile"), alternating which goes first: each
+--baseline-flags, e.g. "--dtype float32 --no-compile"), alternating which goes first (with several
+--heads, a default process for each, interleaved: heads against heads, as users would run them;
+the first is "default", the others "default --heads FOLDER"): each
 process's own tokens/s (from the prompt to the last token) and its wall time, loading included,
 summed over the questions and rounds, and how many answers the two gave alike (greedy Medusa is
 lossless: all, where --baseline-flags keeps the format); and llama.cpp on the same prompts: its
@@ -33,15 +35,23 @@ def model_flags(args) -> list[str]:
     return flags + (["--model", str(args.model)] if args.model is not None else [])
 
 
+def heads_modes(args) -> dict[str, str]:
+    """Each --heads folder's default mode: the first "default", the others named by it."""
+    return {("default" if i == 0 else f"default --heads {spec}"): spec
+            for i, spec in enumerate(args.heads)}
+
+
 def generate_process(args, prompt: str, mode: str) -> tuple[dict, float]:
-    """One generate.py process in `mode` ("default" or "baseline"): (its JSON, its wall time)."""
+    """One generate.py process in `mode` (a heads_modes name or "baseline"): (its JSON, its
+    wall time)."""
     script = Path(__file__).resolve().parents[2] / "generate.py"
+    heads = heads_modes(args).get(mode, args.heads[0])
     cmd = [sys.executable, str(script), "--json", "--prompt", prompt,
-           "--max-new-tokens", str(args.max_new_tokens), "--heads", args.heads[0],
+           "--max-new-tokens", str(args.max_new_tokens), "--heads", heads,
            *model_flags(args), *shlex.split(args.flags)]
-    if mode == "default":
+    if mode != "baseline":
         cmd += shlex.split(args.default_flags)
-    if mode == "baseline":
+    else:
         cmd += ["--baseline", *shlex.split(args.baseline_flags)]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -61,12 +71,13 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
     tokens/s (the prompt to the last token) and its wall time, loading included, are summed.
     in_process: other engines (name -> (engine, the question's prompt ids)), timed between;
     one whose process dies is deleted from it, with one line, and the others go on."""
+    defaults = list(heads_modes(args))
     totals = {mode: {"tokens": 0, "steps": 0, "seconds": 0.0, "wall_seconds": 0.0, "modes": [],
-                     "formats": []} for mode in ("default", "baseline", *in_process)}
-    answers = {"default": [], "baseline": []}  # each process's output ids
+                     "formats": []} for mode in (*defaults, "baseline", *in_process)}
+    answers = {mode: [] for mode in (*defaults, "baseline")}  # each process's output ids
     for r in range(args.rounds):
         for i, q in enumerate(questions):
-            order = ["default", "baseline", *in_process]
+            order = [*defaults, "baseline", *in_process]
             for mode in (order if (i + r) % 2 == 0 else order[::-1]):
                 t = totals[mode]
                 if mode in in_process:
@@ -91,13 +102,19 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
     for t in totals.values():
         t["tokens_per_s"] = round(t["tokens"] / t["seconds"], 2)
         t["tokens_per_step"] = round(t["tokens"] / max(t["steps"], 1), 3)
-    for mode in ("default", *in_process):
+    for mode in (*defaults, *in_process):
         totals[mode]["vs_baseline"] = round(totals[mode]["tokens_per_s"] /
                                             totals["baseline"]["tokens_per_s"], 3)
+    for mode in defaults:
+        # lossless where both run the same format (no --baseline-flags): the same answers
+        same = sum(a == b for a, b in zip(answers[mode], answers["baseline"]))
+        totals[mode]["identical"] = f"{same}/{len(answers[mode])}"
+    for mode in defaults[1:]:  # other heads (--heads repeated) against the first heads
+        for key, measure in (("vs_default", "tokens_per_s"), ("steps_vs_default",
+                                                                 "tokens_per_step")):
+            totals[mode][key] = round(totals[mode][measure] / totals["default"][measure], 3)
     totals["speedup"] = totals["default"]["vs_baseline"]
-    # lossless where both run the same format (no --baseline-flags): the same answers
-    same = sum(a == b for a, b in zip(answers["default"], answers["baseline"]))
-    totals["identical"] = f"{same}/{len(answers['default'])}"
+    totals["identical"] = totals["default"]["identical"]
     totals["wall_ratio"] = round(totals["baseline"]["wall_seconds"] /
                                  totals["default"]["wall_seconds"], 3)
     return totals
@@ -118,7 +135,7 @@ def report_generate_processes(args, questions: list[dict], machine: str, tokeniz
     if COMPLETION in result:  # and llama.cpp's decoding alone, as its users quote it
         result["llama-bench tokens/s"] = decoding_rate(tools, ensure_default_gguf(), args.threads,
                                                        args.max_new_tokens)
-    modes = ("default", "baseline", *in_process)
+    modes = (*heads_modes(args), "baseline", *in_process)
     shown = {k: v for k, v in result.items() if k not in modes}
     for mode in modes:
         shown[mode] = {k: v for k, v in result[mode].items() if k not in ("modes", "formats")}

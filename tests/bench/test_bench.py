@@ -183,6 +183,28 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     assert totals["identical"] == "1/1"  # float32 both ways: greedy Medusa is plain greedy
 
 
+def test_generate_processes_time_several_heads_side_by_side(tiny_folder):
+    """--generate with --heads repeated (old heads beside new): a default process for each
+    heads, each compared with the baseline and the others with the first, a tokens/s ratio and
+    a tokens-a-step ratio; greedy, each identical to plain."""
+    args = bench.parse_args(["--generate", "--rounds", "1", "--max-new-tokens", "6",
+                             "--model", str(tiny_folder), "--heads", "untrained-shared:3",
+                             "--heads", "untrained-hydra:2", "--threads", "1",
+                             "--dtype", "float32", "--no-compile"])
+    question = {"id": 1, "category": "writing", "prompt": "Hi"}
+    totals = bench_generate.generate_processes(args, [question], {})
+    other = totals["default --heads untrained-hydra:2"]
+    assert ": 3 heads)" in totals["default"]["modes"][0]  # each process its own heads
+    assert ": 2 heads)" in other["modes"][0]
+    assert other["tokens"] == totals["default"]["tokens"] == totals["baseline"]["tokens"] == 6
+    assert other["vs_default"] == round(other["tokens_per_s"] /
+                                        totals["default"]["tokens_per_s"], 3)
+    assert other["steps_vs_default"] == round(other["tokens_per_step"] /
+                                              totals["default"]["tokens_per_step"], 3)
+    assert other["identical"] == totals["default"]["identical"] == totals["identical"] == "1/1"
+    assert "vs_default" not in totals["default"]
+
+
 @pytest.mark.kernels
 def test_formats_are_timed_side_by_side_each_lossless_against_its_own_plain(tmp_path, tiny_folder):
     """--formats: '[int8] plain' and '[int8] medusa greedy' beside the main format's engines,
