@@ -96,6 +96,8 @@ def mixed_shards(parts: list[Part], held_out: list[Part], first: int | None,
     else:
         rounds = zip_longest(*(p.shards for p in parts))  # each part's next shard, or None
         body = [s for group in rounds for s in group if s is not None]
+    if first is not None and first > len(body):
+        raise UserError(f"--first {first}: the parts hold {len(body)} shards")
     return body[:first] + [s for p in held_out for s in p.shards]
 
 

@@ -64,6 +64,8 @@ def test_first_k_shards_are_the_full_mixs_first_k(parts, tmp_path):
     mix(tmp_path / "first", specs, first=4)
     full, first = order(tmp_path / "full"), order(tmp_path / "first")
     assert first == full[:len(first)] and len(first) == 4 + 4 + 2 + 4
+    with pytest.raises(UserError, match="--first 10: the parts hold 9 shards"):
+        mix(tmp_path / "more", specs, first=10)
 
 
 def test_held_out_parts_are_what_train_holds_out_and_never_trained_on(tmp_path):
