@@ -38,8 +38,10 @@ RANGES = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 @dataclass
 class Part:
+    """One FOLDER[:RANGES] of the command line: a self-distillation folder and the shards of it
+    the mix takes."""
     folder: Path
-    shards: list[Path]  # in order
+    shards: list[Path]  # in the mix's order
 
 
 def shard_file(folder: Path, i: int) -> Path:

@@ -100,6 +100,16 @@ def test_a_part_that_is_not_there_is_one_clear_error(parts, tmp_path, spec, mess
         mix(tmp_path / "mix", [spec.format(a=parts["a"], root=tmp_path)])
 
 
+@pytest.mark.parametrize("damage", [b"", b"not safetensors", None])
+def test_an_unreadable_shard_is_named_and_no_mix_is_made(parts, tmp_path, damage):
+    shard = parts["c"] / "shard-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] if damage is None else damage)  # None: cut short
+    with pytest.raises(DataError, match="shard-00001"):
+        mix(tmp_path / "mix", [str(parts["a"]), str(parts["c"])])
+    assert not (tmp_path / "mix").exists()
+
+
 def test_parts_made_with_another_tokenizer_do_not_mix(parts, tmp_path):
     other = data_folder(tmp_path / "other", "o", 1, 4, fingerprint="fedcba9876543210")
     with pytest.raises(DataError, match="another tokenizer"):
