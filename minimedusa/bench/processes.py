@@ -99,17 +99,24 @@ def generate_processes(args, questions: list[dict], in_process: dict) -> dict:
             rates = {m: f"{t['tokens'] / t['seconds']:.2f}" for m, t in totals.items()}
             print(f"[round {r + 1}, {i + 1}/{len(questions)}] {q['category']:<10} tokens/s so "
                   f"far: {rates}", file=sys.stderr, flush=True)
+    return compared(totals, answers, defaults)
+
+
+def compared(totals: dict, answers: dict, defaults: list[str]) -> dict:
+    """The sums of generate_processes made rates and ratios: each engine's tokens/s and tokens
+    a step, against the baseline; each heads' answers against the baseline's; the other heads
+    (--heads repeated) against the first. Returns totals, with the first heads' figures on top."""
     for t in totals.values():
         t["tokens_per_s"] = round(t["tokens"] / t["seconds"], 2)
         t["tokens_per_step"] = round(t["tokens"] / max(t["steps"], 1), 3)
-    for mode in (*defaults, *in_process):
+    for mode in totals.keys() - {"baseline"}:
         totals[mode]["vs_baseline"] = round(totals[mode]["tokens_per_s"] /
                                             totals["baseline"]["tokens_per_s"], 3)
     for mode in defaults:
         # lossless where both run the same format (no --baseline-flags): the same answers
         same = sum(a == b for a, b in zip(answers[mode], answers["baseline"]))
         totals[mode]["identical"] = f"{same}/{len(answers[mode])}"
-    for mode in defaults[1:]:  # other heads (--heads repeated) against the first heads
+    for mode in defaults[1:]:
         for key, measure in (("vs_default", "tokens_per_s"), ("steps_vs_default",
                                                                  "tokens_per_step")):
             totals[mode][key] = round(totals[mode][measure] / totals["default"][measure], 3)
