@@ -31,7 +31,8 @@ from safetensors import safe_open
 
 from minimedusa.cli.flags import Parser, positive_int
 from minimedusa.errors import UserError, entry_point, unreadable
-from minimedusa.training.medusa1 import DataError, read_meta
+from minimedusa.training.medusa1 import DataError, held_out_count, read_meta
+from minimedusa.training.self_distill import shard_path
 
 RANGES = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
@@ -42,10 +43,7 @@ class Part:
     the mix takes."""
     folder: Path
     shards: list[Path]  # in the mix's order
-
-
-def shard_file(folder: Path, i: int) -> Path:
-    return folder / f"shard-{i:05d}.safetensors"
+    tokenizer: str  # the fingerprint in its meta.json: parts made with different ones do not mix
 
 
 def shard_numbers(ranges: str, spec: str) -> list[int]:
@@ -66,18 +64,18 @@ def read_part(spec: str) -> Part:
     if not folder or not RANGES.fullmatch(ranges):
         folder, ranges = spec, ""
     folder = Path(folder)
-    read_meta(folder)  # a self-distillation folder (or a clear error)
+    tokenizer = read_meta(folder).get("tokenizer")  # a self-distillation folder, or one line
     if not ranges:
         shards = sorted(folder.glob("shard-*.safetensors"))
         if not shards:
             raise DataError(f"no shards in {folder}")
-        return Part(folder, shards)
-    shards = [shard_file(folder, i) for i in shard_numbers(ranges, spec)]
+        return Part(folder, shards, tokenizer)
+    shards = [shard_path(folder, i) for i in shard_numbers(ranges, spec)]
     missing = [s.name for s in shards if not s.is_file()]
     if missing:
         raise DataError(f"{spec}: {folder} has no {missing[0]} ({len(missing)} of the "
                         f"{len(shards)} shards asked are missing: not made yet?)")
-    return Part(folder, shards)
+    return Part(folder, shards, tokenizer)
 
 
 def answers_in(shard: Path) -> int:
@@ -116,19 +114,18 @@ def no_shard_twice(shards: list[Path]) -> None:
 
 def same_tokenizer(parts: list[Part]) -> str:
     """The parts' tokenizer fingerprint; parts made with different tokenizers do not mix."""
-    fingerprints = {p.folder: read_meta(p.folder).get("tokenizer") for p in parts}
-    first = parts[0].folder
-    for folder, fingerprint in fingerprints.items():
-        if fingerprint != fingerprints[first]:
-            raise DataError(f"{folder} was made with another tokenizer than {first} "
-                            f"({fingerprint} != {fingerprints[first]}): they do not mix")
-    return fingerprints[first]
+    first = parts[0]
+    for p in parts:
+        if p.tokenizer != first.tokenizer:
+            raise DataError(f"{p.folder} was made with another tokenizer than {first.folder} "
+                            f"({p.tokenizer} != {first.tokenizer}): they do not mix")
+    return first.tokenizer
 
 
 def check_held_out(total: int, held: int) -> int:
-    """train.py holds out the last total // 20 answers; the held-out parts must be among them.
-    Returns how many of the held-out answers come from the interleaved parts' end."""
-    n_val = max(1, total // 20)
+    """train.py holds out the last held_out_count(total) answers; the held-out parts must be
+    among them. Returns how many of the held-out answers come from the interleaved parts' end."""
+    n_val = held_out_count(total)
     if held > n_val:
         raise UserError(f"the --held-out parts hold {held} answers, more than the {n_val} "
                         f"(1 in 20 of {total}) train.py holds out: {held - n_val} of them would "
@@ -150,7 +147,7 @@ def write_mix(out: Path, shards: list[Path], meta: dict) -> None:
     tmp.mkdir(parents=True)
     home = out.parent.resolve() / out.name  # where the links will sit: their targets from there
     for i, shard in enumerate(shards):
-        shard_file(tmp, i).symlink_to(os.path.relpath(shard.resolve(), home))
+        shard_path(tmp, i).symlink_to(os.path.relpath(shard.resolve(), home))
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     old = out.with_name(out.name + ".old")
     if out.exists():
@@ -167,7 +164,8 @@ def mix(out: Path, part_specs: list[str], held_out_specs: list[str] = (),
     no_shard_twice([s for p in parts + held_out for s in p.shards])
     shards = mixed_shards(parts, held_out, first, in_order)
     counts = [answers_in(s) for s in shards]
-    total, held = sum(counts), sum(counts[len(shards) - sum(len(p.shards) for p in held_out):])
+    n_held = sum(len(p.shards) for p in held_out)  # the last n_held shards
+    total, held = sum(counts), sum(counts[len(shards) - n_held:])
     from_body = check_held_out(total, held)
     meta = {"tokenizer": fingerprint,
             "mix": {"parts": list(part_specs), "held_out": list(held_out_specs), "first": first,

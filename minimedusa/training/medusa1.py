@@ -104,10 +104,15 @@ def read_answers(folder: Path, tokenizer_fingerprint: str, vocab_size: int,
     return answers
 
 
+def held_out_count(n_answers: int) -> int:
+    """How many of a folder's n answers train.py holds out: 1 in 20, at least one."""
+    return max(1, n_answers // 20)
+
+
 def split_validation(answers: list) -> tuple[list, list]:
     """(train, validation): the last 1 in 20 answers are held out (whole answers, so no
     validation position shares an answer with a training one)."""
-    n_val = max(1, len(answers) // 20)
+    n_val = held_out_count(len(answers))
     return answers[:-n_val], answers[-n_val:]
 
 
