@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimedusa.bench import bench, llama_cpp, processes
+from minimedusa.bench import bench, bench_flags, llama_cpp, processes
 from minimedusa.bench.llama_cpp_tools import BINDING
 from minimedusa.bench.engines import Engines
 from minimedusa.files.default_model import DEFAULT_GGUF
@@ -110,8 +110,8 @@ def test_generate_processes_report_the_processes_when_llama_cpp_dies(stand_in, m
     monkeypatch.setattr(processes, "generate_process", process)
     monkeypatch.setattr(processes, "llama_cpp_engines",
                         lambda args, folder, threads, tokenizer: {LLAMA: stand_in(1)})
-    args = Namespace(no_llama_cpp=False, llama_cpp=None, threads=1, max_new_tokens=4, rounds=1,
-                     flags="", default_flags="", baseline_flags="", out=None)
+    args = bench_flags.parse_args(["--generate", "--heads", "h", "--threads", "1",
+                                   "--max-new-tokens", "4", "--rounds", "1"])  # as a user's
     processes.report_generate_processes(args, QUESTIONS, "cpu", WORDS, None)
     out, err = capsys.readouterr()
     shown = json.loads(out)
