@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from minimedusa.acceptance import probabilities
 from minimedusa.assembly.heads_reading import read_heads
 from minimedusa.cli.flags import Parser, positive
 from minimedusa.errors import UserError, entry_point
@@ -65,9 +66,9 @@ def sampled_acceptance(heads, model, rows: Rows, temperature: float,
         index = torch.arange(a, min(a + batch_size, M))  # (B,)
         tokens = None if rows.tokens is None else rows.tokens[index]
         logits = head_logits(heads, rows.hidden[index], tokens, model, heads.vocabulary)
-        q = torch.softmax(logits.float() / temperature, dim=-1)  # (K, B, V')
+        q = probabilities(logits, temperature, 1.0)  # (K, B, V')
         teacher = teacher_states(rows.hidden, index, K).float()  # (K, B, C)
-        p = torch.softmax(model.lm_head(teacher).float() / temperature, dim=-1)  # (K, B, V)
+        p = probabilities(model.lm_head(teacher), temperature, 1.0)  # (K, B, V): the verifier's
         if heads.vocabulary is not None:
             p = p[..., heads.vocabulary.ids]  # q's columns: outside them q is 0, so is min(p, q)
         has = rows.targets[index].T != IGNORE  # (K, B): head k has a target at this row

@@ -3,9 +3,8 @@ self-distillation folder (its last answers, 1 in 20), their hidden states read f
 shards that hold them alone."""
 import json
 
-import torch
-
 import pytest
+import torch
 
 from helpers import perturbed, perturbed_hydra
 from minimedusa.assembly.heads_reading import read_heads
