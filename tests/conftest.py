@@ -20,7 +20,7 @@ from minimedusa.assembly.recipe import Recipe, decoding_model
 from minimedusa.speed import group_kernel, sanitizer
 from minimedusa.speed.c_kernels import kernels_folder
 from minimedusa.speed.weight_formats import format_named
-from helpers import DEVICES, REFERENCE, model_folder, tiny_model
+from helpers import DEVICES, generate_output, model_folder, POEM, REFERENCE, tiny_model
 
 # every run draws the same examples (a seed per test): a failure seen on one machine is replayed
 # on every other and in CI, where no example database is kept between runs
@@ -34,12 +34,14 @@ def pytest_configure(config):
     sanitizers' runtime loaded first, speed/sanitizer.py, here, where pytest is not holding the
     standard output in a file yet: `MINIMEDUSA_SANITIZE=address python -m pytest -q -m kernels`
     runs every test of a C kernel or operator instrumented) and `slow` (processes started,
-    killed and started again, or run as another CPU: left out of a run that selects nothing,
-    `-m slow` runs them; CI does both)."""
+    killed and started again, or run as another CPU; a claim's further cases, the default run
+    proving each claim once, helpers.slow_except; the controls that show a statistical test
+    can fail: left out of a run that selects nothing, `-m slow` runs them; CI does both)."""
     config.addinivalue_line("markers", "kernels: runs a C kernel or operator (built by "
                             "speed/c_kernels.py): the tests MINIMEDUSA_SANITIZE checks")
-    config.addinivalue_line("markers", "slow: starts, kills and restarts processes, or runs "
-                            "one as another CPU; run with -m slow")
+    config.addinivalue_line("markers", "slow: starts, kills and restarts processes, runs one "
+                            "as another CPU, or a claim's further cases and controls; run "
+                            "with -m slow")
     if not config.option.markexpr:
         config.option.markexpr = "not slow"
     if sanitizer.runtime_wanted():
@@ -60,6 +62,13 @@ def group_kernel_multiplies():
     needs_group_kernel)."""
     if (problem := group_kernel.kernel_problem()) is not None:
         pytest.skip(f"group_kernel.c does not multiply on this CPU: {problem}")
+
+
+@pytest.fixture(scope="session")
+def poem_answer() -> str:
+    """generate.py's answer to POEM through a pipe, without flags: what --show and --trace must
+    leave as it is (one run for both)."""
+    return generate_output(POEM, terminal=False)
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,15 @@
 conftest.py's): the tiny random models and heads they decode with, the broken steps of the
 negative controls and the bound a fast step is held to against its own eager step, the 4- and
 8-bit weights of the formats' tests, the statistical tests' laws and chi-square, the hypothesis
-strategies of trees."""
+strategies of trees, generate.py's output as a process, and which cases the default run keeps."""
 
 import functools
 import math
+import os
+import pty
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from itertools import product
 from pathlib import Path
@@ -45,6 +49,49 @@ V, M = 4, 3
 N_SAMPLES, ALPHA = 20_000, 1e-4
 # the samplers' law tests through the decoding loops: the wrong sampler scores p ~ 1e-15 here
 VOCAB, NEW, RUNS = 5, 3, 1000
+
+
+# the default model's poem, written by generate.py in the watchers' tests (--show, --trace)
+POEM = ["--prompt", "Write a short poem about the sea.", "--max-new-tokens", "48"]
+
+
+def generate_output(flags: list[str], terminal: bool) -> str:
+    """generate.py's standard output, written to a pseudo-terminal or a pipe."""
+    command = [sys.executable, str(REPO / "generate.py"), *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("NO_COLOR", None)
+    if not terminal:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+    leader, follower = pty.openpty()
+    run = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal's other end closed: the run is done
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert run.wait(timeout=600) == 0, run.stderr.read()[-2000:]
+    os.close(leader)
+    return out.decode(errors="replace")
+
+
+def slow_except(cases: list, *kept) -> list:
+    """A claim's cases for parametrize: those in `kept` run in the default run, every other one
+    only under `-m slow` (which CI runs too). The default run proves each claim once and stays
+    under 10 minutes on 2 cores; the further formats, settings and shapes run in CI."""
+    def slow(case):
+        if isinstance(case, type(pytest.param())):  # already a pytest.param: add the mark
+            return pytest.param(*case.values, marks=[*case.marks, pytest.mark.slow], id=case.id)
+        return pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                            marks=pytest.mark.slow)
+    return [case if case in kept else slow(case) for case in cases]
 
 
 def tiny_model(seed: int = 0, dtype=torch.float64, device="cpu", **overrides) -> Llama:

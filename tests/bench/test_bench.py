@@ -90,6 +90,7 @@ def test_a_broken_step_fails_the_reference_column_though_it_equals_plain(tmp_pat
     assert capsys.readouterr().out.startswith("REFERENCE CHECK FAILED: plain (")
 
 
+@pytest.mark.slow  # a draft model's text: test_speculative_decoding.py's, by default
 @pytest.mark.kernels
 def test_draft_engines_write_float32_plains_text(tmp_path, tiny_folder):
     """--draft int8: float32 plain, float32 verifying its int8 rounding's drafts, drafted
@@ -104,6 +105,7 @@ def test_draft_engines_write_float32_plains_text(tmp_path, tiny_folder):
         assert totals[name]["acceleration_rate"] > 1.0  # drafts were kept
 
 
+@pytest.mark.slow  # --profile's two tests: CI's -m slow run
 @pytest.mark.kernels
 def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, capsys):
     bench.main(["--profile", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
@@ -115,6 +117,7 @@ def test_profile_shows_where_a_plain_and_a_medusa_step_spend_time(tiny_folder, c
     assert "\nsteps by tree size: the heads have no calibration.json" in out  # untrained heads
 
 
+@pytest.mark.slow  # --profile's two tests: CI's -m slow run
 @pytest.mark.kernels
 def test_profile_times_a_whole_step_and_its_draft_at_each_tree_size(tiny_folder, tmp_path,
                                                                     capsys):
@@ -183,6 +186,7 @@ def test_generate_processes_compare_default_flags_with_baseline(tiny_folder):
     assert totals["identical"] == "1/1"  # float32 both ways: greedy Medusa is plain greedy
 
 
+@pytest.mark.slow  # --generate's processes by default: the test above
 def test_generate_processes_time_several_heads_side_by_side(tiny_folder):
     """--generate with --heads repeated (old heads beside new): a default process for each
     heads, each compared with the baseline and the others with the first, a tokens/s ratio and
@@ -205,6 +209,7 @@ def test_generate_processes_time_several_heads_side_by_side(tiny_folder):
     assert "vs_default" not in totals["default"]
 
 
+@pytest.mark.slow  # engines side by side by default: the quick bench's test
 @pytest.mark.kernels
 def test_formats_are_timed_side_by_side_each_lossless_against_its_own_plain(tmp_path, tiny_folder):
     """--formats: '[int8] plain' and '[int8] medusa greedy' beside the main format's engines,
@@ -268,6 +273,7 @@ def test_missing_questions_given_are_one_line_not_a_fallback(tiny_folder, tmp_pa
                     "--questions", str(missing), "--threads", "1"])
 
 
+@pytest.mark.slow  # --generate's processes by default: the two tests above
 def test_generate_processes_pass_flags_to_both_and_default_flags_to_the_default(tiny_folder):
     args = bench.parse_args(["--generate", "--rounds", "1", "--max-new-tokens", "4",
                              "--model", str(tiny_folder), "--heads", "untrained-shared:3",

@@ -134,6 +134,7 @@ def test_bad_config_gives_one_clear_line(tiny_folder, edit, needle, capsys):
     assert_main_error(capsys, ["--model", str(tiny_folder), "--prompt", "Hi"], needle)
 
 
+@pytest.mark.slow  # a process's memory, measured: CI's -m slow run
 def test_generate_peak_memory_beyond_torch_stays_below_1_3_gb(default_model_dir):
     """Peak resident memory of a whole generate.py run on the default model (CPU, its default
     format), less what importing torch takes before it (218 MiB for the CPU wheel, 496 for a

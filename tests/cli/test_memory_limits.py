@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from minimedusa.bench.model_size import build_model
-from helpers import REPO
+from helpers import REPO, slow_except
 
 GB = 1_000_000_000
 # peak address space over peak resident memory of a generate.py run, with room: measured on the
@@ -42,6 +42,7 @@ def generate(flags: list[str], address_space: int) -> tuple[subprocess.Completed
     return done, [int(kb) for kb in peaks[-1].split()]
 
 
+@pytest.mark.slow  # a process's memory, measured: CI's -m slow run
 def test_the_default_model_answers_under_a_4_gb_address_space_limit(default_model_dir):
     done, (peak, resident) = generate(["--prompt", "What is the capital of France?",
                                        "--max-new-tokens", "8"], 4 * GB)
@@ -50,8 +51,9 @@ def test_the_default_model_answers_under_a_4_gb_address_space_limit(default_mode
     assert peak < MOST_RESERVED * resident, f"{peak / 1e6:.1f} GB for {resident / 1e6:.2f} GB"
 
 
-@pytest.mark.parametrize("flags", [["--prompt", "Hi"], ["--prompt", "Hi", "--baseline",
-                                                        "--dtype", "float32", "--no-compile"]])
+@pytest.mark.parametrize("flags", slow_except([
+    ["--prompt", "Hi"], ["--prompt", "Hi", "--baseline", "--dtype", "float32", "--no-compile"]],
+    ["--prompt", "Hi"]))
 def test_memory_refused_is_one_line_naming_the_limit(default_model_dir, flags):
     """1.2 GB: torch loads, the model does not. The line names the limit and the way out; the
     weights are not called damaged (the test above loads them)."""

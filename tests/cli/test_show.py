@@ -2,16 +2,12 @@
 guessed it (several colours where the heads' guesses are accepted); through a pipe, the same
 text as without --show, no escape codes; and every token yielded, for every acceptance rule
 and seed, has the origin of the node that kept it."""
-import os
-import pty
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO, cycling_heads, cycling_model
+from helpers import cycling_heads, cycling_model, generate_output, POEM
 from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.budget import fixed
 from minimedusa.cli.show import COLOURS, HEAD_COLOURS, node_origin, origins
@@ -21,44 +17,16 @@ from minimedusa.draft import Candidates
 from minimedusa.speculative_sampling import DrawnDraft, speculative
 from minimedusa.tree import build_tree
 
-POEM = ["--prompt", "Write a short poem about the sea.", "--max-new-tokens", "48"]
 ESCAPES = [re.escape(c) for c in (*HEAD_COLOURS, *COLOURS.values())]
 
 
-def generate_output(flags: list[str], terminal: bool) -> str:
-    """generate.py's standard output, written to a pseudo-terminal or a pipe."""
-    command = [sys.executable, str(REPO / "generate.py"), *flags]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("NO_COLOR", None)
-    if not terminal:
-        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
-                              timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout
-    leader, follower = pty.openpty()
-    run = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE, env=env, cwd=REPO)
-    os.close(follower)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the terminal's other end closed: the run is done
-            break
-        if not chunk:
-            break
-        out += chunk
-    assert run.wait(timeout=600) == 0, run.stderr.read()[-2000:]
-    os.close(leader)
-    return out.decode(errors="replace")
-
-
 @pytest.fixture(scope="module")
-def outputs():
+def outputs(poem_answer):
     """The poem's standard output: --show on a terminal, and through a pipe with and without
     --show."""
     return {"terminal": generate_output([*POEM, "--show"], terminal=True),
             "pipe": generate_output([*POEM, "--show"], terminal=False),
-            "plain": generate_output(POEM, terminal=False)}
+            "plain": poem_answer}
 
 
 def test_on_a_terminal_the_answer_streams_in_several_colours(outputs):

@@ -11,7 +11,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from helpers import REPO, cycling_heads, cycling_model
+from helpers import cycling_heads, cycling_model, POEM, REPO
 from minimedusa.acceptance import greedy, rejection, typical
 from minimedusa.budget import fixed
 from minimedusa.assembly.recipe import Decoding
@@ -97,9 +97,6 @@ def test_each_verdict_follows_from_the_rules_own_numbers(rule, seed):
             assert passes == (child in step.kept), (rule, nodes[child], held)
 
 
-POEM = ["--prompt", "Write a short poem about the sea.", "--max-new-tokens", "64"]
-
-
 class Page(HTMLParser):
     """The page's sections, and every reference it makes to something outside it."""
 
@@ -114,15 +111,14 @@ class Page(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def traced_run(tmp_path_factory):
-    """generate.py --trace on the default model: (the page's path, its summary line)."""
+def traced_run(tmp_path_factory, poem_answer):
+    """generate.py --trace on the default model: (the page's path, its summary line, its
+    answer, the answer without --trace)."""
     path = tmp_path_factory.mktemp("trace") / "trace.html"
     done = subprocess.run([sys.executable, str(REPO / "generate.py"), *POEM, "--trace",
                            str(path)], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    plain = subprocess.run([sys.executable, str(REPO / "generate.py"), *POEM],
-                           capture_output=True, text=True, cwd=REPO, timeout=600)
-    return path, done.stderr.strip().splitlines()[-1], done.stdout, plain.stdout
+    return path, done.stderr.strip().splitlines()[-1], done.stdout, poem_answer
 
 
 def test_the_page_has_a_folded_section_a_step_and_no_remote_reference(traced_run):

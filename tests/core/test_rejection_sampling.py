@@ -37,6 +37,7 @@ def medusa_samples(accept: Acceptance, kind="medusa") -> Counter:
                    for s in range(RUNS))
 
 
+@pytest.mark.slow  # the law by default: through the default path, below
 @pytest.mark.parametrize("kind, temperature, top_p", [  # each kind, each setting, once
     ("medusa", 1.0, 0.8), ("hydra", 0.7, 1.0), ("hydra++", 1.0, 1.0)])
 def test_rejection_sampling_matches_plain_sampling(kind, temperature, top_p):
@@ -57,6 +58,7 @@ def resampling_from_p_not_the_residual(temperature: float) -> Acceptance:
     return Acceptance("wrong", on_device(verify), rejection(temperature).first)
 
 
+@pytest.mark.slow  # a control: it shows the test can fail, whatever the code; CI runs it
 def test_chi_square_test_rejects_a_wrong_sampler():
     p = chi_square_p_value(medusa_samples(resampling_from_p_not_the_residual(1.0)),
                            plain_samples(1.0, 1.0))
@@ -139,6 +141,7 @@ def test_drawn_drafts_through_the_default_path_emit_the_plain_law():
     assert per_step > 1.1  # candidates were accepted
 
 
+@pytest.mark.slow  # a control: it shows the test can fail, whatever the code; CI runs it
 @pytest.mark.kernels
 def test_a_biased_draw_in_the_default_path_fails_the_same_test():
     """The control: the draws take the backbone's argmax a quarter of the time."""

@@ -211,6 +211,7 @@ def test_a_rejection_that_draws_from_p_instead_of_the_residual_fails_the_law():
     assert goodness_of_fit(chain_sample(p, q, 1, 8_000, 1, from_p), chain_law(p)) < ALPHA
 
 
+@pytest.mark.slow  # the law by default: the chain's above; through the loop, in CI
 def test_sampling_end_to_end_follows_plain_samplings_law():
     """A tiny model of 4 tokens, 2 new tokens after a fixed prompt, 2,000 runs:
     speculative sampling with a perturbed draft against plain sampling's exact law (its
@@ -236,6 +237,7 @@ def test_sampling_end_to_end_follows_plain_samplings_law():
 
 # --- the real default model: float32 verifying its own int4 rounding -----------------------
 
+@pytest.mark.slow  # the loop's greedy law on tiny models above; this, the real model's, in CI
 @pytest.mark.kernels
 def test_float32_drafted_by_its_int4_rounding_writes_float32_greedy_text(default_model_dir,
                                                                          reference):

@@ -21,7 +21,7 @@ from minimedusa.speculative_sampling import (DrawnDraft, Proposal, draw_without_
                                              gumbel_noise, speculative, verify_drawn)
 from minimedusa.tree import build_tree
 from helpers import (ALPHA, chain, chi_square_p_value, exact_law, goodness_of_fit, M, N_SAMPLES,
-                    plain_samples, rejection_setup as setup, RUNS, V)
+                    plain_samples, rejection_setup as setup, RUNS, slow_except, V)
 
 DRAWS = 3  # draws a node, without replacement
 # half test_rejection_exact's sequences: a total variation of 0.05 (not 0.035) gives a
@@ -82,9 +82,9 @@ def chain_and_guesses():
 
 # each shape, and each setting of temperature and top-p, once: the shapes and the settings
 # reach different code (the tree's layout; the law's scaling and nucleus), not their pairs
-@pytest.mark.parametrize("shape, temperature, top_p", [
+@pytest.mark.parametrize("shape, temperature, top_p", slow_except([
     ("drawn siblings", 1.0, 0.8), ("rank 1 drawn, not a node", 0.7, 1.0),
-    ("a point mass among drawn siblings", 1.0, 1.0)])
+    ("a point mass among drawn siblings", 1.0, 1.0)], ("drawn siblings", 1.0, 0.8)))
 def test_drawn_drafts_emit_the_plain_law_exactly(shape, temperature, top_p):
     tree = build_tree(TREES.get(shape, POINT_MASS), num_heads=3)
     table, guesses = chain_and_guesses()
@@ -94,6 +94,7 @@ def test_drawn_drafts_emit_the_plain_law_exactly(shape, temperature, top_p):
     assert per_step > 1.3  # candidates are accepted: not a test of plain sampling
 
 
+@pytest.mark.slow  # a draft vocabulary's law, in CI; by default the drawn drafts' law above
 @pytest.mark.parametrize("shape, temperature, top_p", [
     ("drawn siblings", 0.7, 1.0), ("a point mass among drawn siblings", 1.0, 0.8)])
 def test_drafts_over_a_draft_vocabulary_emit_the_plain_law_exactly(shape, temperature, top_p):
@@ -118,6 +119,7 @@ def law_without_the_earlier_draws_removed(child_path, token, proposal):
     return [token], None, 1.0
 
 
+@pytest.mark.slow  # a control: it shows the test can fail, whatever the code; CI runs it
 def test_a_sibling_law_that_forgets_the_earlier_draws_fails(monkeypatch):
     monkeypatch.setattr(speculative_sampling, "law_of", law_without_the_earlier_draws_removed)
     table, guesses = chain_and_guesses()
@@ -127,6 +129,7 @@ def test_a_sibling_law_that_forgets_the_earlier_draws_fails(monkeypatch):
     assert p < ALPHA, f"the broken rule went unnoticed (p = {p:.2g})"
 
 
+@pytest.mark.slow  # a control: it shows the test can fail, whatever the code; CI runs it
 def test_drafts_drawn_from_another_q_than_verified_against_fail():
     table, guesses = chain_and_guesses()
     tree = build_tree(TREES["drawn siblings"], num_heads=3)
@@ -136,7 +139,7 @@ def test_drafts_drawn_from_another_q_than_verified_against_fail():
     assert p < ALPHA, f"the broken draft went unnoticed (p = {p:.2g})"
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", slow_except([0, 1, 2], 0))
 def test_one_candidate_is_accepted_with_probability_one_minus_tv(seed):
     """A one-node tree: the candidate x ~ q is accepted with probability sum min(p, q)."""
     g = torch.Generator().manual_seed(seed)
@@ -170,8 +173,9 @@ def drawn_samples(kind: str, temperature: float, top_p: float, context: bool) ->
     return counts
 
 
-@pytest.mark.parametrize("kind, temperature, top_p, context", [
-    ("medusa", 1.0, 1.0, False), ("medusa", 0.7, 0.8, False), ("hydra", 0.7, 1.0, True)])
+@pytest.mark.parametrize("kind, temperature, top_p, context", slow_except([
+    ("medusa", 1.0, 1.0, False), ("medusa", 0.7, 0.8, False), ("hydra", 0.7, 1.0, True)],
+    ("hydra", 0.7, 1.0, True)))
 def test_drawn_drafts_through_medusa_decode_match_plain_sampling(kind, temperature, top_p,
                                                                  context):
     p = chi_square_p_value(drawn_samples(kind, temperature, top_p, context),

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import REPO, model_folder
+from helpers import REPO, model_folder, slow_except
 from generate import main as generate_main
 from minimedusa.files import tokenizer as tokenizer_module
 from minimedusa.errors import UserError
@@ -141,12 +141,13 @@ def test_a_head_of_odd_dims_is_one_line(sizes, needle, tiny_folder, tmp_path):
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "intermediate_size",
-                                 "num_hidden_layers", "num_attention_heads",
-                                 "num_key_value_heads", "max_position_embeddings", "rope_theta",
-                                 "rms_norm_eps", "head_dim", "eos_token_id", "bos_token_id",
-                                 "tie_word_embeddings", "model_type", "architectures",
-                                 "rope_scaling", "sliding_window"])
+# by default a count, a float, a flag and a table; every key under -m slow
+@pytest.mark.parametrize("key", slow_except([
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps", "head_dim",
+    "eos_token_id", "bos_token_id", "tie_word_embeddings", "model_type", "architectures",
+    "rope_scaling", "sliding_window"],
+    "vocab_size", "rope_theta", "tie_word_embeddings", "rope_scaling"))
 def test_a_config_value_of_another_kind_is_one_line_or_an_answer(key, tiny_folder, tmp_path):
     config = json.loads((tiny_folder / "config.json").read_text())
     for value in VALUE_DAMAGES:
@@ -194,8 +195,9 @@ def test_a_pickle_with_code_is_never_run_and_said_so(tiny_folder, tmp_path):
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("key", ["medusa_num_heads", "medusa_num_layers", "hidden_size",
-                                 "vocab_size", "shared_lm_head", "head_kind", "draft_vocab_size"])
+@pytest.mark.parametrize("key", slow_except([
+    "medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size", "shared_lm_head",
+    "head_kind", "draft_vocab_size"], "medusa_num_heads", "head_kind"))
 def test_a_heads_config_value_of_another_kind_is_one_line_or_an_answer(key, tiny_folder,
                                                                        tmp_path):
     config = json.loads((tiny_folder / "heads" / "config.json").read_text())

@@ -44,7 +44,8 @@ def convert(monkeypatch, gguf_file: Path, out: Path) -> None:
 
 # a conversion is ~8 s: each of the two ways in converts through one kind of link (the issue's, a
 # link to an empty folder, for --out; the other for the default model's folder), both kinds
-# meeting the same outputs.followed
+# meeting the same outputs.followed; the default run converts through the second only
+@pytest.mark.slow
 def test_the_converter_writes_the_model_where_its_out_link_points(gguf, tmp_path, monkeypatch):
     link, target = linked(tmp_path, "made")
     convert(monkeypatch, gguf, link)

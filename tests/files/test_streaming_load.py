@@ -64,6 +64,7 @@ def block_bytes(dtype_bytes: int) -> int:
     return (C * (H + 2 * G) * D + H * D * C + 3 * C * I) * dtype_bytes
 
 
+@pytest.mark.slow  # a process's memory, measured: CI's -m slow run
 @pytest.mark.parametrize("weight_format", ["int4", "bfloat16"])
 def test_loading_peaks_at_the_formats_bytes_and_one_block_not_the_whole_model(
         weight_format, model_folder):

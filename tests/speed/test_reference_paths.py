@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from helpers import BROKEN, broken, LastBlockSkipped, REPO, step_error
+from helpers import BROKEN, broken, LastBlockSkipped, REPO, slow_except, step_error
 from generate import main as generate_main
 from minimedusa.batch_decoding import batch_decode
 from minimedusa.budget import fixed, grow_tree
@@ -129,8 +129,11 @@ def assert_keeps_the_reference(logits: list, reference_logits: list, cases: list
                 assert case["top2_margin"][i] < bound, (case["kind"], i)
 
 
+# the default run: a fused C step and CUDA's; every path under -m slow (the compiled steps'
+# greedy text by default: test_lossless_matrix.py's)
 @pytest.mark.kernels
-@pytest.mark.parametrize("device, fmt, step", PATHS)
+@pytest.mark.parametrize("device, fmt, step", slow_except(PATHS, ("cpu", "int4", "fused"),
+                                                          *PATHS[-2:]))
 def test_each_paths_plain_step_keeps_the_reference_at_every_position(paths, reference_logits,
                                                                      device, fmt, step):
     logits = paths.logits((device, fmt, step))
@@ -184,7 +187,8 @@ TREE_PATHS = [path for path in PATHS
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("device, fmt, step", TREE_PATHS)
+@pytest.mark.parametrize("device, fmt, step", slow_except(
+    TREE_PATHS, ("cpu", "int4", "fused"), *PATHS[-2:]))
 def test_each_paths_medusa_and_batch_write_the_reference_text(paths, device, fmt, step):
     """Medusa's tree step (the shipped heads) and a batch of the chats' rows (plain steps of 3
     rows), decoding freely: each batch row parts from the reference only where its margin is
@@ -218,7 +222,7 @@ def float32_model(paths):
     model.layers = blocks
 
 
-@pytest.mark.parametrize("kind, fmt", BROKEN)
+@pytest.mark.parametrize("kind, fmt", slow_except(BROKEN, BROKEN[3]))  # the subtlest by default
 def test_a_broken_step_fails_the_logits_rule(float32_model, reference, reference_logits,
                                              kind, fmt):
     """A float32 model with a broken step, held to the loosest bound it breaks (int8's, for
@@ -230,7 +234,8 @@ def test_a_broken_step_fails_the_logits_rule(float32_model, reference, reference
                                    reference_logits, cases, format_named(fmt).error)
 
 
-@pytest.mark.parametrize("kind", [kind for kind, fmt in BROKEN if fmt == "int8"])
+@pytest.mark.parametrize("kind", slow_except([kind for kind, fmt in BROKEN if fmt == "int8"],
+                                             BROKEN[1][0]))
 def test_a_broken_float32_step_fails_the_margin_rule_on_its_own_text(float32_model,
                                                                      reference, kind):
     """The same steps decoding freely, held to float32's bound: their text parts from the
@@ -294,6 +299,7 @@ def test_the_avx2_paths_keep_the_reference_run_as_an_avx2_cpu():
         pytest.skip("this CPU has no AVX2 and FMA")
     selection = "plain_step and (float32-compiled or w4a8-fused)"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__, "-k", selection], capture_output=True, text=True,
+                           __file__, "-k", selection, "-m", "slow or not slow"],  # both slow
+                          capture_output=True, text=True,
                           env={**os.environ, **AVX2_ENVIRONMENT}, cwd=REPO, timeout=900)
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:]

@@ -193,6 +193,7 @@ def test_bad_data_is_a_clear_error(tiny_setup, tmp_path):
         read_rows(data, 3, "0123456789abcdef", 64)
 
 
+@pytest.mark.slow  # two processes started: CI's -m slow run
 def test_training_runs_under_torchrun_with_two_processes(tiny_setup, tmp_path):
     """DistributedDataParallel on the CPU (gloo): each process takes half of every batch."""
     model_dir, data = tiny_setup
