@@ -58,7 +58,7 @@ def resampling_from_p_not_the_residual(temperature: float) -> Acceptance:
     return Acceptance("wrong", on_device(verify), rejection(temperature).first)
 
 
-@pytest.mark.slow  # a control: it shows the test can fail, whatever the code; CI runs it
+@pytest.mark.slow  # a control (the law test catches this break): CI's -m slow run
 def test_chi_square_test_rejects_a_wrong_sampler():
     p = chi_square_p_value(medusa_samples(resampling_from_p_not_the_residual(1.0)),
                            plain_samples(1.0, 1.0))
@@ -141,7 +141,7 @@ def test_drawn_drafts_through_the_default_path_emit_the_plain_law():
     assert per_step > 1.1  # candidates were accepted
 
 
-@pytest.mark.slow  # a control: it shows the test can fail, whatever the code; CI runs it
+@pytest.mark.slow  # a control (the law test catches this break): CI's -m slow run
 @pytest.mark.kernels
 def test_a_biased_draw_in_the_default_path_fails_the_same_test():
     """The control: the draws take the backbone's argmax a quarter of the time."""

@@ -119,7 +119,7 @@ def law_without_the_earlier_draws_removed(child_path, token, proposal):
     return [token], None, 1.0
 
 
-@pytest.mark.slow  # a control: it shows the test can fail, whatever the code; CI runs it
+@pytest.mark.slow  # a control (the law test catches this break): CI's -m slow run
 def test_a_sibling_law_that_forgets_the_earlier_draws_fails(monkeypatch):
     monkeypatch.setattr(speculative_sampling, "law_of", law_without_the_earlier_draws_removed)
     table, guesses = chain_and_guesses()
@@ -129,7 +129,7 @@ def test_a_sibling_law_that_forgets_the_earlier_draws_fails(monkeypatch):
     assert p < ALPHA, f"the broken rule went unnoticed (p = {p:.2g})"
 
 
-@pytest.mark.slow  # a control: it shows the test can fail, whatever the code; CI runs it
+@pytest.mark.slow  # a control (the law test catches this break): CI's -m slow run
 def test_drafts_drawn_from_another_q_than_verified_against_fail():
     table, guesses = chain_and_guesses()
     tree = build_tree(TREES["drawn siblings"], num_heads=3)
