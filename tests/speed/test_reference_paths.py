@@ -129,8 +129,8 @@ def assert_keeps_the_reference(logits: list, reference_logits: list, cases: list
                 assert case["top2_margin"][i] < bound, (case["kind"], i)
 
 
-# the default run: a fused C step and CUDA's; every path under -m slow (the compiled steps'
-# greedy text by default: test_lossless_matrix.py's)
+# the default run: a fused C step and CUDA's paths; every path under -m slow (the compiled
+# steps, by default: lossless against their own plain steps, test_lossless_matrix.py)
 @pytest.mark.kernels
 @pytest.mark.parametrize("device, fmt, step", slow_except(PATHS, ("cpu", "int4", "fused"),
                                                           *PATHS[-2:]))
