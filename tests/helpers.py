@@ -87,8 +87,6 @@ def slow_except(cases: list, *kept) -> list:
     only under `-m slow` (which CI runs too). The default run proves each claim once and stays
     under 10 minutes on 2 cores; the further formats, settings and shapes run in CI."""
     def slow(case):
-        if isinstance(case, type(pytest.param())):  # already a pytest.param: add the mark
-            return pytest.param(*case.values, marks=[*case.marks, pytest.mark.slow], id=case.id)
         return pytest.param(*(case if isinstance(case, tuple) else (case,)),
                             marks=pytest.mark.slow)
     return [case if case in kept else slow(case) for case in cases]
