@@ -56,7 +56,7 @@ def test_the_default_model_answers_under_a_4_gb_address_space_limit(default_mode
     ["--prompt", "Hi"]))
 def test_memory_refused_is_one_line_naming_the_limit(default_model_dir, flags):
     """1.2 GB: torch loads, the model does not. The line names the limit and the way out; the
-    weights are not called damaged (the test above loads them)."""
+    weights are not called damaged (the 4 GB test above loads them: -m slow)."""
     done, _ = generate(flags, int(1.2 * GB))
     assert done.returncode == 1
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
