@@ -21,25 +21,19 @@ from minimedusa.heads import HydraHeads
 from minimedusa.model import causal_mask
 from minimedusa.training import head_rows, medusa1
 from minimedusa.training.medusa1 import Rows, read_answers, rows_of, split_validation
+from minimedusa.training.rehidden import padded_hidden_states
 from minimedusa.training.loop import batch_rows
 from minimedusa.training.progress import say
 
 
-@torch.no_grad()
-def prompt_states(model, prompts: list[torch.Tensor], device) -> list[torch.Tensor]:
+def prompt_states(model, prompts: list[torch.Tensor], batch_size: int = 64) -> list[torch.Tensor]:
     """The backbone's final hidden states at each prompt's positions but the last, (p - 1, C)
     each (bf16, as the stored answer states): the last position's state is the answer's row 0,
-    stored with the data already."""
+    stored with the data already. One forward a batch of prompts (rehidden.py's)."""
     states = []
-    for p in prompts:
-        ids = p[:-1].to(device).unsqueeze(0)  # (1, p - 1)
-        T = ids.shape[1]
-        if T == 0:  # a one-token prompt: its only state is the answer's row 0
-            states.append(torch.zeros(0, model.config.hidden_size, dtype=torch.bfloat16))
-            continue
-        positions = torch.arange(T, device=device).unsqueeze(0)
-        hidden = model.hidden_states(ids, positions, causal_mask(0, T, device))[0]
-        states.append(hidden.to(torch.bfloat16).cpu())
+    for a in range(0, len(prompts), batch_size):
+        seqs = [p[:-1].tolist() for p in prompts[a:a + batch_size]]
+        states += [h.to(torch.bfloat16) for h in padded_hidden_states(model, seqs)]
     return states
 
 
@@ -82,11 +76,11 @@ class AnswerRows:
                                            index.to(features.device))]
 
 
-def answer_rows(model, answers: list[tuple], num_heads: int, device) -> AnswerRows:
+def answer_rows(model, answers: list[tuple], num_heads: int) -> AnswerRows:
     """answers (prompt ids, answer ids, hidden) as rows with their prompts' states."""
     offsets = torch.tensor([0] + [len(a) for _, a, _ in answers]).cumsum(0)
-    return AnswerRows(rows_of(answers, num_heads), prompt_states(model, [p for p, _, _ in answers],
-                                                                 device), offsets)
+    return AnswerRows(rows_of(answers, num_heads), prompt_states(model, [p for p, _, _ in answers]),
+                     offsets)
 
 
 def layer_features(layer: DraftLayer, data: AnswerRows, answers: torch.Tensor,
@@ -133,13 +127,13 @@ class WholeAnswers:
                             "DistributedDataParallel's forward): run train.py without torchrun")
         say("computing the prompts' hidden states for the draft layer")
         parts = split_validation(read_answers(data, fingerprint, model.config.vocab_size))
-        return cls(*(answer_rows(model, part, heads.config.medusa_num_heads, device)
+        return cls(*(answer_rows(model, part, heads.config.medusa_num_heads)
                      for part in parts))
 
     @classmethod
     def held_out_rows(cls, model, data, fingerprint: str, heads, device) -> Rows:
         _, val = split_validation(read_answers(data, fingerprint, model.config.vocab_size))
-        return featured_rows(heads, answer_rows(model, val, heads.config.medusa_num_heads, device),
+        return featured_rows(heads, answer_rows(model, val, heads.config.medusa_num_heads),
                              device)
 
     def batch(self, step: int, batch_size: int, seed: int) -> torch.Tensor:

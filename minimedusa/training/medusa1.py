@@ -135,9 +135,12 @@ def stacked_hidden(folder: Path, rows: int) -> torch.Tensor:
     for shard in sorted(folder.glob("shard-*.safetensors")):
         try:
             with safe_open(shard, framework="pt") as st:
-                part = st.get_tensor("hidden")  # (n, C)
+                part = st.get_tensor("hidden") if "hidden" in st.keys() else None  # (n, C)
         except Exception as e:  # safetensors reports truncation/corruption with varied types
             raise DataError(unreadable(shard, e)) from None
+        if part is None:
+            raise DataError(f"{shard} holds token ids alone: recompute its hidden states "
+                            "(python -m minimedusa.training.rehidden)")
         if hidden is None:
             hidden = torch.empty(rows, part.shape[-1], dtype=part.dtype)
         if part.dim() != 2 or at + len(part) > rows or part.shape[1] != hidden.shape[1]:

@@ -143,14 +143,16 @@ def tokenizer_fingerprint(folder: Path) -> str:
 
 
 def save_shard(path: Path, rows: list[dict]) -> None:
-    """One file per batch: flat int32 token ids with offsets, and the hidden states (bf16).
-    Written beside its final name and renamed, so a killed run leaves no half shard."""
+    """One file per batch: flat int32 token ids with offsets, and the hidden states (bf16)
+    where the rows have them (rehidden.py moves shards without). Written beside its final name
+    and renamed, so a killed run leaves no half shard."""
     prompt_ids = [torch.tensor(r["prompt_ids"], dtype=torch.int32) for r in rows]
     answer_ids = [torch.tensor(r["answer_ids"], dtype=torch.int32) for r in rows]
     offsets = lambda xs: torch.tensor([0] + [len(x) for x in xs]).cumsum(0)  # noqa: E731
     tensors = {"prompt_ids": torch.cat(prompt_ids), "prompt_offsets": offsets(prompt_ids),
-               "answer_ids": torch.cat(answer_ids), "answer_offsets": offsets(answer_ids),
-               "hidden": torch.cat([r["hidden"] for r in rows]).to(torch.bfloat16).contiguous()}
+               "answer_ids": torch.cat(answer_ids), "answer_offsets": offsets(answer_ids)}
+    if "hidden" in rows[0]:
+        tensors["hidden"] = torch.cat([r["hidden"] for r in rows]).to(torch.bfloat16).contiguous()
     write_atomically(path, lambda tmp: save_file(tensors, tmp))
 
 

@@ -99,7 +99,7 @@ def test_decoding_reads_what_training_feeds_the_layer(tiny_setup):
     model = load_model(model_dir)  # float32, as training runs it
     heads = perturbed_hydra_pp(model, 3, 1, 0.2)
     answers = read_answers(data, tokenizer_fingerprint(model_dir), VOCAB)[:4]
-    rows = answer_rows(model, answers, 3, torch.device("cpu"))
+    rows = answer_rows(model, answers, 3)
     trained = layer_features(heads.draft_layer, rows, torch.arange(len(answers)),
                              torch.device("cpu"))  # (M, C): the rows of the 4 answers
     decoded = []
@@ -124,8 +124,7 @@ def test_a_training_step_reads_the_answers_of_its_rows_whole(tiny_setup):
     model_dir, data = tiny_setup
     model = load_model(model_dir)
     layer = perturbed_hydra_pp(model, 3, 2, 0.2).draft_layer
-    rows = answer_rows(model, read_answers(data, tokenizer_fingerprint(model_dir), VOCAB), 3,
-                       torch.device("cpu"))
+    rows = answer_rows(model, read_answers(data, tokenizer_fingerprint(model_dir), VOCAB), 3)
     index = rows.sample_rows(step=3, batch_size=40, seed=0)
     assert len(index) == 40 and (index[1:] > index[:-1]).all()
     assert len((torch.searchsorted(rows.offsets, index, right=True) - 1).unique()) \
