@@ -26,10 +26,11 @@ from minimedusa.cli.flags import Parser
 from minimedusa.errors import UserError, entry_point, unreadable
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.files.outputs import followed, lock_folder, write_atomically
+from minimedusa.files.weights import load_model
 from minimedusa.model import causal_mask
 from minimedusa.training.medusa1 import DataError, read_meta
 from minimedusa.training.progress import progress_bar
-from minimedusa.training.self_distill import answering_model, save_shard, tokenizer_fingerprint
+from minimedusa.training.self_distill import save_shard, tokenizer_fingerprint
 
 
 def read_shard(path: Path) -> list[dict]:
@@ -110,8 +111,10 @@ def main():
         folder = args.model or ensure_default_model()
         if tokenizer_fingerprint(folder) != meta.get("tokenizer"):
             raise UserError(f"{args.src} was made with another tokenizer than {folder}'s")
-        model = answering_model(folder, pick_device(args.device),
-                                getattr(torch, meta.get("dtype", "float32")))
+        # eager, as read: a decoding model's compiled step (CUDA graphs) would cost minutes of
+        # warm-up here, and only hidden_states runs
+        model = load_model(folder, pick_device(args.device),
+                           getattr(torch, meta.get("dtype", "float32"))).eval()
     write_atomically(args.out / "meta.json",
                      lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
     rehidden(args.src, args.out, model, progress_bar())
