@@ -5,7 +5,8 @@ against 4 bytes for the token's id. To train on another machine (a GPU), copy th
 (`--ids-only`) and recompute the states there. The frozen backbone makes this exact up to
 rounding: the state that predicts answer token i is the last hidden state at the token before
 it, whether self_distill.py saved it while answering, one step a token, or one teacher-forced
-forward over prompt + answer computes it, as here (tests/test_rehidden.py checks they agree).
+forward over prompt + answer computes it, as here (tests/training/test_rehidden.py checks
+they agree).
 
     python -m minimedusa.training.rehidden data/distill --out moved/distill --ids-only
     python -m minimedusa.training.rehidden moved/distill --out data/distill --device cuda
@@ -45,7 +46,7 @@ def read_shard(path: Path) -> list[dict]:
             for pa, pb, a, b in zip(p_off[:-1], p_off[1:], a_off[:-1], a_off[1:])]
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: Hydra++ trains on what this returns, under autograd
 def padded_hidden_states(model, seqs: list[list[int]]) -> list[torch.Tensor]:
     """Each sequence's last hidden states, (len, C) on the CPU, from one forward over all of
     them: the rows are padded on the right, which the causal mask keeps out of every real
@@ -86,7 +87,7 @@ def rehidden(src: Path, out: Path, model, progress) -> None:
 
 
 @entry_point
-def main():
+def main(argv=None):
     p = Parser(description="Copy a self-distillation folder as token ids alone (--ids-only), or "
                "recompute its hidden states from its token ids with the model that made it.")
     p.prog = "python -m minimedusa.training.rehidden"
@@ -98,7 +99,7 @@ def main():
     p.add_argument("--model", type=Path, default=None, help="the HF Llama folder the data was "
                    "made with (default: the default model)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     meta = read_meta(args.src)
     if not sorted(args.src.glob("shard-*.safetensors")):
         raise UserError(f"no shards in {args.src}: nothing to copy")

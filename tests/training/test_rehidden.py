@@ -8,7 +8,7 @@ from helpers import tiny_model
 from minimedusa.acceptance import Sampling
 from minimedusa.training.medusa1 import DataError, stacked_hidden
 from minimedusa.training.progress import progress_bar
-from minimedusa.training.rehidden import rehidden
+from minimedusa.training.rehidden import main, rehidden
 from minimedusa.training.self_distill import answer_batch, save_shard
 
 
@@ -43,3 +43,19 @@ def test_training_refuses_ids_without_states_in_one_line(tmp_path):
                [{"prompt_ids": [1, 2], "answer_ids": [3, 4, 5]}])
     with pytest.raises(DataError, match="token ids alone.*rehidden"):
         stacked_hidden(tmp_path, 3)
+
+
+def test_folders_it_cannot_copy_end_in_one_error_line(tmp_path):
+    src, out = tmp_path / "src", str(tmp_path / "out")
+    src.mkdir()
+    with pytest.raises(SystemExit, match="^error: no meta.json in"):
+        main([str(src), "--out", out, "--ids-only"])
+    (src / "meta.json").write_text("{}")
+    with pytest.raises(SystemExit, match="^error: no shards in"):
+        main([str(src), "--out", out, "--ids-only"])
+    save_shard(src / "shard-00000.safetensors", [{"prompt_ids": [1], "answer_ids": [2, 3]}])
+    with pytest.raises(SystemExit, match="^error: --out is the source folder"):
+        main([str(src), "--out", str(src), "--ids-only"])
+    (src / "shard-00001.safetensors").write_bytes(b"not a shard")  # truncated, or not one
+    with pytest.raises(SystemExit, match="^error: .*shard-00001.safetensors"):
+        main([str(src), "--out", out, "--ids-only"])
