@@ -21,7 +21,7 @@ from minimedusa.heads import HydraHeads
 from minimedusa.model import causal_mask
 from minimedusa.training import head_rows, medusa1
 from minimedusa.training.medusa1 import Rows, read_answers, rows_of, split_validation
-from minimedusa.training.rehidden import padded_hidden_states
+from minimedusa.training.rehidden import teacher_forced_hidden
 from minimedusa.training.loop import batch_rows
 from minimedusa.training.progress import say
 
@@ -29,11 +29,13 @@ from minimedusa.training.progress import say
 def prompt_states(model, prompts: list[torch.Tensor], batch_size: int = 64) -> list[torch.Tensor]:
     """The backbone's final hidden states at each prompt's positions but the last, (p - 1, C)
     each (bf16, as the stored answer states): the last position's state is the answer's row 0,
-    stored with the data already. One forward a batch of prompts (rehidden.py's)."""
+    stored with the data already. These are the rows of p[1:] read as an answer to p[:1]
+    (rehidden.teacher_forced_hidden: the state at the token before each), a batch of prompts
+    one forward."""
     states = []
     for a in range(0, len(prompts), batch_size):
-        seqs = [p[:-1].tolist() for p in prompts[a:a + batch_size]]
-        states += [h.to(torch.bfloat16) for h in padded_hidden_states(model, seqs)]
+        pairs = [(p[:1], p[1:]) for p in prompts[a:a + batch_size]]
+        states += [h.to(torch.bfloat16) for h in teacher_forced_hidden(model, pairs)]
     return states
 
 

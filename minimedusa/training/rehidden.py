@@ -28,47 +28,35 @@ from minimedusa.errors import UserError, entry_point, unreadable
 from minimedusa.files.default_model import ensure_default_model
 from minimedusa.files.outputs import followed, lock_folder, write_atomically
 from minimedusa.files.weights import load_model
-from minimedusa.model import causal_mask
+from minimedusa.training.joint_loss import answer_states, make_batch
 from minimedusa.training.medusa1 import DataError, read_meta
 from minimedusa.training.progress import progress_bar
 from minimedusa.training.self_distill import save_shard, tokenizer_fingerprint
 
 
-def read_shard(path: Path) -> list[dict]:
-    """A shard's answers: [{"prompt_ids": [...], "answer_ids": [...]}], its states left out."""
+def read_shard(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A shard's answers, (prompt ids (p,), answer ids (n,)) each, its states left out."""
     try:
         with safe_open(path, framework="pt") as st:
             prompts, p_off = st.get_tensor("prompt_ids"), st.get_tensor("prompt_offsets").tolist()
             answers, a_off = st.get_tensor("answer_ids"), st.get_tensor("answer_offsets").tolist()
     except Exception as e:  # safetensors reports truncation/corruption with varied types
         raise DataError(unreadable(path, e)) from None
-    return [{"prompt_ids": prompts[pa:pb].tolist(), "answer_ids": answers[a:b].tolist()}
+    return [(prompts[pa:pb].long(), answers[a:b].long())
             for pa, pb, a, b in zip(p_off[:-1], p_off[1:], a_off[:-1], a_off[1:])]
 
 
-@torch.no_grad()  # not inference_mode: Hydra++ trains on what this returns, under autograd
-def padded_hidden_states(model, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence's last hidden states, (len, C) on the CPU, from one forward over all of
-    them: the rows are padded on the right, which the causal mask keeps out of every real
-    token's view."""
+@torch.no_grad()
+def teacher_forced_hidden(model, answers: list[tuple]) -> list[torch.Tensor]:
+    """answers: (prompt ids (p,), answer ids (n,)) each. Per answer, its (n, C) states on the
+    CPU: row i is the last hidden state at the token before answer token i (the prompt's last
+    token, then answer tokens 0..n-2). One forward for them all: Medusa-2's batch of whole
+    answers (joint_loss.make_batch: right-padded, which the causal mask keeps out of every real
+    token's view) and its states at the answer rows (joint_loss.answer_states)."""
     device = model.embed.weight.device
-    T = max(map(len, seqs))
-    if T == 0:
-        return [torch.zeros(0, model.config.hidden_size) for _ in seqs]
-    tokens = torch.zeros(len(seqs), T, dtype=torch.long, device=device)  # (B, T), 0-padded
-    for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = torch.tensor(s, dtype=torch.long, device=device)
-    positions = torch.arange(T, device=device).expand(len(seqs), T)  # (B, T)
-    hidden = model.hidden_states(tokens, positions, causal_mask(0, T, device))  # (B, T, C)
-    return [hidden[b, :len(s)].cpu() for b, s in enumerate(seqs)]
-
-
-def teacher_forced_hidden(model, rows: list[dict]) -> list[torch.Tensor]:
-    """Per answer, its (n, C) states: row i is the last hidden state at the token before answer
-    token i (the prompt's last token, then answer tokens 0..n-2)."""
-    seqs = [r["prompt_ids"] + r["answer_ids"][:-1] for r in rows]
-    return [h[len(r["prompt_ids"]) - 1:]
-            for r, h in zip(rows, padded_hidden_states(model, seqs))]
+    batch = make_batch([(p, a, None) for p, a in answers], 1, device)
+    states = answer_states(model, batch).cpu()  # (N, C), answer after answer
+    return list(states.split([len(a) for _, a in answers]))
 
 
 def rehidden(src: Path, out: Path, model, progress) -> None:
@@ -78,9 +66,10 @@ def rehidden(src: Path, out: Path, model, progress) -> None:
     shards = sorted(src.glob("shard-*.safetensors"))
     todo = [s for s in shards if not (out / s.name).is_file()]
     for done, shard in enumerate(todo, start=1):
-        rows = read_shard(shard)
+        answers = read_shard(shard)
+        rows = [{"prompt_ids": p.tolist(), "answer_ids": a.tolist()} for p, a in answers]
         if model is not None:
-            for r, h in zip(rows, teacher_forced_hidden(model, rows)):
+            for r, h in zip(rows, teacher_forced_hidden(model, answers)):
                 r["hidden"] = h
         save_shard(out / shard.name, rows)
         progress(done, len(todo), shard.name)
@@ -101,7 +90,7 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     args = p.parse_args(argv)
     meta = read_meta(args.src)
-    if not sorted(args.src.glob("shard-*.safetensors")):
+    if not any(args.src.glob("shard-*.safetensors")):
         raise UserError(f"no shards in {args.src}: nothing to copy")
     args.out = followed(args.out)
     if args.out.resolve() == args.src.resolve():
