@@ -180,12 +180,10 @@ def test_medusa_greedy_cli_output_equals_baseline(tiny_folder, capsys):
 
 
 @pytest.mark.kernels
-def test_the_step_is_compiled_where_it_can_be_and_eager_otherwise(tiny_folder, tmp_path,
-                                                                  capsys):
+def test_the_step_is_compiled_where_it_can_be_and_eager_otherwise(tiny_folder, capsys):
     """By default the decoding step is compiled where torch.compile works (in float32: a
     bfloat16 model's step is fused where group_kernel.c multiplies it); --no-compile keeps it
-    eager; with no working C++ compiler (a process of its own) it stays eager, with one line
-    saying why."""
+    eager."""
     args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4", "--json",
             "--device", "cpu", "--dtype", "float32"]
     compiles = compiler_problem() is None
@@ -193,6 +191,13 @@ def test_the_step_is_compiled_where_it_can_be_and_eager_otherwise(tiny_folder, t
     assert default["step"].startswith("compiled (warm-up" if compiles else "eager")
     eager = json.loads(main_output(capsys, *args, "--no-compile")[0])
     assert eager["step"] == "eager (--no-compile)"
+
+
+@pytest.mark.kernels
+@pytest.mark.slow  # a process of its own
+def test_without_a_working_compiler_the_step_stays_eager_and_says_why(tiny_folder, tmp_path):
+    args = ["--model", str(tiny_folder), "--prompt", "Hi", "--max-new-tokens", "4", "--json",
+            "--device", "cpu", "--dtype", "float32"]
     env = {**os.environ, "CXX": "/nonexistent/c++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     broken = subprocess.run([sys.executable, str(REPO / "generate.py"), *args],
                             capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
@@ -290,6 +295,7 @@ def test_heads_for_another_model_give_one_clear_line(tiny_folder, tmp_path, caps
 
 
 @pytest.mark.kernels
+@pytest.mark.slow  # a second graph compiled: half a minute of the default run
 def test_a_kernel_that_cannot_be_built_is_named_in_one_line(tiny_folder, monkeypatch, capsys):
     """With a C compiler that fails, the compiled step attends in PyTorch, and the summary
     line says so and why."""

@@ -20,24 +20,19 @@ from minimedusa.tree import build_tree
 ESCAPES = [re.escape(c) for c in (*HEAD_COLOURS, *COLOURS.values())]
 
 
-@pytest.fixture(scope="module")
-def outputs():
-    """The poem's standard output with --show, on a terminal and through a pipe (without
-    --show: conftest's poem_answer)."""
-    return {"terminal": generate_output([*POEM, "--show"], terminal=True),
-            "pipe": generate_output([*POEM, "--show"], terminal=False)}
-
-
-def test_on_a_terminal_the_answer_streams_in_several_colours(outputs, poem_answer):
-    out = outputs["terminal"]
+def test_on_a_terminal_the_answer_streams_in_several_colours(poem_answer):
+    """--show on a terminal (without --show: conftest's poem_answer)."""
+    out = generate_output([*POEM, "--show"], terminal=True)
     colours = {code for code in ESCAPES if re.search(code, out)}
     assert len(colours) >= 3  # heads' depths and context candidates (the model's: plain)
     plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
     assert plain.replace("\r\n", "\n") == poem_answer  # a terminal writes \r\n
 
 
-def test_through_a_pipe_show_writes_the_same_text_without_escape_codes(outputs, poem_answer):
-    assert "\x1b[" not in outputs["pipe"] and outputs["pipe"] == poem_answer
+@pytest.mark.slow  # a second process of the default model
+def test_through_a_pipe_show_writes_the_same_text_without_escape_codes(poem_answer):
+    out = generate_output([*POEM, "--show"], terminal=False)
+    assert "\x1b[" not in out and out == poem_answer
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])

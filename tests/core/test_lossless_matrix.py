@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from helpers import cycling_heads, cycling_model, greedy_pair
+from helpers import cycling_heads, cycling_model, greedy_pair, slow_except
 from minimedusa.speed.host_greedy import greedy_for
 from minimedusa.context_candidates import ContextDraft
 from minimedusa.budget import Budget, FixedSize, fixed, nested_trees
@@ -60,12 +60,16 @@ def steps_of(model, draft, budget, prompt) -> tuple[list, float]:
     return tokens, len(tokens) / len(steps)
 
 
-MATRIX = ([(f, "eager") for f in ("float32", "bfloat16", "int8", "int4", "w4a8")]
-          + [(f, "fused") for f in ("int4", "w4a8", "bfloat16")]
-          + [(f, "compiled") for f in ("float32", "bfloat16", "int8")])
+CASES = ([(f, "eager") for f in ("float32", "bfloat16", "int8", "int4", "w4a8")]
+         + [(f, "fused") for f in ("int4", "w4a8", "bfloat16")]
+         + [(f, "compiled") for f in ("float32", "bfloat16", "int8")])
+IDS = [f"{f}-{s}" for f, s in CASES]
+# a compiled case costs its own compile (10-20 s each): the default run proves the compiled
+# step lossless once, in test_compiled_step.py, and runs these under -m slow
+MATRIX = slow_except(CASES, *[case for case in CASES if case[1] != "compiled"])
 
 
-@pytest.mark.parametrize("weight_format, step", MATRIX, ids=[f"{f}-{s}" for f, s in MATRIX])
+@pytest.mark.parametrize("weight_format, step", MATRIX, ids=IDS)
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_medusa_greedy_equals_the_formats_plain_greedy_and_accepts(weight_format, step, kind):
     for seed in (1, 2):
@@ -80,7 +84,7 @@ def test_medusa_greedy_equals_the_formats_plain_greedy_and_accepts(weight_format
 
 
 @pytest.mark.parametrize("draft", ["ranked", "context", "budget"])
-@pytest.mark.parametrize("weight_format, step", MATRIX, ids=[f"{f}-{s}" for f, s in MATRIX])
+@pytest.mark.parametrize("weight_format, step", MATRIX, ids=IDS)
 def test_every_kind_of_draft_stays_lossless_and_accepts(draft, weight_format, step):
     """Trees the heads rank each step, a chain copied from the sequence merged in, and the
     Budget moving between nested trees and plain steps: each the same tokens as plain greedy."""
