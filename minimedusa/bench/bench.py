@@ -59,8 +59,8 @@ def warm_up(engines: Engines, tokenizer) -> None:
             run(warm, 8, 0)
         except EngineDied as died:
             left_out(engines, name, died, [])
-    for counts in engines.usage.values():  # the warm-up's steps are not the benchmark's
-        counts.clear()
+    for counts in [*engines.usage.values(), *engines.origins.values()]:  # the warm-up's
+        counts.clear()  # steps are not the benchmark's
 
 
 def left_out(engines: Engines, name: str, died: EngineDied, rows: list[dict]) -> None:
@@ -116,6 +116,13 @@ def add_bandwidth(totals: dict, step_bytes: dict) -> None:
             t["gb_s"] = implied_bandwidth(step_bytes[name], t["step_ms"])
 
 
+def origin_shares(counts: dict, total: dict) -> str:
+    """Tokens a step by origin, e.g. "head 1 0.33, head 2 0.10, context 0.61, model 1.00": what
+    the heads, the context candidates and the model's own token each add to a step."""
+    said = {origin: f"head {origin}" if origin.isdigit() else origin for origin in counts}
+    return ", ".join(f"{said[o]} {n / total['steps']:.3f}" for o, n in counts.items())
+
+
 def report(args, rows: list[dict], engines: Engines, memory: dict, device, dtype) -> None:
     """Print the totals and the per-category table; with --out / --plot, save them."""
     names = list(engines.run)
@@ -131,7 +138,9 @@ def report(args, rows: list[dict], engines: Engines, memory: dict, device, dtype
               "expected_tokens_per_step": engines.expected, "totals": totals,
               "per_category": per_category, "questions": rows,
               "steps_by_tree_size": {name: dict(sorted(c.items()))
-                                     for name, c in engines.usage.items()}}
+                                     for name, c in engines.usage.items()},
+              "tokens_by_origin": {name: {str(k): n for k, n in sorted(c.items(), key=str)}
+                                   for name, c in engines.origins.items()}}
     if any("same_as_reference" in t for t in totals.values()):
         result["reference_check"] = verdict(totals, device)
         print(result["reference_check"])
@@ -139,6 +148,8 @@ def report(args, rows: list[dict], engines: Engines, memory: dict, device, dtype
           f"{memory['copy_gb_s']} GB/s copy (read + write)")
     for name, counts in result["steps_by_tree_size"].items():
         print(f"{name}: steps by tree size (0 = plain) {counts}")
+    for name, counts in result["tokens_by_origin"].items():
+        print(f"{name}: tokens a step by what guessed them {origin_shares(counts, totals[name])}")
     print(markdown(totals, engines.expected))
     print()
     print(category_table(per_category))

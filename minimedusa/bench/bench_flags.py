@@ -67,8 +67,8 @@ def add_engine_variants(p) -> None:
     p.add_argument("--context", choices=("on", "off", "both"), default="on",
                    help="context candidates in the adapted trees and --sizes' trees (branches "
                    "read from the prompt and the answer so far, context_candidates.py): on "
-                   "(default, as generate.py), off, or both: greedy also without them, as "
-                   "'NAME (no context)'")
+                   "(default, as generate.py), off, or both: every rule also without "
+                   "them, as 'NAME (no context)'")
     p.add_argument("--eager-too", action="store_true",
                    help="also time every plain and greedy Medusa engine with its decoding step "
                    "eager, as 'NAME (eager)', beside the compiled one (see --compile)")

@@ -20,6 +20,7 @@ import torch
 
 from minimedusa.bench.llama_cpp_tools import llama_cpp_engines
 from minimedusa.budget import expected_length, expected_length_of, grow_tree
+from minimedusa.cli.show import origins as token_origins
 from minimedusa.assembly.recipe import Recipe, build, decoding_heads, decoding_model
 from minimedusa.assembly.trees import decoding_tree
 from minimedusa.errors import UserError
@@ -40,11 +41,15 @@ class Engines:
     run: dict = field(default_factory=dict)  # name -> engine
     expected: dict = field(default_factory=dict)  # name -> tokens/step from the calibration
     usage: dict = field(default_factory=dict)  # name -> Counter of steps by tree size
+    # name -> Counter of tokens by what guessed them (cli/show.origins: head k, "context",
+    # "draft", or "model", the verifier's own token): Medusa is its heads, and this tells how
+    # much of a step's gain the heads supply and how much the context candidates
+    origins: dict = field(default_factory=dict)
     step_bytes: dict = field(default_factory=dict)  # name -> bytes of weights a step reads
 
     def drop(self, name: str) -> None:
         """Out of the comparison (an engine whose process died), wherever it is named."""
-        for table in (self.run, self.expected, self.usage, self.step_bytes):
+        for table in (self.run, self.expected, self.usage, self.origins, self.step_bytes):
             table.pop(name, None)
 
 
@@ -118,28 +123,34 @@ def eager_engine(run, model):
     return eager_run
 
 
-def timed(steps) -> tuple[list[int], float, int]:
-    """Drain a decoding iterator: (tokens, seconds, steps)."""
-    start, out, n = time.perf_counter(), [], 0
+def timed(steps, origins: Counter | None = None) -> tuple[list[int], float, int]:
+    """Drain a decoding iterator: (tokens, seconds, steps); each token's origin counted into
+    `origins`, after the clock stops (the steps are kept until then)."""
+    start, out, kept = time.perf_counter(), [], []
     for step in steps:
         out += step.tokens
-        n += 1
-    return out, time.perf_counter() - start, n
+        kept.append(step)
+    seconds = time.perf_counter() - start
+    if origins is not None:
+        for step in kept:
+            origins.update(token_origins(step))
+    return out, seconds, len(kept)
 
 
-def engine(recipe: Recipe, model, heads=None, usage: Counter | None = None, drafter=None):
+def engine(recipe: Recipe, model, heads=None, usage: Counter | None = None, drafter=None,
+           origins: Counter | None = None):
     """The recipe's decoding (recipe.build: its heads or draft model's draft, trees, budget and
     rule; drafter: the draft model, loaded already) as an engine: each question from a fresh
     copy of the budget (its priors, as each generate.py process starts), the rule seeded by the
     question (each engine's sampling draws repeat question by question); the steps run at each
-    size go to `usage`."""
+    size go to `usage`, the tokens by origin to `origins`."""
     decoding = build(recipe, model, heads, drafter)
 
     def run(ids, n, seed):
         seeded = decoding.seeded(seed)
         if decoding.draft is not None:
             seeded = replace(seeded, budget=copy.deepcopy(decoding.budget))
-        result = timed(seeded.decode(ids, n, set()))
+        result = timed(seeded.decode(ids, n, set()), origins)
         if usage is not None and seeded.budget is not None:
             usage.update(seeded.budget.used)
         return result
@@ -170,22 +181,25 @@ def transformers_engine(hf_model):
 
 
 def rule_engines(label, recipe: Recipe, model, heads, temperature: float, usage: dict,
-                 eager_too: bool = False, context: str = "on") -> dict:
+                 origins: dict, eager_too: bool = False, context: str = "on") -> dict:
     """Greedy, and at a temperature typical, rejection and speculative sampling (of drawn
     candidates: generate.py's default above temperature 0), each the recipe with its rule: on
     the recipe's --tree every step, or the tree's size adapted (usage[name]: the steps at each
-    size) with context candidates as `context` says (on, off, or both: greedy again without);
-    with `eager_too`, greedy again with the decoding step eager."""
+    size) with context candidates as `context` says (on, off, or both: every rule again
+    without); origins[name]: the tokens by what guessed them; with `eager_too`, greedy again
+    with the decoding step eager."""
     T = temperature
     rules = {"greedy": recipe}
     if T > 0:
         rules |= {f"{rule} T={T}": replace(recipe, acceptance=rule, temperature=T)
                   for rule in ("typical", "rejection", "speculative")}
     if recipe.tree is None and context == "both":
-        rules["greedy" + NO_CONTEXT] = replace(recipe, context=False)
+        rules |= {r + NO_CONTEXT: replace(rule, context=False) for r, rule in rules.items()}
     if recipe.tree is None:
         usage.update({label + r: Counter() for r in rules})
-    run = {label + r: engine(rule, model, heads, usage.get(label + r))
+    origins.update({label + r: Counter() for r in rules})
+    run = {label + r: engine(rule, model, heads, usage.get(label + r),
+                             origins=origins[label + r])
            for r, rule in rules.items()}
     if eager_too:
         run[label + "greedy" + EAGER] = eager_engine(engine(recipe, model, heads), model)
@@ -220,7 +234,7 @@ def heads_engines(engines: Engines, label, recipe: Recipe, heads, model, args) -
         if accuracy is not None:
             expected[label + "greedy"] = expected_length_of(tree.nodes[1:], accuracy)
     run.update(rule_engines(label, recipe, model, heads, args.temperature, usage,
-                            args.eager_too, args.context))
+                            engines.origins, args.eager_too, args.context))
     if args.sizes:
         if accuracy is None:
             raise UserError(f"--sizes grows trees from {recipe.heads}/calibration.json, "

@@ -147,13 +147,19 @@ def test_bad_tree_is_one_line_not_a_traceback(tiny_folder):
 @pytest.mark.kernels
 def test_quick_bench_adapts_the_tree_size_and_reports_the_steps_at_each(tmp_path, tiny_folder):
     """Without --tree the Medusa engines decode as generate.py does, the budget choosing each
-    step's size; still lossless, and the report says which sizes ran how often."""
+    step's size; still lossless, and the report says which sizes ran how often, and what
+    guessed each token (every token once; the model's own at most one a step)."""
     bench.main(["--quick", "--model", str(tiny_folder), "--heads", "untrained-shared:3",
                 "--no-sampling", "--threads", "1", "--out", str(tmp_path / "b.json")])
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["totals"]["medusa greedy"]["identical"] == 8
     steps = result["steps_by_tree_size"]["medusa greedy"]
     assert sum(steps.values()) == result["totals"]["medusa greedy"]["steps"] - 8  # - prefills
+    origins = result["tokens_by_origin"]["medusa greedy"]
+    totals = result["totals"]["medusa greedy"]
+    assert sum(origins.values()) == totals["tokens"]
+    assert 0 < origins["model"] <= totals["steps"]
+    assert set(origins) <= {"model", "context", *map(str, range(1, 4))}
     device = pick_device("auto")  # the GPU where there is one
     fmt = machine_format(device, tiny_folder)
     assert result["machine"].startswith(f"{device.type}/{fmt.name}/")
