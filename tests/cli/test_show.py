@@ -20,6 +20,7 @@ from minimedusa.tree import build_tree
 ESCAPES = [re.escape(c) for c in (*HEAD_COLOURS, *COLOURS.values())]
 
 
+@pytest.mark.slow  # a process of the default model (test_trace.py's runs in the default run)
 def test_on_a_terminal_the_answer_streams_in_several_colours(poem_answer):
     """--show on a terminal (without --show: conftest's poem_answer)."""
     out = generate_output([*POEM, "--show"], terminal=True)
@@ -29,7 +30,7 @@ def test_on_a_terminal_the_answer_streams_in_several_colours(poem_answer):
     assert plain.replace("\r\n", "\n") == poem_answer  # a terminal writes \r\n
 
 
-@pytest.mark.slow  # a second process of the default model
+@pytest.mark.slow  # a process of the default model
 def test_through_a_pipe_show_writes_the_same_text_without_escape_codes(poem_answer):
     out = generate_output([*POEM, "--show"], terminal=False)
     assert "\x1b[" not in out and out == poem_answer

@@ -69,6 +69,7 @@ def test_a_conversion_that_fails_through_a_link_leaves_nothing_beside_either(ggu
     assert not any(target.iterdir())
 
 
+@pytest.mark.slow  # a second conversion of the default model (7 s)
 def test_the_default_models_folder_through_a_link_is_made_where_it_points(gguf, tmp_path,
                                                                           monkeypatch):
     link, target = linked(tmp_path, "not made yet")
