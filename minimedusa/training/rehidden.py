@@ -46,7 +46,7 @@ def read_shard(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for pa, pb, a, b in zip(p_off[:-1], p_off[1:], a_off[:-1], a_off[1:])]
 
 
-@torch.no_grad()
+@torch.no_grad()  # not inference_mode: Hydra++ trains on what this returns, under autograd
 def teacher_forced_hidden(model, answers: list[tuple]) -> list[torch.Tensor]:
     """answers: (prompt ids (p,), answer ids (n,)) each. Per answer, its (n, C) states on the
     CPU: row i is the last hidden state at the token before answer token i (the prompt's last
